@@ -1,0 +1,184 @@
+"""Side-by-side training benchmark: zeroshard stages 0-2 against DDP,
+ZeroRedundancyOptimizer, FSDP1, FSDP2 and DeepSpeed, on gloo ranks on CPU.
+
+Every variant runs in its own fresh process tree of `--world` ranks on a new
+port, with the same GPT preset, initial weights, batches and step count.
+
+    python benchmarks/bench.py --sizes 4m 100m --modes plain fused \\
+        --variants all --steps 20 --warmup 3 --out BENCHMARKS.md
+
+Results are kept in a JSON file (default benchmarks/results/<out stem>.json);
+a run with a `--variants` subset replaces those entries and keeps the others
+(unless `--fresh`), and the markdown report is rendered from all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from launch import launch  # noqa: E402
+from report import render  # noqa: E402
+
+# Kept in sync with variants.BUILDERS (not imported: this process stays free of torch).
+VARIANTS = [
+    "ddp", "zero_redundancy", "fsdp1_shard_grad_op", "fsdp2",
+    "deepspeed_z0", "deepspeed_z1", "deepspeed_z2",
+    "zeroshard_s0", "zeroshard_s1", "zeroshard_s2",
+]  # fmt: skip
+GROUPS = {"all": VARIANTS, "peers": VARIANTS[:7], "zeroshard": VARIANTS[7:]}
+SIZES = ["4m", "100m"]
+MODES = ["plain", "fused"]
+BLOCK_SIZE = 128  # both presets' context length, for the report
+# Settings that all merged results must share, or their numbers do not compare.
+WORKLOAD = ["world", "micro_batch", "bucket_elems", "lr", "seed", "steps", "warmup"]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", nargs="+", choices=SIZES, default=SIZES)
+    p.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
+    p.add_argument("--variants", nargs="+", default=["all"], help="names, or the groups all / peers / zeroshard")
+    p.add_argument("--steps", type=int, default=20, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--bucket-elems", type=int, default=25 * 2**20 // 4, help="gradient bucket (DDP's 25 MiB)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per variant")
+    p.add_argument("--out", type=Path, default=REPO / "BENCHMARKS.md")
+    p.add_argument("--json", type=Path, help="results file; default benchmarks/results/<out stem>.json")
+    p.add_argument("--fresh", action="store_true", help="drop earlier results in the JSON file")
+    args = p.parse_args()
+    names = []
+    for v in args.variants:
+        if v not in GROUPS and v not in VARIANTS:
+            p.error(f"unknown variant {v!r}; choose from {', '.join(list(GROUPS) + VARIANTS)}")
+        names += [n for n in GROUPS.get(v, [v]) if n not in names]
+    args.variants = [v for v in VARIANTS if v in names]  # report order
+    args.json = args.json or HERE / "results" / f"{args.out.stem}.json"
+    return args
+
+
+def machine_meta(args: argparse.Namespace) -> dict:
+    def version(pkg: str) -> str:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    mem_kib = next(int(ln.split()[1]) for ln in open("/proc/meminfo") if ln.startswith("MemTotal"))
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "ram_gib": mem_kib / 2**20,
+        "python": platform.python_version(), "torch": version("torch"), "deepspeed": version("deepspeed"),
+        "backend": "gloo", "threads": 1, "world": args.world, "block_size": BLOCK_SIZE,
+        "micro_batch": args.micro_batch, "bucket_elems": args.bucket_elems, "lr": args.lr,
+        "seed": args.seed, "steps": args.steps, "warmup": args.warmup,
+    }  # fmt: skip
+
+
+def _error(rank_results: list[dict | None], logs: list[Path], timed_out: bool, timeout: float) -> str:
+    """The first error a rank reported, else the last error-looking line of its log."""
+    for r in rank_results:
+        if r and "error" in r:
+            return r["error"].splitlines()[0][:300] if r["error"] else "error"
+    if timed_out:
+        return f"timed out after {timeout:.0f} s"
+    for log in logs:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+        hits = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+        if hits or lines:
+            return (hits or lines)[-1][:300]
+    return "no output"
+
+
+def summarize(rank_results: list[dict], warmup: int) -> dict:
+    """Step time: per step the slowest rank, then the median over timed steps."""
+    per_step = [max(ts) for ts in zip(*(r["step_seconds"][warmup:] for r in rank_results))]
+    r0 = rank_results[0]
+    return {
+        "ok": True,
+        "num_params": r0["num_params"],
+        "step_ms": 1000 * statistics.median(per_step),
+        "step_ms_per_rank": [1000 * statistics.median(r["step_seconds"][warmup:]) for r in rank_results],
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rank_results),
+        "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in rank_results],
+        "base_rss_bytes": max(r["base_rss_bytes"] for r in rank_results),
+        "loss_first": r0["losses"][0],
+        "loss_last": r0["losses"][-1],
+    }
+
+
+def run_variant(args: argparse.Namespace, size: str, mode: str, variant: str, corpus: Path) -> dict:
+    stem = HERE / "results" / "logs" / f"{size}_{mode}_{variant}"
+    for old in stem.parent.glob(stem.name + ".*"):
+        old.unlink()
+    argv = [str(HERE / "worker.py"), "--variant", variant, "--size", size, "--mode", mode]
+    argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch)]
+    argv += ["--bucket-elems", str(args.bucket_elems), "--lr", str(args.lr), "--seed", str(args.seed)]
+    argv += ["--corpus", str(corpus), "--result", str(stem.with_suffix(".json"))]
+    env = {"DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    run = launch(argv, args.world, stem, args.timeout, env)
+    rank_files = [stem.with_suffix(f".json.rank{r}") for r in range(args.world)]
+    rank_results = [json.loads(f.read_text()) if f.exists() else None for f in rank_files]
+    if run.ok and all(r and "error" not in r for r in rank_results):
+        entry = summarize(rank_results, args.warmup)
+    else:
+        entry = {"ok": False, "error": _error(rank_results, run.logs, run.timed_out, args.timeout)}
+    return entry | {"launch_seconds": run.seconds, "returncodes": run.returncodes}
+
+
+def prepare_corpus(path: Path) -> None:
+    import subprocess
+
+    subprocess.run([sys.executable, str(HERE / "worker.py"), "--prepare-corpus", str(path)], check=True)
+
+
+def main() -> int:
+    args = parse_args()
+    (HERE / "results" / "logs").mkdir(parents=True, exist_ok=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    corpus = HERE / "results" / "corpus.pt"
+    prepare_corpus(corpus)
+    results = {"runs": {}}
+    if args.json.exists() and not args.fresh:
+        results = json.loads(args.json.read_text())
+    meta = machine_meta(args)
+    changed = [k for k in WORKLOAD if k in results.get("meta", {}) and results["meta"][k] != meta[k]]
+    if changed:
+        sys.exit(f"{args.json} was measured with other {', '.join(changed)}; pass --fresh or another --json")
+    results["meta"] = meta
+    command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]])
+    todo = [(s, m, v) for s in args.sizes for m in args.modes for v in args.variants]
+    for i, (size, mode, variant) in enumerate(todo, 1):
+        entry = run_variant(args, size, mode, variant, corpus)
+        entry |= {"size": size, "mode": mode, "variant": variant, "command": command,
+                  "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}  # fmt: skip
+        results["runs"][f"{size}/{mode}/{variant}"] = entry
+        if entry["ok"]:
+            status = f"{entry['step_ms']:.0f} ms/step, peak RSS {entry['peak_rss_bytes'] / 2**20:.0f} MiB"
+        else:
+            status = f"FAILED: {entry['error']}"
+        print(f"[{i}/{len(todo)}] {size} {mode} {variant}: {status} ({entry['launch_seconds']:.0f} s)", flush=True)
+        # written after every variant, so an interrupted run keeps what it measured
+        args.json.write_text(json.dumps(results, indent=1))
+        args.out.write_text(render(results, SIZES, MODES, VARIANTS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Render the benchmark results (the JSON that bench.py keeps) as a markdown report."""
+
+from __future__ import annotations
+
+LABELS = {
+    "ddp": "DDP",
+    "zero_redundancy": "ZeroRedundancyOptimizer + DDP",
+    "fsdp1_shard_grad_op": "FSDP1 SHARD_GRAD_OP",
+    "fsdp2": "FSDP2 fully_shard(reshard_after_forward=False)",
+    "deepspeed_z0": "DeepSpeed ZeRO-0",
+    "deepspeed_z1": "DeepSpeed ZeRO-1",
+    "deepspeed_z2": "DeepSpeed ZeRO-2",
+    "zeroshard_s0": "zeroshard stage 0",
+    "zeroshard_s1": "zeroshard stage 1",
+    "zeroshard_s2": "zeroshard stage 2",
+}
+# Peers that keep the same model states per rank as each zeroshard stage.
+SAME_STAGE = {
+    0: ["ddp", "deepspeed_z0"],
+    1: ["zero_redundancy", "deepspeed_z1"],
+    2: ["fsdp1_shard_grad_op", "fsdp2", "deepspeed_z2"],
+}
+RATIO_PEERS = ["ddp", "zero_redundancy", "fsdp1_shard_grad_op", "fsdp2"]  # + DeepSpeed at the same stage
+TIME_TARGET = {0: 1.0, 1: 1.1, 2: 1.2}  # zeroshard step time / DDP step time, fused mode
+MIB = 2**20
+
+
+def _ok(run: dict | None) -> bool:
+    return run is not None and run.get("ok", False)
+
+
+def _ratio(num: float, den: float) -> str:
+    return f"{num / den:.2f}x"
+
+
+def _variant_table(runs: dict[str, dict]) -> list[str]:
+    lines = [
+        "| variant | step ms | vs DDP | peak RSS MiB | RSS before model MiB | loss first → last (rank 0) |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    ddp = runs.get("ddp")
+    for name, run in runs.items():
+        if not _ok(run):
+            lines.append(f"| {LABELS[name]} | failed: {run['error']} | | | | |")
+            continue
+        vs = _ratio(run["step_ms"], ddp["step_ms"]) if _ok(ddp) else "–"
+        lines.append(
+            f"| {LABELS[name]} | {run['step_ms']:.0f} | {vs} | {run['peak_rss_bytes'] / MIB:.0f}"
+            f" | {run['base_rss_bytes'] / MIB:.0f} | {run['loss_first']:.4f} → {run['loss_last']:.4f} |"
+        )
+    return lines
+
+
+def _ratio_table(runs: dict[str, dict]) -> list[str]:
+    """zeroshard stage s against each peer: step time ratio / peak RSS ratio."""
+    head = [LABELS[p] for p in RATIO_PEERS] + ["DeepSpeed same stage"]
+    lines = ["| zeroshard (time / RSS) | " + " | ".join(head) + " |", "|---" + "|---:" * len(head) + "|"]
+    for stage in (0, 1, 2):
+        ours = runs.get(f"zeroshard_s{stage}")
+        if not _ok(ours):
+            continue
+        cells = []
+        for peer in RATIO_PEERS + [f"deepspeed_z{stage}"]:
+            other = runs.get(peer)
+            if _ok(other):
+                t = _ratio(ours["step_ms"], other["step_ms"])
+                cells.append(f"{t} / {_ratio(ours['peak_rss_bytes'], other['peak_rss_bytes'])}")
+            else:
+                cells.append("–")
+        lines.append(f"| stage {stage} | " + " | ".join(cells) + " |")
+    return lines if len(lines) > 2 else []
+
+
+def _target_rows(runs: dict[str, dict]) -> list[str]:
+    lines = ["| target | measured | status |", "|---|---|---|"]
+    ddp = runs.get("ddp")
+    for stage in (0, 1, 2):
+        ours = runs.get(f"zeroshard_s{stage}")
+        limit = TIME_TARGET[stage]
+        name = f"stage {stage} step time <= {limit:.1f}x DDP"
+        if not (_ok(ours) and _ok(ddp)):
+            lines.append(f"| {name} | not measured | – |")
+        else:
+            r = ours["step_ms"] / ddp["step_ms"]
+            lines.append(f"| {name} | {r:.2f}x | {'met' if r <= limit else 'not met'} |")
+        peers = [p for p in SAME_STAGE[stage] if _ok(runs.get(p))]
+        name = f"stage {stage} peak RSS <= every same-stage peer ({', '.join(LABELS[p] for p in SAME_STAGE[stage])})"
+        if not (_ok(ours) and peers):
+            lines.append(f"| {name} | not measured | – |")
+            continue
+        lowest = min(peers, key=lambda p: runs[p]["peak_rss_bytes"])
+        r = ours["peak_rss_bytes"] / runs[lowest]["peak_rss_bytes"]
+        lines.append(f"| {name} | {r:.2f}x of {LABELS[lowest]} | {'met' if r <= 1.0 else 'not met'} |")
+    return lines
+
+
+def _header(results: dict) -> list[str]:
+    m = results["meta"]
+    commands = sorted({run["command"] for run in results["runs"].values()})
+    dates = sorted({run["measured_at"][:10] for run in results["runs"].values()})
+    return [
+        "# Benchmarks",
+        "",
+        f"- Date: {', '.join(dates)}",
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']:.0f} GiB RAM, no GPU",
+        f"- Software: Python {m['python']}, torch {m['torch']}, DeepSpeed {m['deepspeed']} (`DS_ACCELERATOR=cpu`)",
+        f"- Ranks: {m['world']} processes on this machine, backend {m['backend']}, "
+        f"{m['threads']} thread per rank (`torch.set_num_threads(1)`)",
+        f"- Workload: GPT preset (see each table), per-rank micro batch {m['micro_batch']} sequences "
+        f"× {m['block_size']} tokens (global batch {m['micro_batch'] * m['world']} sequences), fp32, "
+        f"Adam lr {m['lr']}, gradient bucket {m['bucket_elems']:,} elements where a variant has one, seed {m['seed']}",
+        f"- Timing: {m['warmup']} warm-up steps, then {m['steps']} timed steps (forward + backward + optimizer step); "
+        "step ms = median over the timed steps of the slowest rank's wall time of that step",
+        "- Memory: peak RSS = max over ranks of `getrusage(RUSAGE_SELF).ru_maxrss`; "
+        "RSS before model = the same, read after imports, process group and corpus, before building the model",
+        "",
+        "Command" + ("s" if len(commands) > 1 else "") + ":",
+        "",
+        "```",
+        *commands,
+        "```",
+    ]
+
+
+def render(results: dict, sizes: list[str], modes: list[str], variants: list[str]) -> str:
+    lines = _header(results)
+    for size in sizes:
+        for mode in modes:
+            runs = {v: results["runs"].get(f"{size}/{mode}/{v}") for v in variants}
+            runs = {v: r for v, r in runs.items() if r is not None}
+            if not runs:
+                continue
+            params = next((r["num_params"] for r in runs.values() if _ok(r)), None)
+            title = f"{size} ({params / 1e6:.1f}M parameters)" if params else size
+            adam = "Adam(fused=True)" if mode == "fused" else "Adam (plain)"
+            lines += ["", f"## {title}, {adam}", "", *_variant_table(runs)]
+            ratios = _ratio_table(runs)
+            if ratios:
+                lines += ["", "zeroshard against each peer, step time / peak RSS:", "", *ratios]
+            if mode == "fused":
+                lines += ["", "Targets:", "", *_target_rows(runs)]
+    return "\n".join(lines) + "\n"

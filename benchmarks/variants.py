@@ -1,0 +1,158 @@
+"""One builder per benchmarked variant: wrap the model, make the optimizer,
+and return a step function.
+
+A step function runs one training step on this rank's micro batch
+(forward, backward, optimizer step, gradients cleared) and returns the loss.
+Every builder receives the same freshly initialized model and the same
+`Settings`, so the variants differ only in how they parallelize.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Settings:
+    mode: str  # "plain": Adam as users call it; "fused": Adam(fused=True)
+    lr: float
+    micro_batch: int  # sequences per rank per step
+    bucket_elems: int  # gradient bucket, in elements, given to every variant that has one
+
+
+def make_adam(params: Iterable, s: Settings) -> torch.optim.Optimizer:
+    # plain mode passes no `fused`/`foreach`, so torch picks its own default.
+    extra = {"fused": True} if s.mode == "fused" else {}
+    return torch.optim.Adam(params, lr=s.lr, **extra)
+
+
+def _torch_step(model: nn.Module, opt: torch.optim.Optimizer) -> StepFn:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def _ddp(model: nn.Module, s: Settings) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, bucket_cap_mb=s.bucket_elems * 4 / 2**20)
+
+
+def build_ddp(model: nn.Module, s: Settings) -> StepFn:
+    ddp = _ddp(model, s)
+    return _torch_step(ddp, make_adam(ddp.parameters(), s))
+
+
+def build_zero_redundancy(model: nn.Module, s: Settings) -> StepFn:
+    """ZeroRedundancyOptimizer over DDP, as the torch documentation shows it."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ddp = _ddp(model, s)
+    extra = {"fused": True} if s.mode == "fused" else {}
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=s.lr, **extra)
+    return _torch_step(ddp, opt)
+
+
+def build_fsdp1_shard_grad_op(model: nn.Module, s: Settings) -> StepFn:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    block_cls = type(model.blocks[0])
+    fsdp = FSDP(
+        model,
+        sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+        auto_wrap_policy=ModuleWrapPolicy({block_cls}),
+        use_orig_params=True,
+        device_id=torch.device("cpu"),
+    )
+    return _torch_step(fsdp, make_adam(fsdp.parameters(), s))
+
+
+def build_fsdp2(model: nn.Module, s: Settings) -> StepFn:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    # reshard_after_forward=False keeps parameters gathered until backward: ZeRO-2.
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return _torch_step(model, make_adam(model.parameters(), s))
+
+
+def _engine_step(engine) -> StepFn:
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()  # also clears the gradients
+        return loss.detach()
+
+    return step
+
+
+def build_deepspeed(stage: int) -> Callable[[nn.Module, Settings], StepFn]:
+    def build(model: nn.Module, s: Settings) -> StepFn:
+        import deepspeed  # needs DS_ACCELERATOR=cpu, set by the launcher
+
+        config = {
+            "train_micro_batch_size_per_gpu": s.micro_batch,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {
+                "stage": stage,
+                "reduce_bucket_size": s.bucket_elems,
+                "allgather_bucket_size": s.bucket_elems,
+            },
+            # a torch optimizer is "untested" for DeepSpeed's ZeRO; this accepts it
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,  # keep the rank logs quiet
+        }
+        opt = make_adam(model.parameters(), s)
+        # the gloo group already exists, so DeepSpeed must not create another
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config, dist_init_required=False)
+        return _engine_step(engine)
+
+    return build
+
+
+def build_zeroshard(stage: int) -> Callable[[nn.Module, Settings], StepFn]:
+    def build(model: nn.Module, s: Settings) -> StepFn:
+        import zeroshard
+
+        config = {
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": s.bucket_elems, "overlap_comm": True},
+            "train_micro_batch_size_per_gpu": s.micro_batch,
+            "gradient_accumulation_steps": 1,
+        }
+        engine = zeroshard.initialize(model, make_adam(model.parameters(), s), config)
+        return _engine_step(engine)
+
+    return build
+
+
+BUILDERS: dict[str, Callable[[nn.Module, Settings], StepFn]] = {
+    "ddp": build_ddp,
+    "zero_redundancy": build_zero_redundancy,
+    "fsdp1_shard_grad_op": build_fsdp1_shard_grad_op,
+    "fsdp2": build_fsdp2,
+    "deepspeed_z0": build_deepspeed(0),
+    "deepspeed_z1": build_deepspeed(1),
+    "deepspeed_z2": build_deepspeed(2),
+    "zeroshard_s0": build_zeroshard(0),
+    "zeroshard_s1": build_zeroshard(1),
+    "zeroshard_s2": build_zeroshard(2),
+}
+PEERS = [name for name in BUILDERS if not name.startswith("zeroshard_")]
+ZEROSHARD = [name for name in BUILDERS if name.startswith("zeroshard_")]

@@ -1,0 +1,132 @@
+"""One benchmark rank: train one variant for warmup + steps and write its measurements.
+
+Started by `launch.py` (one process per rank, env:// rendezvous), never by hand.
+`--prepare-corpus FILE` instead tokenizes the demo corpus once into FILE, so
+that no rank pays (in time or in peak RSS) for tokenizing 4M characters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from variants import BUILDERS, Settings  # noqa: E402
+
+
+def import_submodule(name: str) -> ModuleType:
+    """Import `zeroshard.<sub>` even while the package `__init__` cannot import yet.
+
+    The package `__init__` imports the engine; the model and the corpus do not
+    need it, so on failure the submodule is loaded from its file alone.
+    """
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        path = REPO.joinpath(*name.split(".")).with_suffix(".py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up here
+        spec.loader.exec_module(module)
+        return module
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def prepare_corpus(path: Path) -> None:
+    data = import_submodule("zeroshard.data")
+    corpus = data.CharCorpus.from_text(data.load_text())
+    torch.save({"ids": corpus.ids, "alphabet": corpus.alphabet}, path)
+
+
+def train(args: argparse.Namespace) -> dict:
+    gpt = import_submodule("zeroshard.models.gpt")
+    data = import_submodule("zeroshard.data")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved = torch.load(args.corpus, weights_only=True)
+    corpus = data.CharCorpus(saved["ids"], saved["alphabet"])
+    cfg = replace(gpt.PRESETS[args.size], vocab_size=corpus.vocab_size)
+    settings = Settings(mode=args.mode, lr=args.lr, micro_batch=args.micro_batch, bucket_elems=args.bucket_elems)
+
+    base_rss = peak_rss_bytes()  # imports, process group and corpus; before any model state
+    torch.manual_seed(args.seed)  # the same initial weights on every rank and in every variant
+    model = gpt.GPT(cfg)
+    num_params = model.num_params()
+    step = BUILDERS[args.variant](model, settings)
+
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        batch = corpus.global_batch(i, rows=args.micro_batch * world, block_size=cfg.block_size, seed=args.seed)
+        x, y = data.micro_batch(batch, rank, world, 0, 1)
+        start = time.perf_counter()
+        loss = step(x, y)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    return {
+        "rank": rank,
+        "num_params": num_params,
+        "step_seconds": times,  # warm-up steps included; the caller drops them
+        "losses": losses,
+        "base_rss_bytes": base_rss,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--prepare-corpus", type=Path)
+    p.add_argument("--variant", choices=sorted(BUILDERS))
+    p.add_argument("--size")
+    p.add_argument("--mode", choices=["plain", "fused"])
+    p.add_argument("--steps", type=int)
+    p.add_argument("--warmup", type=int)
+    p.add_argument("--micro-batch", type=int)
+    p.add_argument("--bucket-elems", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--corpus", type=Path)
+    p.add_argument("--result", type=Path, help="where this rank writes its JSON; .rank<r> is appended")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    if args.prepare_corpus:
+        prepare_corpus(args.prepare_corpus)
+        return 0
+    torch.set_num_threads(1)  # two ranks share two cores
+    dist.init_process_group("gloo")
+    result_path = args.result.with_name(f"{args.result.name}.rank{dist.get_rank()}")
+    try:
+        result = train(args)
+    except BaseException as exc:  # the orchestrator reports the error for this variant
+        traceback.print_exc()
+        result_path.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        sys.stdout.flush()
+        os._exit(1)  # do not wait in collectives for a peer that may never come
+    result_path.write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

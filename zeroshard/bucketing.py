@@ -1,0 +1,43 @@
+"""Which parameters form which unit at stages 0-2: size buckets in backward order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.nn as nn
+
+
+@dataclass
+class Bucket:
+    group: int  # index of the optimizer param group
+    params: list[nn.Parameter] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+
+def bucket_params(model: nn.Module, groups: list[list[nn.Parameter]], max_numel: int) -> list[Bucket]:
+    """Split trainable parameters into buckets of at most `max_numel` elements.
+
+    Parameters are taken in reverse registration order, roughly the order
+    backward produces their gradients, so the first bucket is ready first.
+    A bucket holds one param group, dtype and device only (one optimizer
+    tensor each); a single parameter larger than `max_numel` gets a bucket
+    of its own.
+    """
+    group_of = {id(p): g for g, params in enumerate(groups) for p in params if p.requires_grad}
+    open_buckets: dict[tuple, Bucket] = {}
+    buckets: list[Bucket] = []
+    for p in reversed(list(model.parameters())):
+        g = group_of.get(id(p))
+        if g is None:
+            continue
+        key = (g, p.dtype, p.device)
+        bucket = open_buckets.get(key)
+        if bucket is None or (bucket.params and bucket.numel + p.numel() > max_numel):
+            bucket = Bucket(g)
+            buckets.append(bucket)
+            open_buckets[key] = bucket
+        bucket.params.append(p)
+    return buckets

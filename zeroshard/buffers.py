@@ -1,0 +1,46 @@
+"""Reusable communication buffers (staging and scratch for collectives).
+
+Buffers are kept for the engine's lifetime rather than allocated per step:
+on CPU a fresh large allocation is fresh pages, and faulting them in every
+step costs more than the collective's own copy. Their bytes are what
+`memory_stats()["buffers"]` reports.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BufferPool:
+    """Hands out 1-D tensors of at least the asked size, reusing returned ones."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._all: list[torch.Tensor] = []
+
+    def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D tensor of exactly `numel` elements, contents undefined."""
+        fits = [
+            i for i, b in enumerate(self._free)
+            if b.dtype == dtype and b.device == device and b.numel() >= numel
+        ]
+        if fits:
+            best = min(fits, key=lambda i: self._free[i].numel())
+            return self._free.pop(best)[:numel]
+        block = torch.empty(numel, dtype=dtype, device=device)
+        self._all.append(block)
+        return block
+
+    def release(self, tensor: torch.Tensor) -> None:
+        base = tensor._base if tensor._base is not None else tensor
+        if not any(base is block for block in self._all):
+            raise ValueError("released a tensor this pool did not hand out")
+        self._free.append(base)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the pool (handed out or free)."""
+        return sum(b.numel() * b.element_size() for b in self._all)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._all)

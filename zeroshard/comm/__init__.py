@@ -1,0 +1,19 @@
+"""Communication: process groups, recorded collectives, and (later) ZeRO++ quantized ones."""
+
+from zeroshard.comm.collectives import (
+    Algorithms,
+    Comm,
+    Pending,
+    all_gather,
+    all_gather_object,
+    all_reduce,
+    broadcast,
+    reduce_scatter,
+)
+from zeroshard.comm.group import ensure_process_group
+from zeroshard.comm.recorder import OPS, CommRecorder, OpStats
+
+__all__ = [
+    "OPS", "Algorithms", "Comm", "CommRecorder", "OpStats", "Pending", "all_gather",
+    "all_gather_object", "all_reduce", "broadcast", "ensure_process_group", "reduce_scatter",
+]

@@ -1,0 +1,184 @@
+"""Logical collectives as free functions: tensors, group and recorder are passed in.
+
+Each function records the logical operation and its bytes, then runs it with
+the algorithm chosen for the backend (`Algorithms`). On NCCL the native
+collectives are right: reduce-scatter and all-gather each cost about half an
+all-reduce. On gloo (torch 2.13, CPU) the native reduce-scatter and all-gather
+are slower than an all-reduce of the same buffer, so there:
+
+- reduce-scatter runs as an all-to-all plus a local sum: each rank still
+  receives only the chunks that reduce into its own shard, (N-1)/N of the
+  buffer, the same volume as a ring reduce-scatter;
+- all-gather runs as an all-reduce of the full buffer in which every rank
+  has zeroed all but its own shard (x + 0 is exact in floating point).
+
+With one rank every collective is the identity, and nothing is sent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from zeroshard.comm.recorder import CommRecorder
+
+
+@dataclass(frozen=True)
+class Algorithms:
+    """How the logical reduce-scatter and all-gather run on this group's backend."""
+
+    reduce_scatter: str  # "native" | "all_to_all"
+    all_gather: str  # "native" | "all_reduce"
+
+    @classmethod
+    def for_group(cls, group: dist.ProcessGroup) -> "Algorithms":
+        if dist.get_backend(group) == "gloo":
+            return cls(reduce_scatter="all_to_all", all_gather="all_reduce")
+        return cls(reduce_scatter="native", all_gather="native")
+
+
+@dataclass
+class Comm:
+    """What every collective needs: the group, its size and rank, the log, the algorithms."""
+
+    group: dist.ProcessGroup
+    recorder: CommRecorder
+    algorithms: Algorithms
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup, recorder: CommRecorder) -> "Comm":
+        return cls(group, recorder, Algorithms.for_group(group))
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+
+class Pending:
+    """An asynchronous collective: the backend's work handle and what to do once it lands.
+
+    Waiting is explicit for every backend: gloo's async reduce-scatter work
+    never reports completion and has no future, so it cannot be polled.
+    """
+
+    def __init__(self, comm: Comm, op: str, work=None):
+        self._comm, self._op, self._work = comm, op, work
+        self._thens: list[Callable[[], object]] = []
+
+    def then(self, fn: Callable[[], object]) -> "Pending":
+        """Run `fn` once the collective has landed (at `wait`), after earlier ones."""
+        self._thens.append(fn)
+        return self
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._comm.recorder.add_seconds(self._op, time.perf_counter() - start)
+        for fn in self._thens:
+            fn()
+        self._thens.clear()
+
+
+def _launch(comm: Comm, op: str, nbytes: int, algorithm: str, call, async_op: bool) -> Pending:
+    comm.recorder.record(op, nbytes, algorithm)
+    start = time.perf_counter()
+    work = call()
+    comm.recorder.add_seconds(op, time.perf_counter() - start)
+    pending = Pending(comm, op, work)
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(comm: Comm, tensor: torch.Tensor, async_op: bool = True) -> Pending:
+    """Sum `tensor` over the group, in place. Logical bytes: the tensor."""
+    if comm.world_size == 1:
+        return _launch(comm, "all_reduce", _nbytes(tensor), "local", lambda: None, async_op)
+    call = lambda: dist.all_reduce(tensor, group=comm.group, async_op=True)  # noqa: E731
+    return _launch(comm, "all_reduce", _nbytes(tensor), "native", call, async_op)
+
+
+def reduce_scatter(
+    comm: Comm, shard: torch.Tensor, full: torch.Tensor, scratch: torch.Tensor | None = None,
+    async_op: bool = True,
+) -> Pending:
+    """Sum `full` (1-D, N equal chunks) over the group; this rank's chunk lands in `shard`.
+
+    `shard` may be this rank's chunk of `full` itself (in place). The
+    all-to-all algorithm needs `scratch`, a buffer the size of `full`.
+    Logical bytes: `full`.
+    """
+    n, rank = comm.world_size, comm.rank
+    nbytes = _nbytes(full)
+    if n == 1:
+        if shard.data_ptr() != full.data_ptr():
+            shard.copy_(full)
+        return _launch(comm, "reduce_scatter", nbytes, "local", lambda: None, async_op)
+    if comm.algorithms.reduce_scatter == "native":
+        call = lambda: dist.reduce_scatter_single(shard, full, group=comm.group, async_op=True)  # noqa: E731
+        return _launch(comm, "reduce_scatter", nbytes, "native", call, async_op)
+    if scratch is None:
+        raise ValueError("the all_to_all reduce-scatter needs a scratch buffer the size of `full`")
+    call = lambda: dist.all_to_all_single(scratch, full, group=comm.group, async_op=True)  # noqa: E731
+    pending = _launch(comm, "reduce_scatter", nbytes, "all_to_all+sum", call, async_op=True)
+    pending.then(lambda: torch.sum(scratch.view(n, -1), dim=0, out=shard))
+    if not async_op:
+        pending.wait()
+    return pending
+
+
+def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True) -> Pending:
+    """Fill every chunk of `full` (1-D, N equal chunks) from its rank, in place.
+
+    On entry this rank's chunk holds its shard. Logical bytes: `full`.
+    """
+    n, rank = comm.world_size, comm.rank
+    nbytes = _nbytes(full)
+    if n == 1:
+        return _launch(comm, "all_gather", nbytes, "local", lambda: None, async_op)
+    chunk = full.numel() // n
+    if comm.algorithms.all_gather == "native":
+        own = full[rank * chunk : (rank + 1) * chunk]
+        call = lambda: dist.all_gather_single(full, own, group=comm.group, async_op=True)  # noqa: E731
+        return _launch(comm, "all_gather", nbytes, "native", call, async_op)
+
+    def zero_others_then_sum():
+        full[: rank * chunk].zero_()
+        full[(rank + 1) * chunk :].zero_()
+        return dist.all_reduce(full, group=comm.group, async_op=True)
+
+    return _launch(comm, "all_gather", nbytes, "all_reduce", zero_others_then_sum, async_op)
+
+
+def broadcast(comm: Comm, tensor: torch.Tensor, src: int = 0) -> None:
+    """Overwrite `tensor` on every rank with rank `src`'s. Logical bytes: the tensor."""
+    if comm.world_size == 1:
+        _launch(comm, "broadcast", _nbytes(tensor), "local", lambda: None, async_op=False)
+        return
+    call = lambda: dist.broadcast(tensor, src=src, group=comm.group, async_op=True)  # noqa: E731
+    _launch(comm, "broadcast", _nbytes(tensor), "native", call, async_op=False)
+
+
+def all_gather_object(comm: Comm, obj) -> list:
+    """Every rank's picklable `obj`, in rank order (used to check ranks agree)."""
+    out = [None] * comm.world_size
+    if comm.world_size == 1:
+        out[0] = obj
+    else:
+        dist.all_gather_object(out, obj, group=comm.group)
+    comm.recorder.record("all_gather", 0, "object")
+    return out

@@ -1,0 +1,44 @@
+"""The communication log: every collective the engine runs is recorded here.
+
+Bytes are logical, in the nccl-tests sense of "size": the full buffer of the
+collective (the input of all-reduce and reduce-scatter, the output of
+all-gather and broadcast, the input of all-to-all), whatever algorithm ran it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+
+
+@dataclass
+class OpStats:
+    """Cumulative figures for one logical collective on this rank."""
+
+    calls: int = 0
+    bytes: int = 0  # logical buffer bytes, summed over calls
+    seconds: float = 0.0  # time this rank spent blocked in the call or waiting on it
+    algorithms: set[str] = field(default_factory=set)  # how the backend ran it
+
+    def copy(self) -> "OpStats":
+        return OpStats(self.calls, self.bytes, self.seconds, set(self.algorithms))
+
+
+class CommRecorder:
+    """Counts calls, bytes and blocked seconds per logical collective."""
+
+    def __init__(self) -> None:
+        self._stats = {op: OpStats() for op in OPS}
+
+    def record(self, op: str, nbytes: int, algorithm: str) -> None:
+        stats = self._stats[op]
+        stats.calls += 1
+        stats.bytes += nbytes
+        stats.algorithms.add(algorithm)
+
+    def add_seconds(self, op: str, seconds: float) -> None:
+        self._stats[op].seconds += seconds
+
+    def snapshot(self) -> dict[str, OpStats]:
+        return {op: stats.copy() for op, stats in self._stats.items()}

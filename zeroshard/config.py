@@ -1,0 +1,316 @@
+"""Typed training config, read from DeepSpeed-style JSON.
+
+`Config.load` is the entry point: it takes a dict, a path to a JSON file or a
+`Config`, and returns a frozen `Config` or raises `ConfigError` with one line
+per problem. Keys use DeepSpeed's JSON names. Nothing is silently ignored: an
+unknown key, a DeepSpeed key that zeroshard does not support yet, and a bad
+value are each an error naming the dotted key.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails, PydanticCustomError
+
+__all__ = ["Config", "ConfigError", "ZeroConfig"]
+
+# DeepSpeed top-level keys that zeroshard rejects until it implements them.
+UNSUPPORTED_TOP_LEVEL_KEYS = frozenset({
+    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "checkpoint",
+    "communication_data_type", "comms_logger", "compression_training", "csv_monitor",
+    "curriculum_learning", "data_efficiency", "data_types", "disable_allgather",
+    "dump_state", "eigenvalue", "elasticity", "flops_profiler", "fp16",
+    "gradient_predivide_factor", "memory_breakdown", "optimizer", "pipeline",
+    "prescale_gradients", "progressive_layer_drop", "quantize_training", "scheduler",
+    "sparse_attention", "sparse_gradients", "steps_per_print", "tensorboard",
+    "train_batch_size", "wall_clock_breakdown", "wandb", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer",
+})
+
+# DeepSpeed `zero_optimization` keys that zeroshard rejects until it implements them.
+UNSUPPORTED_ZERO_KEYS = frozenset({
+    "allgather_partitions", "contiguous_gradients", "cpu_offload", "cpu_offload_param",
+    "cpu_offload_use_pin_memory", "elastic_checkpoint", "ignore_unused_parameters",
+    "legacy_stage1", "load_from_fp32_weights", "memory_efficient_linear",
+    "mics_hierarchical_params_gather", "mics_shard_size", "offload_optimizer",
+    "offload_param", "override_module_apply", "pipeline_loading_checkpoint",
+    "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save",
+    "stage3_gather_fp16_weights_on_model_save", "stage3_max_live_parameters",
+    "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
+    "stage3_module_granularity_threshold", "stage3_param_persistence_threshold",
+    "stage3_prefetch_bucket_size", "stage3_use_all_reduce_for_fetch_params",
+    "sub_group_size", "use_multi_rank_bucket_allreduce", "zero_hpz_partition_size",
+    "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
+    "zero_quantized_weights",
+})
+
+_SUPPORTED_STAGES = (0, 1, 2)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the cause and the fix."""
+
+
+# ---- value checks: each raises "<requirement>; got <value as JSON>[ <note>]" ----
+
+def _invalid(requirement: str, value: Any, note: str = "") -> PydanticCustomError:
+    # A custom error keeps our wording verbatim (no "Value error, " prefix); the
+    # value goes in as context so braces in it are not read as a template.
+    return PydanticCustomError("zeroshard", requirement + "; got {got}" + note,
+                               {"got": _show(value)})
+
+
+def _positive_int(value: Any) -> int:
+    """Accept an int > 0, or a whole float such as DeepSpeed's 5e8."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, float):
+        raise _invalid("must be a positive integer", value,
+                       " (a float is accepted only when it is a whole number, such as 5e8)")
+    # bool is a subclass of int, but `true` is not a count.
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _invalid("must be a positive integer", value)
+    return value
+
+
+def _optional_positive_int(value: Any) -> int | None:
+    return None if value is None else _positive_int(value)
+
+
+def _strict_bool(value: Any) -> bool:
+    # "true", "yes" and 1 are mistakes, not booleans.
+    if not isinstance(value, bool):
+        raise _invalid("must be true or false (a JSON boolean)", value)
+    return value
+
+
+def _stage(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in _SUPPORTED_STAGES:
+        stages = ", ".join(str(stage) for stage in _SUPPORTED_STAGES)
+        raise _invalid(f"must be one of {stages}", value,
+                       " (stage 3 is not available yet in this version of zeroshard)")
+    return value
+
+
+def _clip_norm(value: Any) -> float:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value) or value < 0:
+        raise _invalid("must be a finite number >= 0 (0.0 turns clipping off)", value)
+    return float(value)
+
+
+def _zero_section(value: Any) -> Any:
+    if not isinstance(value, (dict, ZeroConfig)):
+        raise _invalid('must be a JSON object such as {"stage": 2}', value)
+    return value
+
+
+PositiveInt = Annotated[int, BeforeValidator(_positive_int)]
+StrictBool = Annotated[bool, BeforeValidator(_strict_bool)]
+
+# extra="forbid" and strict=True are a backstop: `Config.load` checks the keys
+# itself and every field has a validator above, with clearer messages.
+_FROZEN_STRICT = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+
+class ZeroConfig(BaseModel):
+    """The `zero_optimization` section: which model states are sharded, and how."""
+
+    model_config = _FROZEN_STRICT
+
+    stage: Annotated[Literal[0, 1, 2], BeforeValidator(_stage)] = Field(0, description=(
+        "ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
+        "2 = also shard gradients. DeepSpeed: zero_optimization.stage (default 0)."))
+    reduce_scatter: StrictBool = Field(True, description=(
+        "true: gradients are reduce-scattered (each rank receives only its shard); "
+        "false: all-reduce then slice, for comparison. "
+        "DeepSpeed: zero_optimization.reduce_scatter (default true)."))
+    # Not DeepSpeed's 5e8: at stage 2 a 5e8-element staging bucket would hold the
+    # whole gradient of any model under 500M parameters, undoing stage 2's saving.
+    reduce_bucket_size: PositiveInt = Field(25_000_000, description=(
+        "Gradient elements reduced per bucket, per rank (bytes = elements x dtype size). "
+        "DeepSpeed: zero_optimization.reduce_bucket_size (default 5e8)."))
+    # Not DeepSpeed's 5e8, for the same reason: the gather buffer would be a full
+    # replica of the parameters of most models.
+    allgather_bucket_size: PositiveInt = Field(25_000_000, description=(
+        "Parameter elements all-gathered per bucket after the step, per rank. "
+        "DeepSpeed: zero_optimization.allgather_bucket_size (default 5e8)."))
+    # DeepSpeed defaults to false for stages 1-2; we overlap because it is faster
+    # and the extra buffers are accounted in the memory report.
+    overlap_comm: StrictBool = Field(True, description=(
+        "true: bucket reductions run asynchronously during backward. "
+        "DeepSpeed: zero_optimization.overlap_comm (default false for stages 1-2)."))
+
+    @property
+    def shard_optimizer_state(self) -> bool:
+        """Whether each rank keeps only its shard of the optimizer states (stage >= 1)."""
+        return self.stage >= 1
+
+    @property
+    def shard_gradients(self) -> bool:
+        """Whether each rank keeps only its shard of the gradients (stage >= 2)."""
+        return self.stage >= 2
+
+
+class Config(BaseModel):
+    """The whole training config. Build it with `Config.load`; it is immutable."""
+
+    model_config = _FROZEN_STRICT
+
+    train_micro_batch_size_per_gpu: Annotated[
+        int | None, BeforeValidator(_optional_positive_int)] = Field(None, description=(
+            "Samples per rank per forward/backward (micro-batch); null = not set. "
+            "DeepSpeed: train_micro_batch_size_per_gpu."))
+    gradient_accumulation_steps: PositiveInt = Field(1, description=(
+        "Micro-batches (count) accumulated before each optimizer step. "
+        "DeepSpeed: gradient_accumulation_steps (default 1)."))
+    gradient_clipping: Annotated[float, BeforeValidator(_clip_norm)] = Field(0.0, description=(
+        "Maximum global L2 norm of the gradients (unitless); 0.0 = no clipping. "
+        "DeepSpeed: gradient_clipping (default 0.0)."))
+    zero_optimization: Annotated[ZeroConfig, BeforeValidator(_zero_section)] = Field(
+        default_factory=ZeroConfig,
+        description="ZeRO settings (see ZeroConfig). DeepSpeed: zero_optimization.")
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage, `zero_optimization.stage`."""
+        return self.zero_optimization.stage
+
+    @classmethod
+    def load(cls, source: dict[str, Any] | str | Path | Config) -> Config:
+        """Build a config from a dict, a path to a JSON file, or a `Config` (returned as is).
+
+        Raises `ConfigError` for an unreadable file, invalid JSON, unknown or
+        unsupported keys, or bad values; the message lists every problem.
+        """
+        if isinstance(source, Config):
+            return source
+        if isinstance(source, (str, Path)):
+            raw, origin = _read_json(Path(source)), f"file '{source}'"
+        elif isinstance(source, dict):
+            raw, origin = source, "dict"
+        else:
+            raise ConfigError("Config.load expects a dict, a path to a JSON file or a Config; "
+                              f"got {type(source).__name__}")
+        problems = _key_problems(raw, cls)
+        if not problems:
+            try:
+                return cls.model_validate(raw)
+            except ValidationError as error:
+                problems = [_describe(detail) for detail in error.errors()]
+        lines = "\n".join(f"  - {problem}" for problem in problems)
+        raise ConfigError(f"invalid zeroshard config ({origin}):\n{lines}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective config with DeepSpeed key names, JSON-serialisable.
+
+        Every key is present, defaults included, so ranks can compare configs.
+        """
+        return self.model_dump(mode="json")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """Read a JSON object from `path`, or raise `ConfigError` saying what to fix."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' not found; check the path "
+                          f"(a relative path is resolved from {Path.cwd()})") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read config file '{path}': {error}") from None
+    try:
+        raw = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"config file '{path}' is not valid JSON: {error.msg} at line {error.lineno}, "
+            f"column {error.colno}; fix the syntax there (JSON allows no comments or "
+            "trailing commas, and strings use double quotes)") from None
+    except _DuplicateKey as error:
+        # json.loads would keep the last value and silently drop the others.
+        raise ConfigError(f"config file '{path}' repeats the key '{error}' in one object; "
+                          "keep only one") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file '{path}' must hold a JSON object ({{...}}) at the "
+                          f"top level; got a JSON {type(raw).__name__}")
+    return raw
+
+
+class _DuplicateKey(Exception):
+    """Raised by `_reject_duplicate_keys`; the argument is the repeated key."""
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+# The DeepSpeed keys each section knows but zeroshard does not support yet.
+_UNSUPPORTED_BY_SECTION: dict[type[BaseModel], frozenset[str]] = {
+    Config: UNSUPPORTED_TOP_LEVEL_KEYS,
+    ZeroConfig: UNSUPPORTED_ZERO_KEYS,
+}
+
+
+def _key_problems(raw: dict[str, Any], model: type[BaseModel]) -> list[str]:
+    """One line per unknown key, then one line listing every unsupported DeepSpeed key."""
+    unknown: list[str] = []
+    unsupported: list[str] = []
+    _scan_keys(raw, model, "", unknown, unsupported)
+    if unsupported:
+        keys = ", ".join(f"'{key}'" for key in unsupported)
+        unknown.append(f"DeepSpeed keys not supported yet by zeroshard: {keys}; "
+                       "remove them from the config")
+    return unknown
+
+
+def _scan_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str,
+               unknown: list[str], unsupported: list[str]) -> None:
+    """Walk `raw` against `model`, appending unknown-key messages and unsupported dotted keys."""
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        field = model.model_fields.get(key)
+        if field is not None:
+            nested = field.annotation  # a section such as ZeroConfig, or a plain type
+            is_section = isinstance(nested, type) and issubclass(nested, BaseModel)
+            if is_section and isinstance(value, dict):
+                _scan_keys(value, nested, f"{dotted}.", unknown, unsupported)
+        elif key in _UNSUPPORTED_BY_SECTION[model]:
+            unsupported.append(dotted)
+        else:
+            unknown.append(_unknown_key_message(str(key), model, prefix))
+
+
+def _unknown_key_message(key: str, model: type[BaseModel], prefix: str) -> str:
+    allowed = sorted(model.model_fields)
+    # Suggest among DeepSpeed's keys too: a misspelt `fp61` should point at `fp16`.
+    close = difflib.get_close_matches(key, allowed + sorted(_UNSUPPORTED_BY_SECTION[model]), n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    where = f"in '{prefix[:-1]}'" if prefix else "at the top level"
+    return f"unknown key '{prefix}{key}'{hint}; allowed keys {where}: {', '.join(allowed)}"
+
+
+def _describe(detail: ErrorDetails) -> str:
+    """One line for one pydantic error: the dotted key, what is allowed, the value given."""
+    path = ".".join(str(part) for part in detail["loc"]) or "config"
+    if detail["type"] == "zeroshard":
+        return f"{path} {detail['msg']}"
+    # Every field has its own validator; this is only a backstop.
+    return f"{path}: {detail['msg']}; got {_show(detail['input'])}"
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in JSON (true, "yes", 7), else its repr."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)

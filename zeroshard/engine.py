@@ -1,0 +1,219 @@
+"""Engine: wraps the model and optimizer; forward, backward and step for ZeRO stages 0-2."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zeroshard.agreement import check_ranks_agree
+from zeroshard.bucketing import bucket_params
+from zeroshard.buffers import BufferPool
+from zeroshard.comm import Comm, CommRecorder, OpStats, all_reduce, broadcast, ensure_process_group
+from zeroshard.config import Config
+from zeroshard.flat import FlatParams
+from zeroshard.memory import model_state_bytes
+from zeroshard.optim import OptimizerError, shard_optimizer
+from zeroshard.reducer import GradReducer
+from zeroshard.unit import ShardedUnit, StageSwitches
+
+log = logging.getLogger(__name__)
+
+# Devices whose torch optimizers have fused kernels for Adam, AdamW and SGD.
+_FUSED_DEVICES = {"cpu", "cuda"}
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: Config | dict | str | Path | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> "Engine":
+    """Wrap `model` and `optimizer` for ZeRO training on `group` (default: the world).
+
+    The default process group is initialized from torchrun's environment if
+    it is not yet. Rank 0's parameter values are broadcast to every rank.
+    """
+    return Engine(model, optimizer, Config.load(config if config is not None else {}), group)
+
+
+class Engine:
+    """The training loop's handle: `loss = engine(*batch)`, `engine.backward(loss)`, `engine.step()`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
+                 group: dist.ProcessGroup | None = None):
+        device = _device_of(model)
+        group = group or ensure_process_group(device)
+        self.module, self.optimizer, self.config = model, optimizer, config
+        self.comm = Comm.create(group, CommRecorder())
+        self.switches = StageSwitches.for_stage(config.zero_optimization.stage)
+        self.pool = BufferPool()
+        self.micro_steps = 0  # backward passes so far
+        self.global_steps = 0  # optimizer steps so far
+        self.global_grad_norm: float | None = None  # of the last step, when clipping is on
+        self._backward_pending = False
+
+        check_ranks_agree(self.comm, model, optimizer, config.to_dict())
+        groups = _trainable_groups(model, optimizer)
+        self.units = self._build_units(model, groups)
+        self._broadcast_from_rank0(model)
+        units_of_group = [[u for u, g in zip(self.units, self._unit_group) if g == i] for i in range(len(groups))]
+        shard_optimizer(optimizer, units_of_group, fuse=device.type in _FUSED_DEVICES)
+        self.reducer = GradReducer(self.units, self.comm, self.pool, config.zero_optimization.overlap_comm)
+        self._register_hooks()
+        log.info("zeroshard stage %d on %d ranks: %d units, %d elements",
+                 config.zero_optimization.stage, self.comm.world_size, len(self.units),
+                 sum(u.flat.numel for u in self.units))
+
+    # -- construction -------------------------------------------------------
+
+    def _build_units(self, model: nn.Module, groups: list[list[nn.Parameter]]) -> list[ShardedUnit]:
+        zero = self.config.zero_optimization
+        max_numel = min(zero.reduce_bucket_size, zero.allgather_bucket_size)
+        buckets = bucket_params(model, groups, max_numel)
+        self._unit_group = [b.group for b in buckets]
+        n, rank = self.comm.world_size, self.comm.rank
+        return [ShardedUnit(FlatParams(b.params, n, rank), self.switches, zero.reduce_scatter) for b in buckets]
+
+    def _broadcast_from_rank0(self, model: nn.Module) -> None:
+        """Start every rank from rank 0's values: flat buffers, frozen parameters, module buffers."""
+        in_units = {id(p) for u in self.units for p in u.params}
+        others = [p.data for p in model.parameters() if id(p) not in in_units]
+        with torch.no_grad():
+            for tensor in [u.flat.data for u in self.units] + others + list(model.buffers()):
+                broadcast(self.comm, tensor, src=0)
+
+    def _register_hooks(self) -> None:
+        for ui, unit in enumerate(self.units):
+            for pi, p in enumerate(unit.params):
+                p.register_post_accumulate_grad_hook(lambda _p, ui=ui, pi=pi: self._on_grad(ui, pi))
+
+    def _on_grad(self, unit_index: int, param_index: int) -> None:
+        if not self.reducer.active:
+            raise RuntimeError(
+                "a gradient was accumulated outside engine.backward(loss); call "
+                "engine.backward(loss) instead of loss.backward() so zeroshard can reduce it"
+            )
+        self.reducer.on_grad(unit_index, param_index)
+
+    # -- training loop ------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step is the last of its accumulation window."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss` (this rank's mean over its micro-batch) and reduce as the stage says.
+
+        Stages 0 and 1 communicate only in the last micro-step of the window;
+        stage 2 reduce-scatters in every micro-step, so full gradients never
+        outlive one backward.
+        """
+        if self._backward_pending:
+            raise RuntimeError("engine.backward() was called twice without engine.step() in between; "
+                               "call engine.step() after every backward, as DeepSpeed does")
+        reduce_now = self.is_gradient_accumulation_boundary() or self.switches.shard_grads
+        scale = 1.0 / (self.comm.world_size * self.gradient_accumulation_steps)
+        self.reducer.begin(reduce_now, scale)
+        try:
+            loss.backward()
+        finally:
+            self.reducer.finish()
+        self._backward_pending = True
+
+    def step(self) -> None:
+        """End a micro-step; at the accumulation boundary clip, update and all-gather."""
+        if not self._backward_pending:
+            raise RuntimeError("engine.step() was called without engine.backward(loss) since the last step")
+        self._backward_pending = False
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        for unit in self.units:  # the user may have set the optimizer's grads to None
+            unit.master.grad = unit.grad_shard
+        if self.config.gradient_clipping > 0:
+            self._clip_gradients(self.config.gradient_clipping)
+        self.optimizer.step()
+        if self.switches.shard_optimizer:
+            for pending in [u.gather_params(self.comm) for u in self.units]:
+                pending.wait()
+        for unit in self.units:
+            unit.zero_grad()
+        self.global_steps += 1
+
+    def _clip_gradients(self, max_norm: float) -> None:
+        """Scale gradients so that their global L2 norm (over all shards) is at most `max_norm`."""
+        shards = [u.grad_shard for u in self.units]
+        if not shards:
+            return
+        squares = torch.stack([torch.linalg.vector_norm(s) for s in shards]).square().sum()
+        if self.switches.shard_optimizer:  # each rank holds only its shard: sum over ranks
+            all_reduce(self.comm, squares, async_op=False)
+        norm = math.sqrt(squares.item())
+        self.global_grad_norm = norm
+        coef = min(1.0, max_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+        if coef < 1.0:
+            torch._foreach_mul_(shards, coef)
+
+    # -- reports ------------------------------------------------------------
+
+    def comm_stats(self) -> dict[str, OpStats]:
+        """Per logical collective: calls, bytes (logical full buffer), blocked seconds, algorithms."""
+        return self.comm.recorder.snapshot()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of model states this rank holds: params, grads, master, optimizer, buffers."""
+        return model_state_bytes(self.module, self.units, self.optimizer, self.pool)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The complete model state dict (full tensors, copies) on every rank."""
+        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    if not devices:
+        raise ValueError("the model has no parameters; zeroshard shards parameters and their states")
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
+                         "move the model to one device (model.to(device)) before zeroshard.initialize")
+    return devices.pop()
+
+
+def _trainable_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
+    """The optimizer's param groups, checked against the model; frozen parameters left out."""
+    if optimizer.state:
+        raise OptimizerError("the optimizer already has state; pass a freshly built optimizer to "
+                             "zeroshard.initialize (load a checkpoint through the engine instead)")
+    names = {id(p): name for name, p in model.named_parameters()}
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in names:
+                raise OptimizerError(f"the optimizer holds a tensor of shape {list(p.shape)} that is not a "
+                                     "parameter of the model; build it from model.parameters()")
+            seen.add(id(p))
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise OptimizerError(f"parameters {missing} require grad but are in no param group of the optimizer; "
+                             "add them to the optimizer or set requires_grad=False")
+    return [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]

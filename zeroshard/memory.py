@@ -1,0 +1,41 @@
+"""What `engine.memory_stats()` reports: bytes of model states held by this rank.
+
+Counted from the tensors themselves, each storage once: parameter storage
+shared with the fp32 master shard (fp32 training) counts under `params` only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from zeroshard.buffers import BufferPool
+from zeroshard.optim import state_tensors
+from zeroshard.unit import ShardedUnit
+
+
+def _storage_bytes(tensors, seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def model_state_bytes(
+    model: nn.Module, units: list[ShardedUnit], optimizer: torch.optim.Optimizer, pool: BufferPool
+) -> dict[str, int]:
+    """Bytes per kind of model state; `buffers` are the pooled communication buffers."""
+    seen: set[int] = set()
+    params = _storage_bytes([u.flat.data for u in units] + [p.data for p in model.parameters()], seen)
+    grads = _storage_bytes([u.grad_shard if u.switches.shard_grads else u.grad for u in units]
+                           + [p.grad for p in model.parameters()], seen)
+    master = _storage_bytes([u.master for u in units], seen)
+    opt = _storage_bytes(state_tensors(optimizer), seen)
+    buffers = _storage_bytes(pool.tensors(), seen)
+    return {"params": params, "grads": grads, "master": master, "optimizer": opt, "buffers": buffers}
