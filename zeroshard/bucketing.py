@@ -25,11 +25,17 @@ def bucket_params(model: nn.Module, groups: list[list[nn.Parameter]], max_numel:
     A bucket holds one param group, dtype and device only (one optimizer
     tensor each); a single parameter larger than `max_numel` gets a bucket
     of its own.
+
+    Buckets are returned in the order they complete, by their last
+    parameter: with two groups (say decayed weights and undecayed biases)
+    the biases' bucket spans the whole model and is ready last, and it
+    must not hold up the weights' buckets behind it.
     """
     group_of = {id(p): g for g, params in enumerate(groups) for p in params if p.requires_grad}
     open_buckets: dict[tuple, Bucket] = {}
     buckets: list[Bucket] = []
-    for p in reversed(list(model.parameters())):
+    completes_at: dict[int, int] = {}  # id(bucket) -> position of its last parameter
+    for position, p in enumerate(reversed(list(model.parameters()))):
         g = group_of.get(id(p))
         if g is None:
             continue
@@ -40,4 +46,5 @@ def bucket_params(model: nn.Module, groups: list[list[nn.Parameter]], max_numel:
             buckets.append(bucket)
             open_buckets[key] = bucket
         bucket.params.append(p)
-    return buckets
+        completes_at[id(bucket)] = position
+    return sorted(buckets, key=lambda b: completes_at[id(b)])

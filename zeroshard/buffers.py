@@ -14,7 +14,10 @@ import torch
 class BufferPool:
     """Hands out 1-D tensors of at least the asked size, reusing returned ones."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_numel: int = 0) -> None:
+        # Every block is at least the largest request expected (the largest unit), so any
+        # free block serves any request and the pool holds one block per buffer in use.
+        self.block_numel = block_numel
         self._free: list[torch.Tensor] = []
         self._all: list[torch.Tensor] = []
 
@@ -27,9 +30,9 @@ class BufferPool:
         if fits:
             best = min(fits, key=lambda i: self._free[i].numel())
             return self._free.pop(best)[:numel]
-        block = torch.empty(numel, dtype=dtype, device=device)
+        block = torch.empty(max(numel, self.block_numel), dtype=dtype, device=device)
         self._all.append(block)
-        return block
+        return block[:numel]
 
     def release(self, tensor: torch.Tensor) -> None:
         base = tensor._base if tensor._base is not None else tensor

@@ -46,9 +46,14 @@ class CharCorpus:
         if len(text) < 2:
             raise ValueError("the corpus must hold at least two characters")
         alphabet = "".join(sorted(set(text)))
-        lookup = {ch: i for i, ch in enumerate(alphabet)}
-        ids = torch.tensor([lookup[ch] for ch in text], dtype=torch.int64)
-        return cls(ids, alphabet)
+        # Vectorized: a per-character Python loop takes over a second on the
+        # 4.1M-character Bible. UTF-32 gives one int32 code point per character;
+        # a table indexed by code point maps each to its id.
+        points = torch.frombuffer(bytearray(text.encode("utf-32-le")), dtype=torch.int32).long()
+        alphabet_points = torch.tensor([ord(ch) for ch in alphabet], dtype=torch.int64)
+        lookup = torch.zeros(int(alphabet_points[-1]) + 1, dtype=torch.int64)
+        lookup[alphabet_points] = torch.arange(len(alphabet))
+        return cls(lookup[points], alphabet)
 
     @property
     def vocab_size(self) -> int:

@@ -51,7 +51,6 @@ class Engine:
         self.module, self.optimizer, self.config = model, optimizer, config
         self.comm = Comm.create(group, CommRecorder())
         self.switches = StageSwitches.for_stage(config.zero_optimization.stage)
-        self.pool = BufferPool()
         self.micro_steps = 0  # backward passes so far
         self.global_steps = 0  # optimizer steps so far
         self.global_grad_norm: float | None = None  # of the last step, when clipping is on
@@ -60,6 +59,7 @@ class Engine:
         check_ranks_agree(self.comm, model, optimizer, config.to_dict())
         groups = _trainable_groups(model, optimizer)
         self.units = self._build_units(model, groups)
+        self.pool = BufferPool(block_numel=max((u.flat.padded_numel for u in self.units), default=0))
         self._broadcast_from_rank0(model)
         units_of_group = [[u for u, g in zip(self.units, self._unit_group) if g == i] for i in range(len(groups))]
         shard_optimizer(optimizer, units_of_group, fuse=device.type in _FUSED_DEVICES)

@@ -1,0 +1,160 @@
+"""`zeroshard.estimate`'s formulas against hand-computed numbers, and `zeroshard train` end to end."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from zeroshard import estimate
+from zeroshard.cli import build_parser, main, torchrun_argv
+
+# -- estimate: model states (ZeRO paper section 3, DESIGN.md section 1) -------------------
+
+PSI, N = 1000, 4
+
+
+@pytest.mark.parametrize("stage, expected", [
+    (0, {"params": 4000, "grads": 4000, "master": 0, "optimizer": 8000}),
+    (1, {"params": 4000, "grads": 4000, "master": 0, "optimizer": 2000}),
+    (2, {"params": 4000, "grads": 1000, "master": 0, "optimizer": 2000}),
+])
+def test_model_states_fp32_adamw(stage, expected):
+    assert estimate.model_state_bytes(PSI, N, stage) == expected
+
+
+@pytest.mark.parametrize("stage, total", [(0, 16 * PSI), (1, 4 * PSI + 12 * PSI // N),
+                                          (2, 2 * PSI + 14 * PSI // N)])
+def test_model_states_mixed_precision_match_the_paper(stage, total):
+    # fp16 params and grads, fp32 master + Adam moments (K = 12): the table of DESIGN.md section 1.
+    states = estimate.model_state_bytes(PSI, N, stage, param_bytes=2, grad_bytes=2, master_bytes=4)
+    assert sum(states.values()) == total
+
+
+def test_model_states_uneven_split_rounds_shards_up():
+    # 10 elements on 4 ranks: each rank holds a padded shard of 3.
+    states = estimate.model_state_bytes(10, 4, 2, optimizer_scalar_bytes=12)
+    assert states == {"params": 40, "grads": 12, "master": 0, "optimizer": 24 + 12}
+
+
+# -- estimate: communication (ZeRO paper section 5) ---------------------------------------
+
+@pytest.mark.parametrize("stage, kwargs, expected", [
+    (0, {}, {"all_reduce": 4000, "reduce_scatter": 0, "all_gather": 0}),
+    (0, {"clipping": True, "accumulation": 3}, {"all_reduce": 4000, "reduce_scatter": 0, "all_gather": 0}),
+    (1, {}, {"all_reduce": 0, "reduce_scatter": 4000, "all_gather": 4000}),
+    (1, {"accumulation": 3}, {"all_reduce": 0, "reduce_scatter": 4000, "all_gather": 4000}),
+    (1, {"reduce_scatter": False}, {"all_reduce": 4000, "reduce_scatter": 0, "all_gather": 4000}),
+    (1, {"clipping": True}, {"all_reduce": 4, "reduce_scatter": 4000, "all_gather": 4000}),
+    (2, {"accumulation": 3}, {"all_reduce": 0, "reduce_scatter": 12000, "all_gather": 4000}),
+    (2, {"elem_bytes": 2}, {"all_reduce": 0, "reduce_scatter": 2000, "all_gather": 2000}),
+])
+def test_comm_bytes_per_step(stage, kwargs, expected):
+    assert estimate.comm_bytes_per_step(PSI, stage, **kwargs) == expected
+
+
+@pytest.mark.parametrize("op, expected", [("all_reduce", 6000), ("reduce_scatter", 3000),
+                                          ("all_gather", 3000), ("all_to_all", 3000)])
+def test_wire_bytes_ring_factors(op, expected):
+    assert estimate.wire_bytes(4000, N, op) == expected
+    assert estimate.wire_bytes(4000, 1, op) == 0  # one rank sends nothing
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_every_stage_sends_2psi_elements_per_rank(stage):
+    # The paper's result: stages 0-2 all move 2Ψ elements per rank and step, x (N-1)/N.
+    per_op = estimate.comm_bytes_per_step(PSI, stage)
+    assert sum(estimate.wire_bytes(b, N, op) for op, b in per_op.items()) == 2 * 4 * PSI * (N - 1) / N
+
+
+@pytest.mark.parametrize("call", [
+    lambda: estimate.model_state_bytes(PSI, N, 3),
+    lambda: estimate.model_state_bytes(PSI, 0, 1),
+    lambda: estimate.model_state_bytes(-1, N, 1),
+    lambda: estimate.comm_bytes_per_step(PSI, 2, accumulation=0),
+    lambda: estimate.wire_bytes(PSI, N, "broadcast"),
+])
+def test_bad_inputs_raise_value_error(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+# -- the command line ---------------------------------------------------------------------
+
+def test_help_lists_train(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    assert "train" in capsys.readouterr().out
+
+
+def test_train_help_lists_its_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for flag in ("--nproc", "--stage", "--steps", "--data", "--micro-batch", "--accumulation",
+                 "--bucket-size", "--seed", "--model"):
+        assert flag in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--stage", "3"], "invalid choice"),
+    (["train", "--nproc", "0"], "expected a positive integer"),
+    (["train", "--data", "/no/such/file.txt"], "no such file"),
+    ([], "required"),
+])
+def test_bad_flags_are_argparse_errors(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_torchrun_argv():
+    args = build_parser().parse_args(["train", "--nproc", "3", "--stage", "1", "--steps", "7"])
+    argv = torchrun_argv(args)
+    assert argv[:5] == ["--nnodes", "1", "--nproc-per-node", "3", "--standalone"]
+    module = argv.index("--module")
+    assert argv[module + 1] == "zeroshard.train"
+    assert build_parser().parse_args(["train", *argv[module + 2:]]).steps == 7
+    args = build_parser().parse_args(["train", "--nnodes", "2", "--rdzv-endpoint", "host:29400"])
+    assert "--standalone" not in torchrun_argv(args)
+    assert "host:29400" in torchrun_argv(args)
+
+
+# -- end to end ---------------------------------------------------------------------------
+
+def _table_rows(output: str, names: tuple[str, ...]) -> dict[str, list[str]]:
+    """The cells of the report's table rows whose first cell is one of `names`."""
+    rows = {}
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) > 3 and cells[0] in names:
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_train_two_ranks_stage1_reports_measured_equal_to_formula():
+    cmd = [sys.executable, "-m", "zeroshard.cli", "train", "--nproc", "2", "--stage", "1",
+           "--steps", "5", "--micro-batch", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert re.search(r"loss \d+\.\d+ \(first step\) -> \d+\.\d+ \(last step\)", output), output
+    psi = int(re.search(r"Ψ = ([\d,]+) elements", output).group(1).replace(",", ""))
+
+    memory = _table_rows(output, ("params", "grads", "master", "optimizer"))
+    assert set(memory) == {"params", "grads", "master", "optimizer"}, output
+    for name, (_, measured, formula, _, ok) in memory.items():
+        assert measured == formula and ok == "✓", (name, output)
+    assert memory["params"][1] == memory["grads"][1] == f"{4 * psi:,}"  # stage 1: both full
+
+    comm = _table_rows(output, ("all_reduce", "reduce_scatter", "all_gather"))
+    assert set(comm) == {"all_reduce", "reduce_scatter", "all_gather"}, output
+    for name, (_, _, measured, formula, _, _, ok) in comm.items():
+        assert measured == formula and ok == "✓", (name, output)
+    assert comm["reduce_scatter"][2] == comm["all_gather"][2] == f"{4 * psi:,}"
+    assert comm["all_reduce"][2] == "4"  # the gradient norm, one fp32 scalar

@@ -1,0 +1,74 @@
+"""The recorded collectives equal torch.distributed's own, with every algorithm, and log exact bytes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_ranks
+from zeroshard.comm import Algorithms, Comm, CommRecorder, all_gather, all_reduce, reduce_scatter
+
+ALGORITHMS = [Algorithms("native", "native"), Algorithms("all_to_all", "all_reduce")]
+CHUNK = 5  # elements per rank
+
+
+def _compare(rank, world, device):
+    out = []
+    for algorithms in ALGORITHMS:
+        comm = Comm(dist.group.WORLD, CommRecorder(), algorithms)
+        full = torch.randn(world * CHUNK, generator=torch.Generator().manual_seed(rank)).to(device)
+
+        expected_rs = torch.empty(CHUNK, device=device)
+        dist.reduce_scatter_single(expected_rs, full.clone())
+        shard = torch.empty(CHUNK, device=device)
+        reduce_scatter(comm, shard, full.clone(), scratch=torch.empty_like(full)).wait()
+        in_place = full.clone()
+        reduce_scatter(comm, in_place[rank * CHUNK:(rank + 1) * CHUNK], in_place,
+                       scratch=torch.empty_like(full)).wait()
+
+        expected_ag = torch.empty_like(full)
+        dist.all_gather_single(expected_ag, full[rank * CHUNK:(rank + 1) * CHUNK].clone())
+        gathered = full.clone()
+        gathered[rank * CHUNK:(rank + 1) * CHUNK] = full[rank * CHUNK:(rank + 1) * CHUNK]
+        all_gather(comm, gathered).wait()
+
+        expected_ar = full.clone()
+        dist.all_reduce(expected_ar)
+        reduced = full.clone()
+        all_reduce(comm, reduced).wait()
+
+        stats = comm.recorder.snapshot()
+        out.append({
+            "rs": (shard.cpu(), expected_rs.cpu()),
+            "rs_in_place": (in_place[rank * CHUNK:(rank + 1) * CHUNK].cpu(), expected_rs.cpu()),
+            "ag": (gathered.cpu(), expected_ag.cpu()),
+            "ar": (reduced.cpu(), expected_ar.cpu()),
+            "stats": {op: (s.calls, s.bytes) for op, s in stats.items()},
+        })
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_collectives_match_torch_distributed(world):
+    nbytes = world * CHUNK * 4
+    for rank_results in run_ranks(_compare, world):
+        for res in rank_results:
+            torch.testing.assert_close(*res["rs"], rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(*res["rs_in_place"], rtol=1e-6, atol=1e-6)
+            assert torch.equal(*res["ag"]), "all-gather must be exact"
+            torch.testing.assert_close(*res["ar"], rtol=1e-6, atol=1e-6)
+            assert res["stats"]["reduce_scatter"] == (2, 2 * nbytes)
+            assert res["stats"]["all_gather"] == (1, nbytes)
+            assert res["stats"]["all_reduce"] == (1, nbytes)
+            assert res["stats"]["all_to_all"] == (0, 0)
+
+
+def test_gloo_runs_reduce_scatter_as_all_to_all():
+    """On gloo the logical reduce-scatter runs as all-to-all + sum, and the log says so."""
+    (algorithms,) = set(run_ranks(_algorithms, 2))
+    assert algorithms == Algorithms("all_to_all", "all_reduce")
+
+
+def _algorithms(rank, world, device):
+    if device.type == "cuda":
+        return Algorithms("all_to_all", "all_reduce")  # NCCL keeps its own; nothing to check here
+    return Algorithms.for_group(dist.group.WORLD)

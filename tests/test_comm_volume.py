@@ -1,0 +1,72 @@
+"""Bytes per optimizer step from comm_stats() equal DESIGN.md section 1's formulas (fp32).
+
+Logical bytes of the padded flat buffers: 4 bytes x sum of the units'
+padded sizes, which exceeds 4 Psi by fewer than N elements per unit.
+"""
+
+import pytest
+
+from tests.distributed import run_ranks
+from tests.recipes import Case, micro_batch, make_model, make_optimizer
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all")
+
+
+def _per_step(rank, world, device, cases):
+    import zeroshard
+
+    out = []
+    for case in cases:
+        model = make_model(device=device)
+        psi = sum(p.numel() for p in model.parameters())
+        engine = zeroshard.initialize(model, make_optimizer(case.optimizer, model), case.config())
+        padded = sum(u.flat.padded_numel for u in engine.units)
+        deltas = []
+        for step in range(2):
+            before = engine.comm_stats()
+            for micro in range(case.accumulation):
+                x, y = (t.to(device) for t in micro_batch(step, case, world, rank, micro))
+                engine.backward(engine(x, y))
+                engine.step()
+            after = engine.comm_stats()
+            deltas.append({op: (after[op].calls - before[op].calls, after[op].bytes - before[op].bytes)
+                           for op in OPS})
+        out.append((psi, padded, len(engine.units), deltas))
+    return out
+
+
+CASES = [
+    Case(stage=0, accumulation=3),
+    Case(stage=1, accumulation=3),
+    Case(stage=2, accumulation=3),
+    Case(stage=1, reduce_scatter=False),
+    Case(stage=2, accumulation=2, reduce_scatter=False),
+    Case(stage=2, clip=0.5),
+]
+
+
+def expected(case: Case, padded: int, units: int) -> dict:
+    """(calls, bytes) per optimizer step for each collective."""
+    b, acc = 4 * padded, case.accumulation
+    reductions = units * (acc if case.stage == 2 else 1)  # stage 2 reduces every micro-step
+    volume = b * (acc if case.stage == 2 else 1)
+    want = {op: (0, 0) for op in OPS}
+    if case.stage == 0:
+        want["all_reduce"] = (reductions, volume)
+        return want
+    op = "reduce_scatter" if case.reduce_scatter else "all_reduce"
+    want[op] = (reductions, volume)
+    want["all_gather"] = (units, b)
+    if case.clip > 0:  # one scalar: the squared gradient norm of each rank's shard
+        want["all_reduce"] = (1, 4)
+    return want
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bytes_per_step_match_formula(world):
+    for rank_results in run_ranks(_per_step, world, CASES):
+        for case, (psi, padded, units, deltas) in zip(CASES, rank_results):
+            assert units > 1, "the test model should span several buckets"
+            assert 0 <= padded - psi < world * units  # padding: fewer than N elements per unit
+            for delta in deltas:
+                assert delta == expected(case, padded, units), case

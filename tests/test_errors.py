@@ -1,0 +1,125 @@
+"""Bad input is a clear error that names the cause and the fix (asserted message by message)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import zeroshard
+from tests.distributed import RankFailure, run_ranks
+from tests.recipes import GPT_CFG, Case, make_model, micro_batch
+from zeroshard.models import GPT
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"zero_optimization": {"stgae": 1}}, r"unknown key 'zero_optimization.stgae' \(did you mean 'stage'\?\)"),
+    ({"gradient_acumulation_steps": 2}, r"did you mean 'gradient_accumulation_steps'"),
+    ({"zero_optimization": {"stage": 7}}, r"zero_optimization.stage must be one of 0, 1, 2; got 7"),
+    ({"zero_optimization": {"reduce_bucket_size": -5}}, r"zero_optimization.reduce_bucket_size"),
+    ({"fp16": {"enabled": True}}, r"DeepSpeed keys not supported yet by zeroshard: 'fp16'"),
+])
+def test_config_errors_come_before_any_communication(config, message):
+    model = make_model()
+    with pytest.raises(zeroshard.ConfigError, match=message):
+        zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), config)
+
+
+def _different_model_on_rank1(rank, world, device):
+    cfg = dataclasses.replace(GPT_CFG, n_embd=48) if rank == 1 else GPT_CFG
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), {})
+
+
+def _different_config_on_rank1(rank, world, device):
+    model = make_model()
+    zeroshard.initialize(model, torch.optim.AdamW(model.parameters()),
+                         {"zero_optimization": {"stage": 1 + rank}})
+
+
+@pytest.mark.parametrize("fn, message", [
+    (_different_model_on_rank1,
+     r"rank 1 differs from rank 0: parameter 'wte.weight' has shape \[65, 48\] there but \[65, 32\] "
+     r"on rank 0. Every rank must build the same model"),
+    (_different_config_on_rank1, r"rank 1 differs from rank 0: its config differs in zero_optimization"),
+])
+def test_ranks_that_differ_all_stop_with_the_same_error(fn, message):
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(fn, 2)
+    assert failure.value.hung == []
+    messages = failure.value.messages()
+    assert len(messages) == 2  # every rank raised; none was left waiting in a collective
+    for text in messages:
+        assert "RankMismatchError" in text
+        assert __import__("re").search(message, text), text
+
+
+class Lamb(torch.optim.Optimizer):
+    """A per-tensor trust-ratio optimizer: its update depends on how elements are grouped."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                ratio = p.norm() / (p.grad.norm() + 1e-12)
+                p.add_(p.grad, alpha=-group["lr"] * ratio.item())
+
+
+def _misuse(rank, world, device):
+    """Each misuse in turn; returns the error message each one raised (None: it did not raise)."""
+    import zeroshard
+
+    def attempt(fn):
+        try:
+            fn()
+        except Exception as exc:  # the message is what the test checks
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    def engine():
+        model = make_model()
+        return zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), {})
+
+    def batch():
+        return micro_batch(0, Case(), 1, 0, 0)
+
+    def backward_twice():
+        e = engine()
+        e.backward(e(*batch()))
+        e.backward(e(*batch()))
+
+    def plain_backward():
+        e = engine()
+        e(*batch()).backward()
+
+    def optimizer_for(kind):
+        model = make_model()
+        opt = {"lbfgs": lambda: torch.optim.LBFGS(model.parameters()),
+               "adafactor": lambda: torch.optim.Adafactor(model.parameters()),
+               "lamb": lambda: Lamb(model.parameters()),
+               "partial": lambda: torch.optim.AdamW(list(model.parameters())[1:]),
+               "foreign": lambda: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])}[kind]()
+        zeroshard.initialize(model, opt, {})
+
+    return {
+        "backward_twice": attempt(backward_twice),
+        "plain_backward": attempt(plain_backward),
+        "step_first": attempt(lambda: engine().step()),
+        **{kind: attempt(lambda k=kind: optimizer_for(k))
+           for kind in ("lbfgs", "adafactor", "lamb", "partial", "foreign")},
+    }
+
+
+def test_misuse_is_explained():
+    (errors,) = run_ranks(_misuse, 1)
+    assert "engine.backward() was called twice without engine.step()" in errors["backward_twice"]
+    assert "call engine.backward(loss) instead of loss.backward()" in errors["plain_backward"]
+    assert "engine.step() was called without engine.backward(loss)" in errors["step_first"]
+    assert "LBFGS could not be run on flat shards" in errors["lbfgs"]
+    assert "Adafactor does not update parameters element by element" in errors["adafactor"]
+    assert "Lamb does not update parameters element by element" in errors["lamb"]
+    assert "parameters ['wte.weight'] require grad but are in no param group" in errors["partial"]
+    assert "not a parameter of the model" in errors["foreign"]

@@ -1,0 +1,76 @@
+"""Peers in the same run: stage 0 tracks DistributedDataParallel, stage 1 ZeroRedundancyOptimizer."""
+
+import contextlib
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from tests.distributed import run_ranks
+from tests.recipes import Case, flat_weights, make_model, make_optimizer, micro_batch, relative_error
+
+STEPS = 6
+CASE = Case(accumulation=2, clip=0.5)
+
+
+def _train_peer(rank, world, device, peer: str):
+    model = make_model(device=device)
+    ddp = DistributedDataParallel(model)
+    if peer == "zero_redundancy":
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                      lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    losses = []
+    for step in range(STEPS):
+        step_loss = 0.0
+        for micro in range(CASE.accumulation):
+            last = micro == CASE.accumulation - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                x, y = (t.to(device) for t in micro_batch(step, CASE, world, rank, micro))
+                loss = ddp(x, y) / CASE.accumulation
+                loss.backward()
+                step_loss += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CASE.clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(step_loss)
+    return losses, flat_weights(model)
+
+
+def _train_zeroshard(rank, world, device, stage: int):
+    import zeroshard
+
+    model = make_model(device=device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    case = Case(stage=stage, accumulation=CASE.accumulation, clip=CASE.clip)
+    engine = zeroshard.initialize(model, opt, case.config())
+    losses = []
+    for step in range(STEPS):
+        step_loss = 0.0
+        for micro in range(case.accumulation):
+            x, y = (t.to(device) for t in micro_batch(step, case, world, rank, micro))
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            step_loss += loss.item() / case.accumulation
+        losses.append(step_loss)
+    return losses, flat_weights(model)
+
+
+def _side_by_side(rank, world, device):
+    return {
+        "ddp": _train_peer(rank, world, device, "ddp"),
+        "stage0": _train_zeroshard(rank, world, device, 0),
+        "zero_redundancy": _train_peer(rank, world, device, "zero_redundancy"),
+        "stage1": _train_zeroshard(rank, world, device, 1),
+    }
+
+
+def test_stage0_tracks_ddp_and_stage1_tracks_zero_redundancy_optimizer():
+    for res in run_ranks(_side_by_side, 2):
+        for ours, peer in (("stage0", "ddp"), ("stage1", "zero_redundancy")):
+            our_losses, peer_losses = torch.tensor(res[ours][0]), torch.tensor(res[peer][0])
+            assert ((our_losses - peer_losses).abs() / peer_losses).max() <= 2e-5, (ours, peer)
+            assert relative_error(res[ours][1], res[peer][1]) <= 1e-4, (ours, peer)
+            assert relative_error(res[ours][1], flat_weights(make_model())) > 1e-3

@@ -1,0 +1,310 @@
+"""The built-in demo: train a small character-level GPT with zeroshard on every rank.
+
+Run one process per rank under torchrun (`zeroshard train` launches them):
+`python -m zeroshard.train --stage 2 ...`. Rank 0 shows a progress bar and,
+at the end, a sample of generated text and a report that puts the measured
+per-rank memory and per-step communication next to the formulas of
+`zeroshard.estimate`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+from rich.text import Text
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+import zeroshard
+from zeroshard import estimate
+from zeroshard.data import CharCorpus, load_text, micro_batch
+from zeroshard.models import GPT, PRESETS
+
+log = logging.getLogger(__name__)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got '{text}'") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The training flags, shared by `zeroshard train` and `python -m zeroshard.train`."""
+    parser.add_argument("--stage", type=int, choices=(0, 1, 2), default=2,
+                        help="ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
+                             "2 = also shard gradients (default: %(default)s)")
+    # 150 steps: about a minute on two CPU cores, enough for the loss to fall well below 2.5.
+    parser.add_argument("--steps", type=positive_int, default=150,
+                        help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--data", metavar="FILE", default=None,
+                        help="UTF-8 text file to train on (default: the King James Bible)")
+    parser.add_argument("--model", choices=sorted(PRESETS), default="demo",
+                        help="GPT size preset (default: %(default)s)")
+    parser.add_argument("--micro-batch", type=positive_int, default=16, metavar="ROWS",
+                        help="sequences per rank per micro-step (default: %(default)s)")
+    parser.add_argument("--accumulation", type=positive_int, default=1, metavar="STEPS",
+                        help="micro-steps accumulated per optimizer step (default: %(default)s)")
+    # A few buckets per model, so reductions overlap with the rest of backward.
+    parser.add_argument("--bucket-size", type=positive_int, default=200_000, metavar="ELEMENTS",
+                        help="parameter elements per communication bucket (default: %(default)s)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3,
+                        help="AdamW learning rate (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+
+
+def to_argv(args: argparse.Namespace) -> list[str]:
+    """The training flags of `args` as a command line for `python -m zeroshard.train`."""
+    argv = ["--stage", str(args.stage), "--steps", str(args.steps), "--model", args.model,
+            "--micro-batch", str(args.micro_batch), "--accumulation", str(args.accumulation),
+            "--bucket-size", str(args.bucket_size), "--lr", repr(args.lr), "--seed", str(args.seed)]
+    if args.data is not None:
+        argv += ["--data", os.path.abspath(args.data)]  # workers may start elsewhere
+    return argv
+
+
+def engine_config(args: argparse.Namespace) -> dict:
+    """The zeroshard config (DeepSpeed key names) for these flags."""
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.accumulation,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {
+            "stage": args.stage,
+            # The engine buckets by the smaller of the two sizes; set both so the flag means it.
+            "reduce_bucket_size": args.bucket_size,
+            "allgather_bucket_size": args.bucket_size,
+        },
+    }
+
+
+def build_model(args: argparse.Namespace, corpus: CharCorpus) -> tuple[GPT, torch.optim.Optimizer]:
+    """The GPT preset sized to the corpus's alphabet, and AdamW (no decay on biases and norms)."""
+    torch.manual_seed(args.seed)
+    model = GPT(dataclasses.replace(PRESETS[args.model], vocab_size=corpus.vocab_size))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.95))
+    return model, optimizer
+
+
+@dataclass
+class RunResult:
+    """What one rank measured and, on rank 0, the sample it wrote."""
+
+    losses: list[float]  # global mean loss per optimizer step
+    step_seconds: list[float]  # wall time per optimizer step
+    comm_last_step: dict[str, tuple[int, int, set[str]]]  # op -> (calls, bytes, algorithms), last step
+    memory: dict[str, int]  # memory_stats() after training, bytes
+    sample: str
+
+
+def train(args: argparse.Namespace, console: Console | None = None) -> RunResult:
+    """Train on this rank (under torchrun, or alone as world size 1); rank 0 prints the report."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    console = console or Console()
+    corpus = CharCorpus.from_text(load_text(args.data))
+    model, optimizer = build_model(args, corpus)
+    if len(corpus.ids) <= model.cfg.block_size:
+        raise ValueError(f"the corpus has {len(corpus.ids)} characters, fewer than the model's "
+                         f"context of {model.cfg.block_size} + 1; use a longer --data file")
+    engine = zeroshard.initialize(model, optimizer, engine_config(args))
+    log.info("%s: %s characters, alphabet of %d; GPT '%s' with %s parameters",
+             args.data or "King James Bible", f"{len(corpus.ids):,}", corpus.vocab_size,
+             args.model, f"{model.num_params():,}")
+    with _progress(console, dist.get_rank() == 0) as progress:
+        losses, seconds, comm = _train_loop(engine, corpus, args, progress)
+    sample = generate(model, corpus, _prompt(corpus), 80, args.seed) if dist.get_rank() == 0 else ""
+    result = RunResult(losses, seconds, comm, engine.memory_stats(), sample)
+    # Every rank's figures, so the report can say whether all ranks match the formula.
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (result.memory, {op: b for op, (_, b, _) in comm.items()}))
+    if dist.get_rank() == 0:
+        _print_report(console, engine, args, result, everyone)
+    return result
+
+
+def _progress(console: Console, enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"), TextColumn("{task.fields[tps]:>7,.0f} tokens/s"),
+        TimeRemainingColumn(), console=console, disable=not enabled,
+    )
+
+
+def _train_loop(engine: zeroshard.Engine, corpus: CharCorpus, args: argparse.Namespace,
+                progress: Progress):
+    """Run `args.steps` optimizer steps; returns (losses, step seconds, last step's comm delta)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rows = args.micro_batch * world * args.accumulation
+    block = engine.module.cfg.block_size
+    task = progress.add_task("train", total=args.steps, loss=float("nan"), tps=0.0)
+    losses, seconds = [], []
+    for step in range(args.steps):
+        before = engine.comm_stats()
+        start = time.perf_counter()
+        batch = corpus.global_batch(step, rows, block, args.seed)
+        loss_sum = torch.zeros(())
+        for micro in range(args.accumulation):
+            x, y = micro_batch(batch, rank, world, micro, args.accumulation)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += loss.detach()
+        after = engine.comm_stats()
+        # The global mean loss, through torch directly: the engine's comm log stays its own.
+        dist.all_reduce(loss_sum)
+        losses.append(loss_sum.item() / (world * args.accumulation))
+        seconds.append(time.perf_counter() - start)
+        progress.update(task, advance=1, loss=losses[-1], tps=rows * block / seconds[-1])
+    delta = {op: (after[op].calls - before[op].calls, after[op].bytes - before[op].bytes,
+                  after[op].algorithms) for op in after}
+    return losses, seconds, delta
+
+
+def _prompt(corpus: CharCorpus) -> str:
+    """The sample's prompt: a Bible opening when the alphabet has it, else the corpus's first characters."""
+    if all(ch in corpus.alphabet for ch in "And God said"):
+        return "And God said"
+    return corpus.decode(corpus.ids[:12])
+
+
+@torch.no_grad()
+def generate(model: GPT, corpus: CharCorpus, prompt: str, length: int, seed: int,
+             temperature: float = 0.8) -> str:
+    """`prompt` continued by `length` sampled characters (prompt characters outside the alphabet dropped)."""
+    ids = [corpus.alphabet.index(ch) for ch in prompt if ch in corpus.alphabet] or [0]
+    idx = torch.tensor([ids])
+    gen = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    for _ in range(length):
+        logits = model(idx[:, -model.cfg.block_size:])[0, -1] / temperature
+        nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen)
+        idx = torch.cat([idx, nxt[None]], dim=1)
+    model.train(was_training)
+    return corpus.decode(idx[0])
+
+
+# -- the report (rank 0) ------------------------------------------------------
+
+_STEP_COUNTER_BYTES = 4  # torch's Adam(W) keeps one fp32 `step` tensor per optimizer tensor
+
+
+def _print_report(console: Console, engine: zeroshard.Engine, args: argparse.Namespace,
+                  result: RunResult, everyone: list) -> None:
+    """The run summary, the generated sample, and measured-vs-formula tables for memory and comm."""
+    world, stage = dist.get_world_size(), args.stage
+    psi = sum(u.flat.padded_numel for u in engine.units)  # padded: what the ranks really split
+    rows = args.micro_batch * world * args.accumulation * engine.module.cfg.block_size
+    median = statistics.median(result.step_seconds[1:] or result.step_seconds)  # step 1 warms up
+    console.print()
+    console.print(f"[bold]zeroshard stage {stage}[/], {world} rank(s) on {dist.get_backend()}: "
+                  f"{args.steps} steps of {rows:,} tokens")
+    console.print(f"loss [bold]{result.losses[0]:.3f}[/] (first step) -> [bold]{result.losses[-1]:.3f}[/] "
+                  f"(last step)")
+    console.print(f"median step {median:.3f} s, {rows / median:,.0f} tokens/s")
+    console.print(f"Ψ = {psi:,} elements in {len(engine.units)} flat buffers "
+                  f"({sum(u.flat.numel for u in engine.units):,} parameters + padding)")
+    console.print(Text("sample: ") + Text(result.sample, style="italic"))  # Text: no markup in the sample
+    console.print(_memory_table(psi, world, stage, len(engine.units), result.memory, everyone))
+    console.print(_comm_table(psi, world, args, result.comm_last_step, everyone))
+
+
+def _match(ok: bool) -> str:
+    return "[green]✓[/]" if ok else "[red]✗[/]"
+
+
+def _memory_table(psi: int, world: int, stage: int, units: int, measured: dict[str, int],
+                  everyone: list) -> Table:
+    """Per-rank model-state bytes: rank 0's `memory_stats()` next to `estimate.model_state_bytes`."""
+    formula = estimate.model_state_bytes(psi, world, stage,
+                                         optimizer_scalar_bytes=_STEP_COUNTER_BYTES * units)
+    shard = "Ψ" if stage == 0 else "Ψ/N"
+    how = {"params": "4Ψ", "grads": "4Ψ/N" if stage >= 2 else "4Ψ", "master": "0: the fp32 params",
+           "optimizer": f"8{shard} + 4·{units}"}
+    table = Table(title="Model states per rank (bytes)", title_justify="left", show_edge=False,
+                  caption=f"N = {world} ranks; optimizer: AdamW's two moments and a 4-byte step "
+                          f"counter per optimizer tensor ({units})", caption_justify="left")
+    for name in ("state", "measured", "formula", "expression", "ok"):
+        numeric = name in ("measured", "formula")
+        table.add_column(name, justify="right" if numeric else "left", no_wrap=name != "expression")
+    for key, expected in formula.items():
+        ok = all(memory[key] == expected for memory, _ in everyone)
+        table.add_row(key, f"{measured[key]:,}", f"{expected:,}", how[key], _match(ok))
+    table.add_row("buffers", f"{measured['buffers']:,}", "-", "comm staging", "")
+    return table
+
+
+def _comm_table(psi: int, world: int, args: argparse.Namespace,
+                measured: dict[str, tuple[int, int, set[str]]], everyone: list) -> Table:
+    """Last step's logical bytes per collective next to `estimate.comm_bytes_per_step`."""
+    formula = estimate.comm_bytes_per_step(psi, args.stage, accumulation=args.accumulation, clipping=True)
+    grads = "4Ψ" + (f"×{args.accumulation}" if args.stage == 2 and args.accumulation > 1 else "")
+    how = {"all_reduce": "4Ψ" if args.stage == 0 else "4 (norm)", "reduce_scatter": grads,
+           "all_gather": "4Ψ"}
+    # all_gather's "object" is the setup's agreement check (0 bytes), not a way to move tensors.
+    algorithms = {op: ",".join(sorted(a - {"object"})) for op, (_, b, a) in measured.items() if b}
+    table = Table(title="Communication per optimizer step (bytes, last step)", title_justify="left",
+                  caption="wire/rank: bytes each rank sends on a ring; algorithms: " + "; ".join(f"{op} = {a}" for op, a in algorithms.items()),
+                  caption_justify="left", show_edge=False)
+    for name in ("collective", "calls", "measured", "formula", "expression", "wire/rank", "ok"):
+        numeric = name in ("calls", "measured", "formula", "wire/rank")
+        table.add_column(name, justify="right" if numeric else "left", no_wrap=name != "expression")
+    for op, (calls, nbytes, _) in measured.items():
+        expected = formula.get(op, 0)
+        if expected == 0 and nbytes == 0:
+            continue
+        ok = all(comm[op] == expected for _, comm in everyone)
+        wire = estimate.wire_bytes(expected, world, op)
+        table.add_row(op, str(calls), f"{nbytes:,}", f"{expected:,}", how.get(op, "0"),
+                      f"{wire:,.0f}", _match(ok))
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of one rank: `python -m zeroshard.train [flags]` under torchrun."""
+    parser = argparse.ArgumentParser(prog="python -m zeroshard.train", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    console = Console()
+    rank = int(os.environ.get("RANK", 0))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
+                        handlers=[RichHandler(console=console, show_path=False, show_time=False)])
+    try:
+        train(args, console)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
