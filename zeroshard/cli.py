@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+from zeroshard.models import PRESETS
 from zeroshard.train import add_arguments, positive_int, to_argv
 
 EXAMPLES = """\
@@ -32,11 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     train = commands.add_parser(
         "train", help="train the demo GPT on N local ranks and compare memory and traffic with the formulas",
-        description="Train a small character-level GPT with ZeRO on N ranks (gloo on CPU, NCCL on GPU). "
-                    "Rank 0 shows progress, a generated sample, and tables of the measured per-rank "
-                    "memory and per-step communication next to the ZeRO paper's formulas.",
+        description="Train a small character-level GPT with ZeRO on N ranks (gloo on CPU, NCCL on\n"
+                    "GPU, one GPU per rank). Rank 0 shows progress, a generated sample, and tables\n"
+                    "of the measured per-rank memory and per-step communication next to the ZeRO\n"
+                    "paper's formulas.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    train.set_defaults(command_parser=train)  # so flag errors print `zeroshard train`'s usage
     launch = train.add_argument_group("launch (torchrun)")
     launch.add_argument("--nproc", type=positive_int, default=2, metavar="N",
                         help="ranks (processes) on this node (default: %(default)s)")
@@ -69,11 +72,24 @@ def run_train(args: argparse.Namespace) -> int:
     try:
         run(parse_args(torchrun_argv(args)))
     except ChildFailedError as error:
-        failures = ", ".join(f"rank {f.global_rank} (exit code {f.exitcode})"
-                             for f in error.failures.values())
-        print(f"zeroshard train: {failures} failed; see the rank's error above", file=sys.stderr)
+        rank, failure = error.get_first_failure()  # the root cause; the others were stopped after it
+        print(f"zeroshard train: rank {rank} failed first (exit code {failure.exitcode}); "
+              "its error is printed above", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_data(parser: argparse.ArgumentParser, path: str, block_size: int) -> None:
+    """Reject a --data file the ranks could not train on, before launching them."""
+    if not Path(path).is_file():
+        parser.error(f"argument --data: no such file '{path}'")
+    try:
+        length = len(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        parser.error(f"argument --data: cannot read '{path}' as UTF-8 text ({error})")
+    if length <= block_size:
+        parser.error(f"argument --data: '{path}' has {length} characters; the model reads "
+                     f"{block_size} + 1 at a time, so give a longer text")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "train":
-        if args.data is not None and not Path(args.data).is_file():
-            parser.error(f"argument --data: no such file '{args.data}'")
+        if args.nnodes > 1 and args.rdzv_endpoint is None:
+            args.command_parser.error("--nnodes above 1 needs --rdzv-endpoint HOST:PORT, "
+                                      "the same on every node")
+        if args.data is not None:
+            _check_data(args.command_parser, args.data, PRESETS[args.model].block_size)
         return run_train(args)
     parser.error(f"unknown command '{args.command}'")  # unreachable: argparse checks choices
     return 2
