@@ -14,13 +14,14 @@ import torch
 from zeroshard.models import GPT, PRESETS
 
 GPT_CFG = PRESETS["tiny"]
+ADAMW1 = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}  # the one-group AdamW
 
 
 @dataclass(frozen=True)
 class Case:
     stage: int = 0
     accumulation: int = 1
-    optimizer: str = "adamw"  # "adamw" (two param groups) | "sgd" (momentum)
+    optimizer: str = "adamw"  # "adamw" (two param groups) | "adamw1" (one group) | "sgd" (momentum)
     clip: float = 0.0
     micro_rows: int = 2  # sequences per rank per micro-step
     reduce_scatter: bool = True
@@ -54,6 +55,8 @@ def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
             [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3}],
             lr=1e-2, betas=(0.9, 0.95),
         )
+    if kind == "adamw1":
+        return torch.optim.AdamW(model.parameters(), **ADAMW1)
     if kind == "sgd":
         return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     raise ValueError(kind)

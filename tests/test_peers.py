@@ -1,26 +1,28 @@
 """Peers in the same run: stage 0 tracks DistributedDataParallel, stage 1 ZeroRedundancyOptimizer."""
 
 import contextlib
+import dataclasses
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from tests.distributed import run_ranks
-from tests.recipes import Case, flat_weights, make_model, make_optimizer, micro_batch, relative_error
+from tests.recipes import (
+    ADAMW1, Case, flat_weights, make_model, micro_batch, relative_error, train_zeroshard,
+)
 
 STEPS = 6
-CASE = Case(accumulation=2, clip=0.5)
+CASE = Case(accumulation=2, clip=0.5, optimizer="adamw1")
 
 
 def _train_peer(rank, world, device, peer: str):
     model = make_model(device=device)
     ddp = DistributedDataParallel(model)
     if peer == "zero_redundancy":
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
-                                      lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW1)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW1)
     losses = []
     for step in range(STEPS):
         step_loss = 0.0
@@ -38,32 +40,12 @@ def _train_peer(rank, world, device, peer: str):
     return losses, flat_weights(model)
 
 
-def _train_zeroshard(rank, world, device, stage: int):
-    import zeroshard
-
-    model = make_model(device=device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    case = Case(stage=stage, accumulation=CASE.accumulation, clip=CASE.clip)
-    engine = zeroshard.initialize(model, opt, case.config())
-    losses = []
-    for step in range(STEPS):
-        step_loss = 0.0
-        for micro in range(case.accumulation):
-            x, y = (t.to(device) for t in micro_batch(step, case, world, rank, micro))
-            loss = engine(x, y)
-            engine.backward(loss)
-            engine.step()
-            step_loss += loss.item() / case.accumulation
-        losses.append(step_loss)
-    return losses, flat_weights(model)
-
-
 def _side_by_side(rank, world, device):
     return {
         "ddp": _train_peer(rank, world, device, "ddp"),
-        "stage0": _train_zeroshard(rank, world, device, 0),
+        "stage0": train_zeroshard(rank, world, device, dataclasses.replace(CASE, stage=0), STEPS),
         "zero_redundancy": _train_peer(rank, world, device, "zero_redundancy"),
-        "stage1": _train_zeroshard(rank, world, device, 1),
+        "stage1": train_zeroshard(rank, world, device, dataclasses.replace(CASE, stage=1), STEPS),
     }
 
 
