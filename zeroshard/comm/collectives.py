@@ -122,7 +122,7 @@ def reduce_scatter(
     all-to-all algorithm needs `scratch`, a buffer the size of `full`.
     Logical bytes: `full`.
     """
-    n, rank = comm.world_size, comm.rank
+    n = comm.world_size
     nbytes = _nbytes(full)
     if n == 1:
         if shard.data_ptr() != full.data_ptr():
