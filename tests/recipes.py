@@ -28,6 +28,7 @@ class Case:
     bucket: int = 4000  # elements: several units per param group
     overlap: bool = True
     overlap_param_gather: bool = False
+    schedule: bool = False  # an LR scheduler built on the optimizer before initialize
 
     def config(self) -> dict:
         return {
@@ -62,6 +63,10 @@ def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
     raise ValueError(kind)
 
 
+def make_schedule(case: Case, opt: torch.optim.Optimizer):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if case.schedule else None
+
+
 def global_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(GPT_CFG.vocab_size, (rows, GPT_CFG.block_size + 1), generator=g)
@@ -83,6 +88,7 @@ def train_reference(case: Case, world: int, steps: int) -> tuple[list[float], to
     """Single-process training on the global batch: (loss per step, final weights)."""
     model = make_model()
     opt = make_optimizer(case.optimizer, model)
+    schedule = make_schedule(case, opt)
     losses = []
     for step in range(steps):
         x, y = global_batch(step, case.micro_rows * world * case.accumulation)
@@ -92,6 +98,8 @@ def train_reference(case: Case, world: int, steps: int) -> tuple[list[float], to
             torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
         opt.step()
         opt.zero_grad()
+        if schedule is not None:
+            schedule.step()
         losses.append(loss.item())
     return losses, flat_weights(model)
 
@@ -101,7 +109,9 @@ def train_zeroshard(rank: int, world: int, device, case: Case, steps: int):
     import zeroshard
 
     model = make_model(device=device)
-    engine = zeroshard.initialize(model, make_optimizer(case.optimizer, model), case.config())
+    opt = make_optimizer(case.optimizer, model)
+    schedule = make_schedule(case, opt)
+    engine = zeroshard.initialize(model, opt, case.config())
     losses = []
     for step in range(steps):
         step_loss = 0.0
@@ -111,9 +121,11 @@ def train_zeroshard(rank: int, world: int, device, case: Case, steps: int):
             engine.backward(loss)
             engine.step()
             step_loss += loss.item() / case.accumulation
+        if schedule is not None:
+            schedule.step()
         losses.append(step_loss)
-    engine.wait_for_params()  # with overlap_param_gather the last gather may be in flight
-    return losses, flat_weights(model)
+    full = engine.full_state_dict()  # waits for gathers still in flight (overlap_param_gather)
+    return losses, torch.cat([full[name].reshape(-1).cpu() for name, _ in model.named_parameters()])
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
