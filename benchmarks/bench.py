@@ -29,8 +29,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from launch import launch  # noqa: E402
-from report import render  # noqa: E402
+from launch import launch
+from report import render
 
 # Kept in sync with variants.BUILDERS (not imported: this process stays free of torch).
 VARIANTS = [
@@ -53,7 +53,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=["all"], help="names, or the groups all / peers / zeroshard")
     p.add_argument("--steps", type=int, default=20, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before them")
-    p.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
+    # One sequence per rank keeps a 100M step near 1 s on this CPU, so the parallelism
+    # overheads (communication, optimizer, copies) are a visible share of the step.
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
     p.add_argument("--bucket-elems", type=int, default=25 * 2**20 // 4, help="gradient bucket (DDP's 25 MiB)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
@@ -62,7 +64,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "BENCHMARKS.md")
     p.add_argument("--json", type=Path, help="results file; default benchmarks/results/<out stem>.json")
     p.add_argument("--fresh", action="store_true", help="drop earlier results in the JSON file")
+    p.add_argument("--render-only", action="store_true", help="rewrite --out from the JSON file; run nothing")
     args = p.parse_args()
+    if min(args.steps, args.micro_batch, args.world) < 1 or args.warmup < 0:
+        p.error("--steps, --micro-batch and --world must be >= 1, --warmup >= 0")
     names = []
     for v in args.variants:
         if v not in GROUPS and v not in VARIANTS:
@@ -80,8 +85,10 @@ def machine_meta(args: argparse.Namespace) -> dict:
         except metadata.PackageNotFoundError:
             return "not installed"
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
-    mem_kib = next(int(ln.split()[1]) for ln in open("/proc/meminfo") if ln.startswith("MemTotal"))
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
+    mem_kib = next(int(ln.split()[1]) for ln in meminfo if ln.startswith("MemTotal"))
     return {
         "cpu": cpu, "cores": os.cpu_count(), "ram_gib": mem_kib / 2**20,
         "python": platform.python_version(), "torch": version("torch"), "deepspeed": version("deepspeed"),
@@ -114,6 +121,7 @@ def summarize(rank_results: list[dict], warmup: int) -> dict:
         "ok": True,
         "num_params": r0["num_params"],
         "step_ms": 1000 * statistics.median(per_step),
+        "step_ms_each": [1000 * t for t in per_step],
         "step_ms_per_rank": [1000 * statistics.median(r["step_seconds"][warmup:]) for r in rank_results],
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in rank_results),
         "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in rank_results],
@@ -131,7 +139,10 @@ def run_variant(args: argparse.Namespace, size: str, mode: str, variant: str, co
     argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch)]
     argv += ["--bucket-elems", str(args.bucket_elems), "--lr", str(args.lr), "--seed", str(args.seed)]
     argv += ["--corpus", str(corpus), "--result", str(stem.with_suffix(".json"))]
-    env = {"DS_ACCELERATOR": "cpu", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     run = launch(argv, args.world, stem, args.timeout, env)
     rank_files = [stem.with_suffix(f".json.rank{r}") for r in range(args.world)]
     rank_results = [json.loads(f.read_text()) if f.exists() else None for f in rank_files]
@@ -150,6 +161,9 @@ def prepare_corpus(path: Path) -> None:
 
 def main() -> int:
     args = parse_args()
+    if args.render_only:
+        args.out.write_text(render(json.loads(args.json.read_text()), SIZES, MODES, VARIANTS))
+        return 0
     (HERE / "results" / "logs").mkdir(parents=True, exist_ok=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     corpus = HERE / "results" / "corpus.pt"

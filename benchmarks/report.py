@@ -23,6 +23,40 @@ SAME_STAGE = {
 RATIO_PEERS = ["ddp", "zero_redundancy", "fsdp1_shard_grad_op", "fsdp2"]  # + DeepSpeed at the same stage
 TIME_TARGET = {0: 1.0, 1: 1.1, 2: 1.2}  # zeroshard step time / DDP step time, fused mode
 MIB = 2**20
+NOTES = [
+    "- DDP: `DistributedDataParallel(model, bucket_cap_mb=<bucket>)`, `torch.optim.Adam`.",
+    (
+        "- ZeroRedundancyOptimizer + DDP: `ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=Adam)` "
+        "over the same DDP, as the torch documentation shows it (optimizer state sharded: ZeRO-1)."
+    ),
+    (
+        "- FSDP1 SHARD_GRAD_OP: `FullyShardedDataParallel(ShardingStrategy.SHARD_GRAD_OP, "
+        "ModuleWrapPolicy({Block}), use_orig_params=True, device_id=cpu)` (ZeRO-2)."
+    ),
+    (
+        "- FSDP2: `fully_shard(block, reshard_after_forward=False)` on each Block, then on the root, "
+        "over a 1-D CPU device mesh (ZeRO-2)."
+    ),
+    (
+        "- DeepSpeed ZeRO-0/1/2: `deepspeed.initialize(model=, optimizer=<the torch Adam>, config=, "
+        "dist_init_required=False)` with `zero_allow_untested_optimizer`, `reduce_bucket_size` and "
+        "`allgather_bucket_size` = <bucket>, `overlap_comm: true`, and `gradient_clipping: 0` "
+        "(DeepSpeed clips to 1.0 by default; no other variant clips). ZeRO-0 all-reduces after backward "
+        "in DeepSpeed's fixed 5e8-element buckets."
+    ),
+    (
+        "- zeroshard stage 0/1/2: `zeroshard.initialize(model, <the torch Adam>, config)` with "
+        "`reduce_bucket_size` = <bucket>, `overlap_comm: true`."
+    ),
+    (
+        "- Same-stage peers for the RSS targets: stage 0: DDP, DeepSpeed ZeRO-0; stage 1: "
+        "ZeroRedundancyOptimizer, DeepSpeed ZeRO-1; stage 2: FSDP1 SHARD_GRAD_OP, FSDP2, DeepSpeed ZeRO-2."
+    ),
+    (
+        "- The loss column is rank 0's loss on its own micro batch at the first and last step: "
+        "variants that compute the same update show the same numbers."
+    ),
+]
 
 
 def _ok(run: dict | None) -> bool:
@@ -41,7 +75,8 @@ def _variant_table(runs: dict[str, dict]) -> list[str]:
     ddp = runs.get("ddp")
     for name, run in runs.items():
         if not _ok(run):
-            lines.append(f"| {LABELS[name]} | failed: {run['error']} | | | | |")
+            error = run["error"].replace("|", "\\|")  # a bare | would end the table cell
+            lines.append(f"| {LABELS[name]} | failed: {error} | | | | |")
             continue
         vs = _ratio(run["step_ms"], ddp["step_ms"]) if _ok(ddp) else "–"
         lines.append(
@@ -90,7 +125,10 @@ def _target_rows(runs: dict[str, dict]) -> list[str]:
             continue
         lowest = min(peers, key=lambda p: runs[p]["peak_rss_bytes"])
         r = ours["peak_rss_bytes"] / runs[lowest]["peak_rss_bytes"]
-        lines.append(f"| {name} | {r:.2f}x of {LABELS[lowest]} | {'met' if r <= 1.0 else 'not met'} |")
+        status = "met" if r <= 1.0 else "not met"
+        if len(peers) < len(SAME_STAGE[stage]):
+            status += f" ({len(peers)} of {len(SAME_STAGE[stage])} peers measured)"
+        lines.append(f"| {name} | {r:.2f}x of {LABELS[lowest]} | {status} |")
     return lines
 
 
@@ -104,21 +142,37 @@ def _header(results: dict) -> list[str]:
         f"- Date: {', '.join(dates)}",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']:.0f} GiB RAM, no GPU",
         f"- Software: Python {m['python']}, torch {m['torch']}, DeepSpeed {m['deepspeed']} (`DS_ACCELERATOR=cpu`)",
-        f"- Ranks: {m['world']} processes on this machine, backend {m['backend']}, "
-        f"{m['threads']} thread per rank (`torch.set_num_threads(1)`)",
-        f"- Workload: GPT preset (see each table), per-rank micro batch {m['micro_batch']} sequences "
-        f"× {m['block_size']} tokens (global batch {m['micro_batch'] * m['world']} sequences), fp32, "
-        f"Adam lr {m['lr']}, gradient bucket {m['bucket_elems']:,} elements where a variant has one, seed {m['seed']}",
-        f"- Timing: {m['warmup']} warm-up steps, then {m['steps']} timed steps (forward + backward + optimizer step); "
-        "step ms = median over the timed steps of the slowest rank's wall time of that step",
-        "- Memory: peak RSS = max over ranks of `getrusage(RUSAGE_SELF).ru_maxrss`; "
-        "RSS before model = the same, read after imports, process group and corpus, before building the model",
+        (
+            f"- Ranks: {m['world']} processes on this machine, backend {m['backend']}, "
+            f"{m['threads']} thread per rank (`torch.set_num_threads(1)`)"
+        ),
+        (
+            f"- Workload: GPT preset (see each table), per-rank micro batch {m['micro_batch']} sequences "
+            f"× {m['block_size']} tokens (global batch {m['micro_batch'] * m['world']} sequences), fp32, "
+            f"Adam lr {m['lr']}, gradient bucket {m['bucket_elems']:,} elements where a variant has one, seed {m['seed']}"
+        ),
+        (
+            f"- Timing: {m['warmup']} warm-up steps, then {m['steps']} timed steps (forward + backward + optimizer step); "
+            "step ms = median over the timed steps of the slowest rank's wall time of that step"
+        ),
+        (
+            "- Memory: peak RSS = max over ranks of `getrusage(RUSAGE_SELF).ru_maxrss`; "
+            "RSS before model = the same, read after the imports (the variant's library included), "
+            "process group and corpus, before building the model"
+        ),
         "",
         "Command" + ("s" if len(commands) > 1 else "") + ":",
         "",
         "```",
         *commands,
         "```",
+        "",
+        (
+            "Variants (fp32 throughout; `plain` = `Adam(lr)`, `fused` = `Adam(lr, fused=True)`, "
+            "the same optimizer object handed to the engines):"
+        ),
+        "",
+        *NOTES,
     ]
 
 

@@ -9,12 +9,12 @@ Every builder receives the same freshly initialized model and the same
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 
 StepFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -114,9 +114,12 @@ def build_deepspeed(stage: int) -> Callable[[nn.Module, Settings], StepFn]:
                 "stage": stage,
                 "reduce_bucket_size": s.bucket_elems,
                 "allgather_bucket_size": s.bucket_elems,
+                "overlap_comm": True,  # as zeroshard is configured (DeepSpeed's own default: False)
             },
             # a torch optimizer is "untested" for DeepSpeed's ZeRO; this accepts it
             "zero_allow_untested_optimizer": True,
+            # DeepSpeed clips the gradient norm to 1.0 unless told otherwise; no other variant clips
+            "gradient_clipping": 0.0,
             "steps_per_print": 10**9,  # keep the rank logs quiet
         }
         opt = make_adam(model.parameters(), s)
@@ -154,5 +157,9 @@ BUILDERS: dict[str, Callable[[nn.Module, Settings], StepFn]] = {
     "zeroshard_s1": build_zeroshard(1),
     "zeroshard_s2": build_zeroshard(2),
 }
+# The library each variant imports, so a rank can import it before its baseline RSS reading.
+LIBRARY = {name: "torch.distributed.fsdp" for name in ("fsdp1_shard_grad_op", "fsdp2")}
+LIBRARY |= {"ddp": "torch.nn.parallel", "zero_redundancy": "torch.distributed.optim"}
+LIBRARY |= {f"deepspeed_z{s}": "deepspeed" for s in range(3)} | {f"zeroshard_s{s}": "zeroshard" for s in range(3)}
 PEERS = [name for name in BUILDERS if not name.startswith("zeroshard_")]
 ZEROSHARD = [name for name in BUILDERS if name.startswith("zeroshard_")]

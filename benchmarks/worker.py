@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from variants import BUILDERS, Settings  # noqa: E402
+from variants import BUILDERS, LIBRARY, Settings
 
 
 def import_submodule(name: str) -> ModuleType:
@@ -66,6 +66,7 @@ def train(args: argparse.Namespace) -> dict:
     cfg = replace(gpt.PRESETS[args.size], vocab_size=corpus.vocab_size)
     settings = Settings(mode=args.mode, lr=args.lr, micro_batch=args.micro_batch, bucket_elems=args.bucket_elems)
 
+    importlib.import_module(LIBRARY[args.variant])  # its import cost belongs to the baseline
     base_rss = peak_rss_bytes()  # imports, process group and corpus; before any model state
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every variant
     model = gpt.GPT(cfg)
@@ -117,7 +118,7 @@ def main() -> int:
     result_path = args.result.with_name(f"{args.result.name}.rank{dist.get_rank()}")
     try:
         result = train(args)
-    except BaseException as exc:  # the orchestrator reports the error for this variant
+    except Exception as exc:  # noqa: BLE001 -- any failure is reported as this variant's error
         traceback.print_exc()
         result_path.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         sys.stdout.flush()
