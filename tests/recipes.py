@@ -27,7 +27,6 @@ class Case:
     reduce_scatter: bool = True
     bucket: int = 4000  # elements: several units per param group
     overlap: bool = True
-    overlap_param_gather: bool = False
     schedule: bool = False  # an LR scheduler built on the optimizer before initialize
 
     def config(self) -> dict:
@@ -38,7 +37,7 @@ class Case:
             "zero_optimization": {
                 "stage": self.stage, "reduce_scatter": self.reduce_scatter,
                 "reduce_bucket_size": self.bucket, "allgather_bucket_size": self.bucket,
-                "overlap_comm": self.overlap, "overlap_param_gather": self.overlap_param_gather,
+                "overlap_comm": self.overlap,
             },
         }
 
@@ -124,7 +123,7 @@ def train_zeroshard(rank: int, world: int, device, case: Case, steps: int):
         if schedule is not None:
             schedule.step()
         losses.append(step_loss)
-    full = engine.full_state_dict()  # waits for gathers still in flight (overlap_param_gather)
+    full = engine.full_state_dict()
     return losses, torch.cat([full[name].reshape(-1).cpu() for name, _ in model.named_parameters()])
 
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from tests.distributed import run_ranks
 from zeroshard.comm import Algorithms, Comm, CommRecorder, all_gather, all_reduce, reduce_scatter
 
-ALGORITHMS = [Algorithms("native", "native"), Algorithms("all_to_all", "all_reduce")]
+ALGORITHMS = [Algorithms("native", "native"), Algorithms("all_to_all", "send_recv")]
 CHUNK = 5  # elements per rank
 
 
@@ -62,13 +62,12 @@ def test_collectives_match_torch_distributed(world):
             assert res["stats"]["all_to_all"] == (0, 0)
 
 
-def test_gloo_runs_reduce_scatter_as_all_to_all():
-    """On gloo the logical reduce-scatter runs as all-to-all + sum, and the log says so."""
+def test_algorithms_follow_the_backend():
+    """gloo: reduce-scatter as all-to-all + sum, all-gather as an exchange; NCCL: its own."""
     (algorithms,) = set(run_ranks(_algorithms, 2))
-    assert algorithms == Algorithms("all_to_all", "all_reduce")
+    want = Algorithms("all_to_all", "send_recv") if algorithms[0] == "gloo" else Algorithms("native", "native")
+    assert algorithms[1] == want
 
 
 def _algorithms(rank, world, device):
-    if device.type == "cuda":
-        return Algorithms("all_to_all", "all_reduce")  # NCCL keeps its own; nothing to check here
-    return Algorithms.for_group(dist.group.WORLD)
+    return dist.get_backend(), Algorithms.for_group(dist.group.WORLD)

@@ -19,9 +19,7 @@ from zeroshard.config import (
 
 TOP_ALLOWED = ("gradient_accumulation_steps, gradient_clipping, "
                "train_micro_batch_size_per_gpu, zero_optimization")
-ZERO_ALLOWED = (
-    "allgather_bucket_size, overlap_comm, overlap_param_gather, reduce_bucket_size, reduce_scatter, stage"
-)
+ZERO_ALLOWED = "allgather_bucket_size, overlap_comm, reduce_bucket_size, reduce_scatter, stage"
 
 DEFAULTS = {
     "train_micro_batch_size_per_gpu": None,
@@ -33,7 +31,6 @@ DEFAULTS = {
         "reduce_bucket_size": 25_000_000,
         "allgather_bucket_size": 25_000_000,
         "overlap_comm": True,
-        "overlap_param_gather": False,
     },
 }
 
@@ -264,7 +261,7 @@ def test_bucket_size_rejects_non_numbers(size, shown):
         f"zero_optimization.allgather_bucket_size must be a positive integer; got {shown}")
 
 
-@pytest.mark.parametrize("key", ["reduce_scatter", "overlap_comm", "overlap_param_gather"])
+@pytest.mark.parametrize("key", ["reduce_scatter", "overlap_comm"])
 @pytest.mark.parametrize("value, shown", [("yes", '"yes"'), ("true", '"true"'), (1, "1"),
                                           (0, "0"), (None, "null")])
 def test_bool_is_strict(key, value, shown):

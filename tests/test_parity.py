@@ -19,8 +19,8 @@ CASES = [
     for s in (0, 1, 2)
     for a, o, c in ((1, "adamw", 0.5), (2, "sgd", 0.5), (3, "adamw", 0.0))
 ] + [
-    Case(stage=1, overlap_param_gather=True, overlap=False, schedule=True),
-    Case(stage=2, accumulation=2, overlap_param_gather=True, reduce_scatter=False, schedule=True),
+    Case(stage=1, overlap=False, schedule=True),
+    Case(stage=2, accumulation=2, reduce_scatter=False, schedule=True),
 ]
 
 

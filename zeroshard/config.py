@@ -146,13 +146,6 @@ class ZeroConfig(BaseModel):
     overlap_comm: StrictBool = Field(True, description=(
         "true: bucket reductions run asynchronously during backward. "
         "DeepSpeed: zero_optimization.overlap_comm (default false for stages 1-2)."))
-    # Off by default: parameters are incomplete until their module's next forward
-    # (or state_dict / engine call) waits for them, so code that reads them right
-    # after step() (an EMA, say) would see partial values.
-    overlap_param_gather: StrictBool = Field(False, description=(
-        "Stages 1-2: true: step() launches the parameter all-gathers and returns; each "
-        "module's next forward waits for its own parameters, so the gather overlaps the "
-        "forward. Call engine.wait_for_params() before reading parameters elsewhere. DeepSpeed: none (zeroshard extension); Megatron-LM: overlap_param_gather."))
 
 
 class Config(BaseModel):

@@ -13,7 +13,7 @@ import torch.nn as nn
 from zeroshard.agreement import check_ranks_agree
 from zeroshard.bucketing import bucket_params
 from zeroshard.buffers import BufferPool
-from zeroshard.comm import Comm, CommRecorder, OpStats, Pending, all_reduce, broadcast, ensure_process_group
+from zeroshard.comm import Comm, CommRecorder, OpStats, all_reduce, broadcast, ensure_process_group
 from zeroshard.config import Config
 from zeroshard.flat import FlatParams
 from zeroshard.memory import model_state_bytes
@@ -55,7 +55,6 @@ class Engine:
         self.global_steps = 0  # optimizer steps so far
         self.global_grad_norm: float | None = None  # of the last step, when clipping is on
         self._backward_pending = False
-        self._gathering: dict[int, Pending] = {}  # unit index -> its all-gather still in flight
 
         check_ranks_agree(self.comm, model, optimizer, config.to_dict())
         groups = _trainable_groups(model, optimizer)
@@ -66,8 +65,6 @@ class Engine:
         shard_optimizer(optimizer, units_of_group, fuse=device.type in _FUSED_DEVICES)
         self.reducer = GradReducer(self.units, self.comm, self.pool, config.zero_optimization.overlap_comm)
         self._register_hooks()
-        if self.switches.shard_optimizer and config.zero_optimization.overlap_param_gather:
-            self._register_gather_waits(model)
         log.info("zeroshard stage %d on %d ranks: %d units, %d elements",
                  config.zero_optimization.stage, self.comm.world_size, len(self.units),
                  sum(u.flat.numel for u in self.units))
@@ -94,26 +91,6 @@ class Engine:
         for ui, unit in enumerate(self.units):
             for pi, p in enumerate(unit.params):
                 p.register_post_accumulate_grad_hook(lambda _p, ui=ui, pi=pi: self._on_grad(ui, pi))
-
-    def _register_gather_waits(self, model: nn.Module) -> None:
-        """Make each module wait for its own parameters' all-gather before its forward."""
-        unit_of = {id(p): ui for ui, u in enumerate(self.units) for p in u.params}
-        for module in model.modules():
-            owned = sorted({unit_of[id(p)] for p in module.parameters(recurse=False) if id(p) in unit_of})
-            if owned:
-                module.register_forward_pre_hook(lambda _m, _a, owned=owned: self.wait_for_params(owned))
-        model.register_state_dict_pre_hook(lambda *_: self.wait_for_params())
-
-    def wait_for_params(self, unit_indices: list[int] | None = None) -> None:
-        """Wait for the parameter all-gathers still in flight (of the given units, or all).
-
-        Only needed with `overlap_param_gather`, before reading parameters
-        outside a forward or `state_dict()` (an EMA update right after step, say).
-        """
-        for ui in list(self._gathering) if unit_indices is None else unit_indices:
-            pending = self._gathering.pop(ui, None)
-            if pending is not None:
-                pending.wait()
 
     def _on_grad(self, unit_index: int, param_index: int) -> None:
         if not self.reducer.active:
@@ -153,7 +130,6 @@ class Engine:
         if self._backward_pending:
             raise RuntimeError("engine.backward() was called twice without engine.step() in between; "
                                "call engine.step() after every backward, as DeepSpeed does")
-        self.wait_for_params()  # units whose modules did not run in this forward
         reduce_now = self.is_gradient_accumulation_boundary() or self.switches.shard_grads
         scale = 1.0 / (self.comm.world_size * self.gradient_accumulation_steps)
         self.reducer.begin(reduce_now, scale)
@@ -178,21 +154,11 @@ class Engine:
             self._clip_gradients(self.config.gradient_clipping)
         self.optimizer.step()
         if self.switches.shard_optimizer:
-            self._gather_params()
+            for pending in [unit.gather_params(self.comm) for unit in self.units]:
+                pending.wait()
         for unit in self.units:
             unit.zero_grad()
         self.global_steps += 1
-
-    def _gather_params(self) -> None:
-        """All-gather the updated shards, in forward order (units are in backward order).
-
-        With overlap_param_gather the gathers stay in flight and each module's
-        next forward waits for its own; otherwise they finish here.
-        """
-        for ui in reversed(range(len(self.units))):
-            self._gathering[ui] = self.units[ui].gather_params(self.comm)
-        if not self.config.zero_optimization.overlap_param_gather:
-            self.wait_for_params()
 
     def _clip_gradients(self, max_norm: float) -> None:
         """Scale gradients so that their global L2 norm (over all shards) is at most `max_norm`."""
@@ -216,12 +182,10 @@ class Engine:
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes of model states this rank holds: params, grads, master, optimizer, buffers."""
-        self.wait_for_params()  # buffers in use by a gather are part of the count
         return model_state_bytes(self.module, self.units, self.optimizer, self.pool)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The complete model state dict (full tensors, copies) on every rank."""
-        self.wait_for_params()
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
 

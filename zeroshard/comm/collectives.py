@@ -9,8 +9,15 @@ are slower than an all-reduce of the same buffer, so there:
 - reduce-scatter runs as an all-to-all plus a local sum: each rank still
   receives only the chunks that reduce into its own shard, (N-1)/N of the
   buffer, the same volume as a ring reduce-scatter;
-- all-gather runs as an all-reduce of the full buffer in which every rank
-  has zeroed all but its own shard (x + 0 is exact in floating point).
+- all-gather runs as a direct exchange: each rank sends its shard to every
+  other rank and receives theirs in place (batched send/recv), the same
+  (N-1)/N of the buffer as a ring all-gather.
+
+Measured here (gloo, torch 2.13, 1 thread per rank, 190 MiB buffer, 2 ranks /
+4 ranks): all-gather by exchange 61 / 163 ms, native 277 ms / -, as an
+all-reduce of a zero-filled buffer 159 / 399 ms; reduce-scatter by all-to-all
+plus sum 143 / 212 ms, by exchange plus sum 147 / 226 ms, an all-reduce of
+the same buffer 154 / 378 ms.
 
 With one rank every collective is the identity, and nothing is sent.
 """
@@ -32,12 +39,12 @@ class Algorithms:
     """How the logical reduce-scatter and all-gather run on this group's backend."""
 
     reduce_scatter: str  # "native" | "all_to_all"
-    all_gather: str  # "native" | "all_reduce"
+    all_gather: str  # "native" | "send_recv"
 
     @classmethod
     def for_group(cls, group: dist.ProcessGroup) -> "Algorithms":
         if dist.get_backend(group) == "gloo":
-            return cls(reduce_scatter="all_to_all", all_gather="all_reduce")
+            return cls(reduce_scatter="all_to_all", all_gather="send_recv")
         return cls(reduce_scatter="native", all_gather="native")
 
 
@@ -48,6 +55,7 @@ class Comm:
     group: dist.ProcessGroup
     recorder: CommRecorder
     algorithms: Algorithms
+    p2p_calls: int = 0  # tags point-to-point messages; every rank counts the same calls
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, recorder: CommRecorder) -> "Comm":
@@ -80,9 +88,11 @@ class Pending:
 
     def wait(self) -> None:
         start = time.perf_counter()
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        works = self._work if isinstance(self._work, list) else [self._work]
+        for work in works:
+            if work is not None:
+                work.wait()
+        self._work = None
         self._comm.recorder.add_seconds(self._op, time.perf_counter() - start)
         for fn in self._thens:
             fn()
@@ -156,12 +166,19 @@ def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True) -> Pending
         call = lambda: dist.all_gather_single(full, own, group=comm.group, async_op=True)  # noqa: E731
         return _launch(comm, "all_gather", nbytes, "native", call, async_op)
 
-    def zero_others_then_sum():
-        full[: rank * chunk].zero_()
-        full[(rank + 1) * chunk :].zero_()
-        return dist.all_reduce(full, group=comm.group, async_op=True)
+    def exchange():
+        comm.p2p_calls += 1
+        tag = comm.p2p_calls % (1 << 20)  # one tag per gather, so gathers in flight never mix
+        own = full[rank * chunk : (rank + 1) * chunk]
+        ops = []
+        for peer in range(n):
+            if peer != rank:
+                theirs = full[peer * chunk : (peer + 1) * chunk]
+                ops.append(dist.P2POp(dist.isend, own, group=comm.group, group_peer=peer, tag=tag))
+                ops.append(dist.P2POp(dist.irecv, theirs, group=comm.group, group_peer=peer, tag=tag))
+        return dist.batch_isend_irecv(ops)
 
-    return _launch(comm, "all_gather", nbytes, "all_reduce", zero_others_then_sum, async_op)
+    return _launch(comm, "all_gather", nbytes, "send_recv", exchange, async_op)
 
 
 def broadcast(comm: Comm, tensor: torch.Tensor, src: int = 0) -> None:
