@@ -59,9 +59,9 @@ def test_memory_stats_match_formula_and_storage(world):
         assert stats["master"] == 0
         assert stats["optimizer"] == 8 * (padded if stage == 0 else shard) + 4 * units
         # Buffers, in blocks of the largest unit: stage 0 reduces in place. Stages 1-2 (gloo)
-        # hold all-to-all scratch for up to 3 reductions (2 in flight + 1 launching); stage 2
-        # also stages gradients for those and for one unit being filled per param group (2).
-        blocks = {0: 0, 1: 3, 2: 3 + 3 + 2}[stage]
+        # hold all-to-all scratch for the one reduction in flight; stage 2 also stages its
+        # gradients and those of one unit being filled per param group (2 groups).
+        blocks = {0: 0, 1: 1, 2: 1 + 1 + 2}[stage]
         assert stats["buffers"] <= blocks * 4 * largest
         assert (stats["buffers"] > 0) == (stage > 0 and world > 1)
         if held is not None:

@@ -19,12 +19,14 @@ class GradReducer:
     """Per-backward bookkeeping: which units are ready, launched, in flight."""
 
     def __init__(self, units: list[ShardedUnit], comm: Comm, pool: BufferPool, overlap: bool,
-                 max_in_flight: int = 2):
+                 max_in_flight: int = 1):
         self.units = units
         self.comm = comm
         self.pool = pool
         self.overlap = overlap
-        self.max_in_flight = max_in_flight  # bounds staging/scratch buffers alive at once
+        # Reductions in flight while backward goes on: one overlaps the next unit's compute
+        # (double buffering); more only hold more staging and scratch buffers.
+        self.max_in_flight = max_in_flight
         self._missing = [0] * len(units)
         self._next = 0
         self._in_flight: list[Pending] = []
@@ -64,10 +66,10 @@ class GradReducer:
 
     def _launch(self, index: int) -> None:
         self._next = index + 1
-        pending = self.units[index].reduce_grad(self.comm, self.pool, self._scale)
-        if not self.overlap:
-            pending.wait()
-            return
-        self._in_flight.append(pending)
-        if len(self._in_flight) > self.max_in_flight:
+        while len(self._in_flight) >= self.max_in_flight:  # frees its buffers before taking new ones
             self._in_flight.pop(0).wait()
+        pending = self.units[index].reduce_grad(self.comm, self.pool, self._scale)
+        if self.overlap:
+            self._in_flight.append(pending)
+        else:
+            pending.wait()
