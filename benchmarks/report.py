@@ -154,6 +154,9 @@ def _header(results: dict) -> list[str]:
         (
             f"- Timing: {m['warmup']} warm-up steps, then {m['steps']} timed steps (forward + backward + optimizer step); "
             "step ms = median over the timed steps of the slowest rank's wall time of that step"
+            + (f"; every variant run {m['rounds']} times, interleaved round-robin, and its fastest round "
+               "reported (the machine's speed drifts over minutes; peak RSS is the largest round's)"
+               if m.get("rounds", 1) > 1 else "")
         ),
         (
             "- Memory: peak RSS = max over ranks of `getrusage(RUSAGE_SELF).ru_maxrss`; "

@@ -28,6 +28,7 @@ class Case:
     bucket: int = 4000  # elements: several units per param group
     overlap: bool = True
     schedule: bool = False  # an LR scheduler built on the optimizer before initialize
+    freeze: bool = False  # the position embedding frozen (requires_grad=False), still in the optimizer
 
     def config(self) -> dict:
         return {
@@ -42,9 +43,11 @@ class Case:
         }
 
 
-def make_model(seed: int = 0, device: str | torch.device = "cpu") -> GPT:
+def make_model(seed: int = 0, device: str | torch.device = "cpu", freeze: bool = False) -> GPT:
     torch.manual_seed(seed)
-    return GPT(GPT_CFG).to(device)
+    model = GPT(GPT_CFG).to(device)
+    model.wpe.weight.requires_grad_(not freeze)
+    return model
 
 
 def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -85,7 +88,7 @@ def flat_weights(model: torch.nn.Module) -> torch.Tensor:
 
 def train_reference(case: Case, world: int, steps: int) -> tuple[list[float], torch.Tensor]:
     """Single-process training on the global batch: (loss per step, final weights)."""
-    model = make_model()
+    model = make_model(freeze=case.freeze)
     opt = make_optimizer(case.optimizer, model)
     schedule = make_schedule(case, opt)
     losses = []
@@ -107,7 +110,7 @@ def train_zeroshard(rank: int, world: int, device, case: Case, steps: int):
     """One rank's zeroshard run: (mean loss over its micro-steps per step, final weights)."""
     import zeroshard
 
-    model = make_model(device=device)
+    model = make_model(device=device, freeze=case.freeze)
     opt = make_optimizer(case.optimizer, model)
     schedule = make_schedule(case, opt)
     engine = zeroshard.initialize(model, opt, case.config())

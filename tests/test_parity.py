@@ -1,7 +1,8 @@
 """Parity: every stage, at 1, 2 and 4 ranks, reproduces single-process PyTorch (fp32).
 
 Weights are read through `engine.full_state_dict()`; two cases also carry
-an LR scheduler built on the optimizer before `initialize`.
+an LR scheduler built on the optimizer before `initialize`, two a frozen
+parameter that AdamW's weight decay must not touch.
 
 DESIGN.md section 5: losses within 2e-5 and all weights together within
 1e-4 relative of the reference trained on the same global batch.
@@ -21,6 +22,8 @@ CASES = [
 ] + [
     Case(stage=1, overlap=False, schedule=True),
     Case(stage=2, accumulation=2, reduce_scatter=False, schedule=True),
+    Case(stage=1, freeze=True),
+    Case(stage=2, accumulation=2, freeze=True),
 ]
 
 

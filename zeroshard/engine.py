@@ -61,7 +61,7 @@ class Engine:
         self.units = self._build_units(model, groups)
         self.pool = BufferPool(block_numel=max((u.flat.padded_numel for u in self.units), default=0))
         self._broadcast_from_rank0(model)
-        units_of_group = [[u for u, g in zip(self.units, self._unit_group) if g == i] for i in range(len(groups))]
+        units_of_group = [[u for u in self.units if u.param_group == i] for i in range(len(groups))]
         shard_optimizer(optimizer, units_of_group, fuse=device.type in _FUSED_DEVICES)
         self.reducer = GradReducer(self.units, self.comm, self.pool, config.zero_optimization.overlap_comm)
         self._register_hooks()
@@ -74,10 +74,9 @@ class Engine:
     def _build_units(self, model: nn.Module, groups: list[list[nn.Parameter]]) -> list[ShardedUnit]:
         zero = self.config.zero_optimization
         max_numel = min(zero.reduce_bucket_size, zero.allgather_bucket_size)
-        buckets = bucket_params(model, groups, max_numel)
-        self._unit_group = [b.group for b in buckets]
         n, rank = self.comm.world_size, self.comm.rank
-        return [ShardedUnit(FlatParams(b.params, n, rank), self.switches, zero.reduce_scatter) for b in buckets]
+        return [ShardedUnit(FlatParams(b.params, n, rank), self.switches, zero.reduce_scatter, b.group)
+                for b in bucket_params(model, groups, max_numel)]
 
     def _broadcast_from_rank0(self, model: nn.Module) -> None:
         """Start every rank from rank 0's values: flat buffers, frozen parameters, module buffers."""

@@ -37,8 +37,9 @@ class StageSwitches:
 class ShardedUnit:
     """A bucket of parameters: flat values, gradient storage, and its collectives."""
 
-    def __init__(self, flat: FlatParams, switches: StageSwitches, reduce_scatter: bool):
+    def __init__(self, flat: FlatParams, switches: StageSwitches, reduce_scatter: bool, param_group: int):
         self.flat = flat
+        self.param_group = param_group  # index of the optimizer param group its parameters belong to
         self.switches = switches
         self.use_reduce_scatter = reduce_scatter
         if switches.shard_grads:
