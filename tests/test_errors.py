@@ -180,18 +180,26 @@ def _misuse(rank, world, device):
     }
 
 
+EXPECTED = {  # misuse -> a fragment of its message
+    "backward_twice": "engine.backward() was called twice without engine.step()",
+    "plain_backward": "call engine.backward(loss) instead of loss.backward()",
+    "step_first": "engine.step() was called without engine.backward(loss)",
+    "lbfgs": "LBFGS could not be run on flat shards",
+    "adafactor": "Adafactor does not update parameters element by element",
+    "lamb": "Lamb does not update parameters element by element",
+    "partial": "parameters ['wte.weight'] require grad but are in no param group",
+    "foreign": "not a parameter of the model",
+    "half_after_initialize": "no longer lives in zeroshard's flat buffer",
+    "failed_backward": "cannot continue: a backward failed on this rank (MemoryError",
+    "wrapped_twice": "already wrapped by a zeroshard engine",
+    "fp16_model": "are not float32",
+    "reentrant_reuse": "use_reentrant=False",
+}
+
+
 def test_misuse_is_explained():
     (errors,) = run_ranks(_misuse, 1)
-    assert "engine.backward() was called twice without engine.step()" in errors["backward_twice"]
-    assert "call engine.backward(loss) instead of loss.backward()" in errors["plain_backward"]
-    assert "engine.step() was called without engine.backward(loss)" in errors["step_first"]
-    assert "LBFGS could not be run on flat shards" in errors["lbfgs"]
-    assert "Adafactor does not update parameters element by element" in errors["adafactor"]
-    assert "Lamb does not update parameters element by element" in errors["lamb"]
-    assert "parameters ['wte.weight'] require grad but are in no param group" in errors["partial"]
-    assert "not a parameter of the model" in errors["foreign"]
-    assert "no longer lives in zeroshard's flat buffer" in errors["half_after_initialize"]
-    assert "cannot continue: a backward failed on this rank (MemoryError" in errors["failed_backward"]
-    assert "already wrapped by a zeroshard engine" in errors["wrapped_twice"]
-    assert "are not float32" in errors["fp16_model"]
-    assert "use_reentrant=False" in errors["reentrant_reuse"]
+    assert errors.keys() == EXPECTED.keys()
+    for misuse, fragment in EXPECTED.items():
+        assert errors[misuse] is not None, f"{misuse} raised nothing"
+        assert fragment in errors[misuse], (misuse, errors[misuse])
