@@ -31,6 +31,11 @@ def _different_model_on_rank1(rank, world, device):
     zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), {})
 
 
+def _different_lr_on_rank1(rank, world, device):
+    model = make_model()
+    zeroshard.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3 * (1 + rank)), {})
+
+
 def _different_config_on_rank1(rank, world, device):
     model = make_model()
     zeroshard.initialize(model, torch.optim.AdamW(model.parameters()),
@@ -42,6 +47,7 @@ def _different_config_on_rank1(rank, world, device):
      r"rank 1 differs from rank 0: parameter 'wte.weight' has shape \[65, 48\] there but \[65, 32\] "
      r"on rank 0. Every rank must build the same model"),
     (_different_config_on_rank1, r"rank 1 differs from rank 0: its config differs in zero_optimization"),
+    (_different_lr_on_rank1, r"rank 1 differs from rank 0: its optimizer param group 0 has other lr"),
 ])
 def test_ranks_that_differ_all_stop_with_the_same_error(fn, message):
     with pytest.raises(RankFailure) as failure:
@@ -52,6 +58,35 @@ def test_ranks_that_differ_all_stop_with_the_same_error(fn, message):
     for text in messages:
         assert "RankMismatchError" in text
         assert __import__("re").search(message, text), text
+
+
+class FailingBackward(torch.autograd.Function):
+    """Identity forward; its backward fails as an out-of-memory would."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise MemoryError("simulated out-of-memory in backward")
+
+
+class TwoSegments(torch.nn.Module):
+    """One weight used in two reentrant checkpoint segments: its gradient arrives twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+        self.v = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        # The weight is captured, not passed: each segment's recomputed backward accumulates it.
+        h = checkpoint(lambda t: t @ self.w, x, use_reentrant=True)
+        h = checkpoint(lambda t: t @ self.w, h, use_reentrant=True)
+        return (h @ self.v).sum()
 
 
 class Lamb(torch.optim.Optimizer):
@@ -95,6 +130,33 @@ def _misuse(rank, world, device):
         e = engine()
         e(*batch()).backward()
 
+    def half_after_initialize():
+        e = engine()
+        e.module.half()
+        e(*batch())
+
+    def failed_backward():
+        e = engine()
+        try:
+            e.backward(FailingBackward.apply(e(*batch())))
+        except MemoryError:
+            pass
+        e(*batch())
+
+    def wrapped_twice():
+        model = make_model()
+        zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), {})
+        zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), {})
+
+    def fp16_model():
+        model = make_model().half()
+        zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), {})
+
+    def reentrant_reuse():
+        model = TwoSegments()
+        e = zeroshard.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {})
+        e.backward(e(torch.randn(3, 4, requires_grad=True)))
+
     def optimizer_for(kind):
         model = make_model()
         opt = {"lbfgs": lambda: torch.optim.LBFGS(model.parameters()),
@@ -108,18 +170,36 @@ def _misuse(rank, world, device):
         "backward_twice": attempt(backward_twice),
         "plain_backward": attempt(plain_backward),
         "step_first": attempt(lambda: engine().step()),
+        "half_after_initialize": attempt(half_after_initialize),
+        "failed_backward": attempt(failed_backward),
+        "wrapped_twice": attempt(wrapped_twice),
+        "fp16_model": attempt(fp16_model),
+        "reentrant_reuse": attempt(reentrant_reuse),
         **{kind: attempt(lambda k=kind: optimizer_for(k))
            for kind in ("lbfgs", "adafactor", "lamb", "partial", "foreign")},
     }
 
 
+EXPECTED = {  # misuse -> a fragment of its message
+    "backward_twice": "engine.backward() was called twice without engine.step()",
+    "plain_backward": "call engine.backward(loss) instead of loss.backward()",
+    "step_first": "engine.step() was called without engine.backward(loss)",
+    "lbfgs": "LBFGS could not be run on flat shards",
+    "adafactor": "Adafactor does not update parameters element by element",
+    "lamb": "Lamb does not update parameters element by element",
+    "partial": "parameters ['wte.weight'] require grad but are in no param group",
+    "foreign": "not a parameter of the model",
+    "half_after_initialize": "no longer lives in zeroshard's flat buffer",
+    "failed_backward": "cannot continue: a backward failed on this rank (MemoryError",
+    "wrapped_twice": "already wrapped by a zeroshard engine",
+    "fp16_model": "are not float32",
+    "reentrant_reuse": "use_reentrant=False",
+}
+
+
 def test_misuse_is_explained():
     (errors,) = run_ranks(_misuse, 1)
-    assert "engine.backward() was called twice without engine.step()" in errors["backward_twice"]
-    assert "call engine.backward(loss) instead of loss.backward()" in errors["plain_backward"]
-    assert "engine.step() was called without engine.backward(loss)" in errors["step_first"]
-    assert "LBFGS could not be run on flat shards" in errors["lbfgs"]
-    assert "Adafactor does not update parameters element by element" in errors["adafactor"]
-    assert "Lamb does not update parameters element by element" in errors["lamb"]
-    assert "parameters ['wte.weight'] require grad but are in no param group" in errors["partial"]
-    assert "not a parameter of the model" in errors["foreign"]
+    assert errors.keys() == EXPECTED.keys()
+    for misuse, fragment in EXPECTED.items():
+        assert errors[misuse] is not None, f"{misuse} raised nothing"
+        assert fragment in errors[misuse], (misuse, errors[misuse])

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from zeroshard.comm import Comm, all_gather_object
+from zeroshard.optim import hyperparams
 
 
 class RankMismatchError(RuntimeError):
@@ -20,6 +21,9 @@ class RankMismatchError(RuntimeError):
 def describe(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> dict:
     names = {id(p): name for name, p in model.named_parameters()}
     return {
+        "buffers": [(name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers()],
+        "hyperparams": [sorted((k, repr(v)) for k, v in hyperparams(optimizer, g).items())
+                        for g in optimizer.param_groups],
         "parameters": [
             (name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()
         ],
@@ -52,6 +56,12 @@ def first_difference(ref: dict, other: dict) -> str | None:
         return f"its optimizer is {other['optimizer']}, rank 0's is {ref['optimizer']}"
     if ref["param_groups"] != other["param_groups"]:
         return "its optimizer param groups hold different parameters"
+    for i, (mine, theirs) in enumerate(zip(ref["hyperparams"], other["hyperparams"])):
+        if mine != theirs:
+            keys = sorted({k for k, _ in set(mine) ^ set(theirs)})
+            return f"its optimizer param group {i} has other {', '.join(keys)}"
+    if ref["buffers"] != other["buffers"]:
+        return "its module buffers differ in names, shapes or dtypes"
     if ref["config"] != other["config"]:
         keys = sorted(k for k in set(ref["config"]) | set(other["config"])
                       if ref["config"].get(k) != other["config"].get(k))

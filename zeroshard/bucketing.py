@@ -12,10 +12,6 @@ class Bucket:
     group: int  # index of the optimizer param group
     params: list[nn.Parameter] = field(default_factory=list)
 
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.params)
-
 
 def bucket_params(model: nn.Module, groups: list[list[nn.Parameter]], max_numel: int) -> list[Bucket]:
     """Split trainable parameters into buckets of at most `max_numel` elements.
@@ -34,6 +30,7 @@ def bucket_params(model: nn.Module, groups: list[list[nn.Parameter]], max_numel:
     group_of = {id(p): g for g, params in enumerate(groups) for p in params if p.requires_grad}
     open_buckets: dict[tuple, Bucket] = {}
     buckets: list[Bucket] = []
+    numel: dict[int, int] = {}  # id(bucket) -> elements so far
     completes_at: dict[int, int] = {}  # id(bucket) -> position of its last parameter
     for position, p in enumerate(reversed(list(model.parameters()))):
         g = group_of.get(id(p))
@@ -41,10 +38,12 @@ def bucket_params(model: nn.Module, groups: list[list[nn.Parameter]], max_numel:
             continue
         key = (g, p.dtype, p.device)
         bucket = open_buckets.get(key)
-        if bucket is None or (bucket.params and bucket.numel + p.numel() > max_numel):
+        if bucket is None or (bucket.params and numel[id(bucket)] + p.numel() > max_numel):
             bucket = Bucket(g)
             buckets.append(bucket)
             open_buckets[key] = bucket
+            numel[id(bucket)] = 0
         bucket.params.append(p)
+        numel[id(bucket)] += p.numel()
         completes_at[id(bucket)] = position
     return sorted(buckets, key=lambda b: completes_at[id(b)])

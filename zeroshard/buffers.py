@@ -12,7 +12,7 @@ import torch
 
 
 class BufferPool:
-    """Hands out 1-D tensors of at least the asked size, reusing returned ones."""
+    """Hands out 1-D tensors from reusable blocks of at least the largest unit's size."""
 
     def __init__(self, block_numel: int = 0) -> None:
         # Every block is at least the largest request expected (the largest unit), so any
@@ -38,6 +38,8 @@ class BufferPool:
         base = tensor._base if tensor._base is not None else tensor
         if not any(base is block for block in self._all):
             raise ValueError("released a tensor this pool did not hand out")
+        if any(base is block for block in self._free):
+            raise ValueError("released a buffer twice; two holders would share it")
         self._free.append(base)
 
     @property

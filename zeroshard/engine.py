@@ -17,9 +17,12 @@ from zeroshard.comm import Comm, CommRecorder, OpStats, all_reduce, broadcast, e
 from zeroshard.config import Config
 from zeroshard.flat import FlatParams
 from zeroshard.memory import model_state_bytes
-from zeroshard.optim import OptimizerError, shard_optimizer
+from zeroshard.optim import shard_optimizer
 from zeroshard.reducer import GradReducer
 from zeroshard.unit import ShardedUnit, StageSwitches
+from zeroshard.validate import (
+    check_device_matches_group, check_model, device_of, mark_wrapped, trainable_groups,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +49,25 @@ class Engine:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
                  group: dist.ProcessGroup | None = None):
-        device = _device_of(model)
+        device = device_of(model)
+        check_model(model)
         group = group or ensure_process_group(device)
+        check_device_matches_group(device, group)
+        if device.type == "cuda":  # NCCL's object collectives run on the current device
+            torch.cuda.set_device(device)
         self.module, self.optimizer, self.config = model, optimizer, config
         self.comm = Comm.create(group, CommRecorder())
-        self.switches = StageSwitches.for_stage(config.zero_optimization.stage)
+        self.switches = StageSwitches.for_stage(config.stage)
         self.micro_steps = 0  # backward passes so far
         self.global_steps = 0  # optimizer steps so far
         self.global_grad_norm: float | None = None  # of the last step, when clipping is on
         self._backward_pending = False
+        self._failed: str | None = None  # why this engine can no longer train, after a failed backward
 
+        groups = trainable_groups(model, optimizer)  # before any change: a failure leaves all as it was
         check_ranks_agree(self.comm, model, optimizer, config.to_dict())
-        groups = _trainable_groups(model, optimizer)
+        mark_wrapped(model)
+        self._names = {id(p): name for name, p in model.named_parameters()}
         self.units = self._build_units(model, groups)
         self.pool = BufferPool(block_numel=max((u.flat.padded_numel for u in self.units), default=0))
         self._broadcast_from_rank0(model)
@@ -65,9 +75,10 @@ class Engine:
         shard_optimizer(optimizer, units_of_group, fuse=device.type in _FUSED_DEVICES)
         self.reducer = GradReducer(self.units, self.comm, self.pool, config.zero_optimization.overlap_comm)
         self._register_hooks()
-        log.info("zeroshard stage %d on %d ranks: %d units, %d elements",
-                 config.zero_optimization.stage, self.comm.world_size, len(self.units),
-                 sum(u.flat.numel for u in self.units))
+        if self.comm.rank == 0:
+            log.info("zeroshard stage %d on %d ranks: %d units, %d elements",
+                     config.stage, self.comm.world_size, len(self.units),
+                     sum(u.flat.numel for u in self.units))
 
     # -- construction -------------------------------------------------------
 
@@ -86,6 +97,13 @@ class Engine:
             for tensor in [u.flat.data for u in self.units] + others + list(model.buffers()):
                 broadcast(self.comm, tensor, src=0)
 
+    def _broadcast_buffers(self) -> None:
+        """Keep module buffers (BatchNorm statistics, say) equal to rank 0's, as DDP does each forward."""
+        if self.comm.world_size > 1:
+            with torch.no_grad():
+                for buffer in self.module.buffers():
+                    broadcast(self.comm, buffer, src=0)
+
     def _register_hooks(self) -> None:
         for ui, unit in enumerate(self.units):
             for pi, p in enumerate(unit.params):
@@ -97,11 +115,13 @@ class Engine:
                 "a gradient was accumulated outside engine.backward(loss); call "
                 "engine.backward(loss) instead of loss.backward() so zeroshard can reduce it"
             )
-        self.reducer.on_grad(unit_index, param_index)
+        self.reducer.on_grad(unit_index, param_index, self._names[id(self.units[unit_index].params[param_index])])
 
     # -- training loop ------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
+        self._check_usable()
+        self._broadcast_buffers()
         return self.module(*args, **kwargs)
 
     def train(self, mode: bool = True) -> "Engine":
@@ -115,6 +135,15 @@ class Engine:
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
 
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        """Samples per rank per micro-step, as configured (None if the config leaves it out)."""
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int | None:
+        """Samples per optimizer step over all ranks: micro-batch x accumulation steps x N."""
+        micro = self.config.train_micro_batch_size_per_gpu
+        return None if micro is None else micro * self.gradient_accumulation_steps * self.comm.world_size
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step is the last of its accumulation window."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -126,6 +155,7 @@ class Engine:
         stage 2 reduce-scatters in every micro-step, so full gradients never
         outlive one backward.
         """
+        self._check_usable()
         if self._backward_pending:
             raise RuntimeError("engine.backward() was called twice without engine.step() in between; "
                                "call engine.step() after every backward, as DeepSpeed does")
@@ -134,29 +164,54 @@ class Engine:
         self.reducer.begin(reduce_now, scale)
         try:
             loss.backward()
-        finally:
-            self.reducer.finish()
+        except BaseException as exc:
+            self._fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
+            raise
+        self.reducer.finish(self._names)
         self._backward_pending = True
+
+    def _fail(self, why: str) -> None:
+        """Drop this window's partial gradients; the engine refuses to go on (ranks may be out of step)."""
+        self.reducer.abandon()
+        for unit in self.units:
+            unit.zero_grad(self.pool)
+        self._failed = why
+
+    def _check_usable(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"this engine cannot continue: {self._failed}. Its collectives may be out of "
+                               "step with the other ranks; restart the job (from a checkpoint)")
+        for unit in self.units:
+            if unit.params[0].data_ptr() != unit.flat.data.data_ptr():
+                raise RuntimeError(f"parameter '{self._names[id(unit.params[0])]}' no longer lives in "
+                                   "zeroshard's flat buffer (model.to(), .half() or .cuda() after initialize "
+                                   "replaces parameters); move and cast the model before zeroshard.initialize")
 
     def step(self) -> None:
         """End a micro-step; at the accumulation boundary clip, update and all-gather."""
+        self._check_usable()
         if not self._backward_pending:
             raise RuntimeError("engine.step() was called without engine.backward(loss) since the last step")
         self._backward_pending = False
+        self._failed: str | None = None  # why this engine can no longer train, after a failed backward
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
-        for unit in self.units:  # the user may have set the optimizer's grads to None
-            unit.master.grad = unit.grad_shard
         if self.config.gradient_clipping > 0:
             self._clip_gradients(self.config.gradient_clipping)
+        # The optimizer sees gradients only during its step, so the user's optimizer.zero_grad()
+        # between micro-steps cannot touch the window's accumulating gradients.
+        for unit in self.units:
+            unit.master.grad = unit.grad_shard
         self.optimizer.step()
+        for unit in self.units:
+            unit.master.grad = None
         if self.switches.shard_optimizer:
             for pending in [unit.gather_params(self.comm) for unit in self.units]:
                 pending.wait()
         for unit in self.units:
-            unit.zero_grad()
+            unit.zero_grad(self.pool)
         self.global_steps += 1
 
     def _clip_gradients(self, max_norm: float) -> None:
@@ -186,33 +241,3 @@ class Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The complete model state dict (full tensors, copies) on every rank."""
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    devices = {p.device for p in model.parameters()}
-    if not devices:
-        raise ValueError("the model has no parameters; zeroshard shards parameters and their states")
-    if len(devices) > 1:
-        raise ValueError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
-                         "move the model to one device (model.to(device)) before zeroshard.initialize")
-    return devices.pop()
-
-
-def _trainable_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
-    """The optimizer's param groups, checked against the model; frozen parameters left out."""
-    if optimizer.state:
-        raise OptimizerError("the optimizer already has state; pass a freshly built optimizer to "
-                             "zeroshard.initialize (load a checkpoint through the engine instead)")
-    names = {id(p): name for name, p in model.named_parameters()}
-    seen: set[int] = set()
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in names:
-                raise OptimizerError(f"the optimizer holds a tensor of shape {list(p.shape)} that is not a "
-                                     "parameter of the model; build it from model.parameters()")
-            seen.add(id(p))
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
-    if missing:
-        raise OptimizerError(f"parameters {missing} require grad but are in no param group of the optimizer; "
-                             "add them to the optimizer or set requires_grad=False")
-    return [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]

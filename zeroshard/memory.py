@@ -33,7 +33,7 @@ def model_state_bytes(
     """Bytes per kind of model state; `buffers` are the pooled communication buffers."""
     seen: set[int] = set()
     params = _storage_bytes([u.flat.data for u in units] + [p.data for p in model.parameters()], seen)
-    grads = _storage_bytes([u.grad_shard if u.switches.shard_grads else u.grad for u in units]
+    grads = _storage_bytes([u.grad_shard for u in units] + [u.full_grad for u in units]
                            + [p.grad for p in model.parameters()], seen)
     master = _storage_bytes([u.master for u in units], seen)
     opt = _storage_bytes(state_tensors(optimizer), seen)

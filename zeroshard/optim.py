@@ -2,7 +2,7 @@
 
 The optimizer object is kept (LR schedulers already attached to it keep
 working); only each param group's "params" list is replaced by the master
-tensors (fp32 shards at stage >= 1) of the units built from that group.
+tensors (this rank's shards at stage >= 1) of the units built from that group.
 That is sound only for optimizers that work element by element, so each
 param group's optimizer is probed first.
 """
@@ -36,26 +36,29 @@ def hyperparams(optimizer: torch.optim.Optimizer, group: dict) -> dict:
 def check_elementwise(optimizer: torch.optim.Optimizer, group: dict) -> None:
     """Raise OptimizerError unless the optimizer's update is the same however elements are split.
 
-    Two steps on one (6, 5) tensor must equal two steps on its 30 elements
-    split as 7 + 23, and every state tensor must be a scalar or the
-    parameter's size. This rejects factored or per-tensor optimizers
-    (Adafactor's row/column moments, LAMB's trust ratio, LBFGS's history).
+    Two steps on one (6, 5) tensor must equal two steps of two separate
+    optimizers on its 30 elements split as 7 + 23 (as ranks hold shards), and
+    every state tensor must be a scalar or the parameter's size. This rejects
+    factored, per-tensor or global-norm optimizers (Adafactor's row/column
+    moments, LAMB's trust ratio, LBFGS's history).
     """
     cls, hp = type(optimizer), hyperparams(optimizer, group)
-    hp.pop("fused", None)  # probe the reference implementation
+    hp.pop("fused", None)  # probe the reference implementation, on the CPU
+    hp.pop("capturable", None)
     gen = torch.Generator().manual_seed(0)
     start = torch.randn(6, 5, generator=gen)
     grads = [torch.randn(6, 5, generator=gen) for _ in range(2)]
     whole = start.clone().requires_grad_()
     pieces = [t.clone().requires_grad_() for t in start.reshape(-1).split([7, 23])]
     try:
-        opt_whole, opt_pieces = cls([whole], **hp), cls(pieces, **hp)
+        opt_whole, opts_pieces = cls([whole], **hp), [cls([piece], **hp) for piece in pieces]
         for g in grads:
             whole.grad = g.clone()
             for piece, gp in zip(pieces, g.reshape(-1).split([7, 23])):
                 piece.grad = gp.clone()
             opt_whole.step()
-            opt_pieces.step()
+            for opt in opts_pieces:
+                opt.step()
     except Exception as exc:  # any failure to run plainly on tensors is disqualifying
         raise OptimizerError(
             f"{cls.__name__} could not be run on flat shards ({type(exc).__name__}: {exc}); "
@@ -85,7 +88,6 @@ def shard_optimizer(
     class has one (same math, one kernel over few large tensors).
     """
     for group, units in zip(optimizer.param_groups, units_of_group):
-        check_elementwise(optimizer, group)
         group["params"] = [unit.master for unit in units]
         if fuse and "fused" in optimizer.defaults and group.get("fused") is None:
             group["fused"] = True

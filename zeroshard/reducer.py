@@ -2,63 +2,100 @@
 
 Every rank must issue the same collectives in the same order. Backward
 finishes units in an order that can differ between ranks (a parameter unused
-on one rank, threads racing), so a unit is launched only once it and every
-unit before it in the fixed list are ready; a late unit delays its
-successors but never swaps places with them. Units never reached (unused
-parameters) are launched at the end of backward with zero gradients.
+on one rank only), so a unit is launched only once it and every unit before
+it in the fixed list are ready; a late unit delays its successors but never
+swaps places with them. Units never reached (unused parameters) are launched
+at the end of backward with zero gradients for what was missing.
 """
 
 from __future__ import annotations
+
+import logging
 
 from zeroshard.buffers import BufferPool
 from zeroshard.comm import Comm, Pending
 from zeroshard.unit import ShardedUnit
 
+log = logging.getLogger(__name__)
+
+# One reduction in flight overlaps the next unit's backward (double buffering);
+# more would only hold more staging and scratch buffers, and on CPU they
+# contend with backward for the same cores.
+MAX_IN_FLIGHT = 1
+
 
 class GradReducer:
     """Per-backward bookkeeping: which units are ready, launched, in flight."""
 
-    def __init__(self, units: list[ShardedUnit], comm: Comm, pool: BufferPool, overlap: bool,
-                 max_in_flight: int = 1):
+    def __init__(self, units: list[ShardedUnit], comm: Comm, pool: BufferPool, overlap: bool):
         self.units = units
         self.comm = comm
         self.pool = pool
         self.overlap = overlap
-        # Reductions in flight while backward goes on: one overlaps the next unit's compute
-        # (double buffering); more only hold more staging and scratch buffers.
-        self.max_in_flight = max_in_flight
         self._missing = [0] * len(units)
+        self._seen: set[tuple[int, int]] = set()
         self._next = 0
         self._in_flight: list[Pending] = []
         self._reduce = False
         self._scale = 1.0
+        self._warned_unused: set[tuple[int, int]] = set()
         self.active = False
 
     def begin(self, reduce: bool, scale: float) -> None:
         """Start one backward; `reduce` says whether this micro-step communicates."""
         self.active, self._reduce, self._scale, self._next = True, reduce, scale, 0
-        self._missing = [sum(p.requires_grad for p in u.params) for u in self.units]
+        self._missing = [len(u.params) for u in self.units]
+        self._seen.clear()
         for unit in self.units:
             unit.attach_grads()
 
-    def on_grad(self, unit_index: int, param_index: int) -> None:
+    def on_grad(self, unit_index: int, param_index: int, name: str) -> None:
         """A parameter's gradient for this backward is complete (autograd hook)."""
         unit = self.units[unit_index]
+        if (unit_index, param_index) in self._seen and unit_index < self._next:
+            raise RuntimeError(
+                f"parameter '{name}' received a second gradient in one backward after its bucket was "
+                "already reduced (reentrant activation checkpointing does this); use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
         if unit.switches.shard_grads:
             unit.stage_grad(param_index, self.pool)
-        self._missing[unit_index] -= 1
+        if (unit_index, param_index) not in self._seen:
+            self._seen.add((unit_index, param_index))
+            self._missing[unit_index] -= 1
         if self._reduce:
             self._launch_ready()
 
-    def finish(self) -> None:
+    def finish(self, names: dict[int, str]) -> None:
         """After backward: launch what is left, in order, and wait for everything."""
-        if self._reduce:
-            while self._next < len(self.units):
-                self._launch(self._next)
-        for pending in self._in_flight:
-            pending.wait()
-        self._in_flight.clear()
-        self.active = False
+        try:
+            if self._reduce:
+                self._warn_unused(names)
+                while self._next < len(self.units):
+                    self._launch(self._next)
+            for pending in self._in_flight:
+                pending.wait()
+        finally:
+            self._in_flight.clear()
+            self.active = False
+
+    def abandon(self) -> None:
+        """After a failed backward: let launched reductions land, then forget this backward."""
+        try:
+            for pending in self._in_flight:
+                pending.wait()
+        finally:
+            self._in_flight.clear()
+            self.active = False
+
+    def _warn_unused(self, names: dict[int, str]) -> None:
+        unused = [(ui, pi) for ui, u in enumerate(self.units) for pi in range(len(u.params))
+                  if (ui, pi) not in self._seen and (ui, pi) not in self._warned_unused]
+        if unused:
+            self._warned_unused.update(unused)
+            listed = ", ".join(names[id(self.units[ui].params[pi])] for ui, pi in unused)
+            log.warning("parameters received no gradient in this backward and are reduced as zero "
+                        "(the optimizer still applies weight decay and momentum to them): %s", listed)
 
     def _launch_ready(self) -> None:
         while self._next < len(self.units) and self._missing[self._next] <= 0:
@@ -66,7 +103,7 @@ class GradReducer:
 
     def _launch(self, index: int) -> None:
         self._next = index + 1
-        while len(self._in_flight) >= self.max_in_flight:  # frees its buffers before taking new ones
+        while len(self._in_flight) >= MAX_IN_FLIGHT:  # frees its buffers before taking new ones
             self._in_flight.pop(0).wait()
         pending = self.units[index].reduce_grad(self.comm, self.pool, self._scale)
         if self.overlap:

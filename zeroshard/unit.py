@@ -6,8 +6,8 @@ holds depends on two of the stage's switches:
 - `shard_optimizer` (stage >= 1): the optimizer sees only this rank's shard of
   the flat buffer (`master`), and the updated shards are all-gathered.
 - `shard_grads` (stage >= 2): only this rank's gradient shard persists; each
-  micro-step's full gradients are staged in a pooled buffer just long enough
-  to be reduce-scattered.
+  micro-step's full gradients are staged in a pooled buffer from the unit's
+  first gradient until its reduce-scatter lands.
 """
 
 from __future__ import annotations
@@ -23,35 +23,43 @@ from zeroshard.flat import FlatParams
 
 @dataclass(frozen=True)
 class StageSwitches:
-    """The three switches a ZeRO stage is made of (DESIGN.md section 3)."""
+    """The switches a ZeRO stage is made of (DESIGN.md section 3); stage 3 adds shard_params."""
 
     shard_optimizer: bool
     shard_grads: bool
-    shard_params: bool
 
     @classmethod
     def for_stage(cls, stage: int) -> "StageSwitches":
-        return cls(stage >= 1, stage >= 2, stage >= 3)
+        return cls(stage >= 1, stage >= 2)
 
 
 class ShardedUnit:
-    """A bucket of parameters: flat values, gradient storage, and its collectives."""
+    """A bucket of parameters: flat values, gradient storage, and its collectives.
 
-    def __init__(self, flat: FlatParams, switches: StageSwitches, reduce_scatter: bool, param_group: int):
+    Gradient tensors, by role:
+    - `full_grad` (stages 0-1; 1-D, padded): every parameter's `.grad` is a view
+      of it, so autograd accumulates micro-steps in place;
+    - `staging` (stage 2; 1-D, padded, pooled): this micro-step's gradients,
+      alive from the unit's first gradient until its reduction lands;
+    - `grad_shard` (1-D, shard): this rank's reduced, averaged gradient, the
+      optimizer's gradient (at stage 0 the whole `full_grad`, at stage 1 a view of it).
+    """
+
+    def __init__(self, flat: FlatParams, switches: StageSwitches, use_reduce_scatter: bool, param_group: int):
         self.flat = flat
-        self.param_group = param_group  # index of the optimizer param group its parameters belong to
         self.switches = switches
-        self.use_reduce_scatter = reduce_scatter
+        self.use_reduce_scatter = use_reduce_scatter  # false: all-reduce + slice, for comparison
+        self.param_group = param_group  # index of the optimizer param group its parameters belong to
+        self.full_grad: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None
         if switches.shard_grads:
-            self.grad = None  # full gradient: only staged during a micro-step's backward
             self.grad_shard = torch.zeros(flat.shard_numel, dtype=flat.dtype, device=flat.device)
         else:
-            self.grad = torch.zeros(flat.padded_numel, dtype=flat.dtype, device=flat.device)
-            self.grad_shard = flat.shard(self.grad) if switches.shard_optimizer else self.grad
+            self.full_grad = torch.zeros(flat.padded_numel, dtype=flat.dtype, device=flat.device)
+            self.grad_shard = flat.shard(self.full_grad) if switches.shard_optimizer else self.full_grad
         # What the optimizer updates: in fp32 the parameters' own storage, no copy.
         self.master = flat.shard(flat.data) if switches.shard_optimizer else flat.data
-        self.master.grad = self.grad_shard
-        self._written = [False] * len(flat.params)  # stage 2: which slots of the staging buffer hold this micro-step's gradient
+        self._staged = [False] * len(flat.params)  # stage 2: slots of `staging` holding this micro-step
         self._accumulated = False  # stage 2: grad_shard already holds part of this window
 
     @property
@@ -59,28 +67,27 @@ class ShardedUnit:
         return self.flat.params
 
     def attach_grads(self) -> None:
-        """Point each parameter's `.grad` at its view of the flat gradient (stages 0-1).
+        """Point each parameter's `.grad` at its view of `full_grad` (stages 0-1).
 
-        Autograd then accumulates in place into the flat buffer, micro-step
-        after micro-step; re-attached before every backward in case the user
-        set `.grad` to None.
+        Re-attached before every backward in case the user set `.grad` to None.
         """
-        if self.switches.shard_grads:
+        if self.full_grad is None:
             return
-        for p, view in zip(self.params, self.flat.views(self.grad)):
+        for p, view in zip(self.params, self.flat.views(self.full_grad)):
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
 
     def stage_grad(self, index: int, pool: BufferPool) -> None:
-        """Copy parameter `index`'s fresh gradient into the staging buffer and free it (stage 2)."""
-        if self.grad is None:
-            self.grad = pool.acquire(self.flat.padded_numel, self.flat.dtype, self.flat.device)
-        p, slot = self.params[index], self.flat.slot(index, self.grad)
-        if self._written[index]:  # a second gradient in one backward (reentrant checkpointing)
-            slot.add_(p.grad.reshape(-1))
+        """Copy parameter `index`'s fresh gradient into `staging` and free it (stage 2)."""
+        if self.staging is None:
+            self.staging = pool.acquire(self.flat.padded_numel, self.flat.dtype, self.flat.device)
+        p, slot = self.params[index], self.flat.slot(index, self.staging)
+        grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)  # Embedding(sparse=True)
+        if self._staged[index]:  # a second gradient before the unit launched (reentrant checkpointing)
+            slot.add_(grad)
         else:
-            slot.copy_(p.grad.reshape(-1))
-        self._written[index] = True
+            slot.copy_(grad)
+        self._staged[index] = True
         p.grad = None
 
     def reduce_grad(self, comm: Comm, pool: BufferPool, scale: float) -> Pending:
@@ -92,13 +99,13 @@ class ShardedUnit:
         if self.switches.shard_grads:
             return self._reduce_staged(comm, pool, scale)
         if not self.switches.shard_optimizer:
-            return all_reduce(comm, self.grad).then(lambda: self.grad.mul_(scale))
+            return all_reduce(comm, self.full_grad).then(lambda: self.full_grad.mul_(scale))
         if self.use_reduce_scatter:
             scratch = self._scratch(comm, pool)
-            pending = reduce_scatter(comm, self.grad_shard, self.grad, scratch)
+            pending = reduce_scatter(comm, self.grad_shard, self.full_grad, scratch)
             pending.then(lambda: self._release(pool, scratch))
         else:
-            pending = all_reduce(comm, self.grad)
+            pending = all_reduce(comm, self.full_grad)
         return pending.then(lambda: self.grad_shard.mul_(scale))
 
     def _reduce_staged(self, comm: Comm, pool: BufferPool, scale: float) -> Pending:
@@ -120,20 +127,20 @@ class ShardedUnit:
                 pool.release(out)
             pool.release(staging)
 
-        self.grad = None
+        self.staging = None
         self._accumulated = True
-        self._written = [False] * len(self.params)
+        self._staged = [False] * len(self.params)
         return pending.then(accumulate)
 
     def _staging_with_zeros(self, pool: BufferPool) -> torch.Tensor:
-        """The staging buffer, with every slot no gradient reached (unused parameters) zeroed."""
-        if self.grad is None:
-            self.grad = pool.acquire(self.flat.padded_numel, self.flat.dtype, self.flat.device)
-        for i, written in enumerate(self._written):
-            if not written:
-                self.flat.slot(i, self.grad).zero_()
-        self.flat.padding(self.grad).zero_()
-        return self.grad
+        """`staging`, with every slot no gradient reached (unused parameters) zeroed."""
+        if self.staging is None:
+            self.staging = pool.acquire(self.flat.padded_numel, self.flat.dtype, self.flat.device)
+        for i, staged in enumerate(self._staged):
+            if not staged:
+                self.flat.slot(i, self.staging).zero_()
+        self.flat.padding(self.staging).zero_()
+        return self.staging
 
     def _scratch(self, comm: Comm, pool: BufferPool) -> torch.Tensor | None:
         if comm.world_size == 1 or comm.algorithms.reduce_scatter != "all_to_all":
@@ -149,10 +156,14 @@ class ShardedUnit:
         """All-gather the updated shards into the full flat buffer (stages 1-2)."""
         return all_gather(comm, self.flat.data)
 
-    def zero_grad(self) -> None:
-        """Start a new accumulation window."""
-        if self.switches.shard_grads:
-            self.grad_shard.zero_()
-            self._accumulated = False
-        else:
-            self.grad.zero_()
+    def zero_grad(self, pool: BufferPool) -> None:
+        """Start a new accumulation window (also after a failed backward)."""
+        if self.full_grad is not None:
+            self.full_grad.zero_()
+            return
+        self.grad_shard.zero_()
+        self._accumulated = False
+        self._staged = [False] * len(self.params)
+        if self.staging is not None:
+            pool.release(self.staging)
+            self.staging = None

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -80,13 +81,20 @@ class Pending:
     def __init__(self, comm: Comm, op: str, work=None):
         self._comm, self._op, self._work = comm, op, work
         self._thens: list[Callable[[], object]] = []
+        self._done = False
 
     def then(self, fn: Callable[[], object]) -> "Pending":
-        """Run `fn` once the collective has landed (at `wait`), after earlier ones."""
-        self._thens.append(fn)
+        """Run `fn` once the collective has landed (at `wait`, or now if it was waited for)."""
+        if self._done:
+            fn()
+        else:
+            self._thens.append(fn)
         return self
 
     def wait(self) -> None:
+        if self._done:
+            return
+        self._done = True
         start = time.perf_counter()
         works = self._work if isinstance(self._work, list) else [self._work]
         for work in works:
@@ -114,11 +122,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _nothing() -> None:
+    """The call of a collective over one rank: there is nothing to send."""
+
+
 def all_reduce(comm: Comm, tensor: torch.Tensor, async_op: bool = True) -> Pending:
     """Sum `tensor` over the group, in place. Logical bytes: the tensor."""
     if comm.world_size == 1:
-        return _launch(comm, "all_reduce", _nbytes(tensor), "local", lambda: None, async_op)
-    call = lambda: dist.all_reduce(tensor, group=comm.group, async_op=True)  # noqa: E731
+        return _launch(comm, "all_reduce", _nbytes(tensor), "local", _nothing, async_op)
+    call = partial(dist.all_reduce, tensor, group=comm.group, async_op=True)
     return _launch(comm, "all_reduce", _nbytes(tensor), "native", call, async_op)
 
 
@@ -137,13 +149,13 @@ def reduce_scatter(
     if n == 1:
         if shard.data_ptr() != full.data_ptr():
             shard.copy_(full)
-        return _launch(comm, "reduce_scatter", nbytes, "local", lambda: None, async_op)
+        return _launch(comm, "reduce_scatter", nbytes, "local", _nothing, async_op)
     if comm.algorithms.reduce_scatter == "native":
-        call = lambda: dist.reduce_scatter_single(shard, full, group=comm.group, async_op=True)  # noqa: E731
+        call = partial(dist.reduce_scatter_single, shard, full, group=comm.group, async_op=True)
         return _launch(comm, "reduce_scatter", nbytes, "native", call, async_op)
     if scratch is None:
         raise ValueError("the all_to_all reduce-scatter needs a scratch buffer the size of `full`")
-    call = lambda: dist.all_to_all_single(scratch, full, group=comm.group, async_op=True)  # noqa: E731
+    call = partial(dist.all_to_all_single, scratch, full, group=comm.group, async_op=True)
     pending = _launch(comm, "reduce_scatter", nbytes, "all_to_all+sum", call, async_op=True)
     pending.then(lambda: torch.sum(scratch.view(n, -1), dim=0, out=shard))
     if not async_op:
@@ -159,11 +171,11 @@ def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True) -> Pending
     n, rank = comm.world_size, comm.rank
     nbytes = _nbytes(full)
     if n == 1:
-        return _launch(comm, "all_gather", nbytes, "local", lambda: None, async_op)
+        return _launch(comm, "all_gather", nbytes, "local", _nothing, async_op)
     chunk = full.numel() // n
     if comm.algorithms.all_gather == "native":
         own = full[rank * chunk : (rank + 1) * chunk]
-        call = lambda: dist.all_gather_single(full, own, group=comm.group, async_op=True)  # noqa: E731
+        call = partial(dist.all_gather_single, full, own, group=comm.group, async_op=True)
         return _launch(comm, "all_gather", nbytes, "native", call, async_op)
 
     def exchange():
@@ -182,11 +194,11 @@ def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True) -> Pending
 
 
 def broadcast(comm: Comm, tensor: torch.Tensor, src: int = 0) -> None:
-    """Overwrite `tensor` on every rank with rank `src`'s. Logical bytes: the tensor."""
+    """Overwrite `tensor` on every rank with rank `src`'s (rank within the group). Logical bytes: the tensor."""
     if comm.world_size == 1:
-        _launch(comm, "broadcast", _nbytes(tensor), "local", lambda: None, async_op=False)
+        _launch(comm, "broadcast", _nbytes(tensor), "local", _nothing, async_op=False)
         return
-    call = lambda: dist.broadcast(tensor, src=src, group=comm.group, async_op=True)  # noqa: E731
+    call = partial(dist.broadcast, tensor, group=comm.group, group_src=src, async_op=True)
     _launch(comm, "broadcast", _nbytes(tensor), "native", call, async_op=False)
 
 
