@@ -13,11 +13,11 @@ are slower than an all-reduce of the same buffer, so there:
   other rank and receives theirs in place (batched send/recv), the same
   (N-1)/N of the buffer as a ring all-gather.
 
-Measured here (gloo, torch 2.13, 1 thread per rank, 190 MiB buffer, 2 ranks /
-4 ranks): all-gather by exchange 61 / 163 ms, native 277 ms / -, as an
-all-reduce of a zero-filled buffer 159 / 399 ms; reduce-scatter by all-to-all
-plus sum 143 / 212 ms, by exchange plus sum 147 / 226 ms, an all-reduce of
-the same buffer 154 / 378 ms.
+Measured with `torchrun --nproc-per-node 2|4 benchmarks/collectives.py` (gloo,
+torch 2.13, 1 thread per rank, 190 MiB fp32 buffer, 2-core CPU machine),
+milliseconds at 2 / 4 ranks: all-gather by exchange 83 / 161, native 220 /
+372, as an all-reduce of a zero-filled buffer 193 / 398; reduce-scatter by
+all-to-all plus sum 149 / 210, native 308 / 614; an all-reduce 167 / 370.
 
 With one rank every collective is the identity, and nothing is sent.
 """
