@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import os
 import resource
@@ -18,7 +17,6 @@ import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.distributed as dist
@@ -27,24 +25,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from variants import BUILDERS, LIBRARY, Settings
+from variants import BUILDERS, LIBRARY, Settings  # noqa: E402 (after the path set-up)
 
-
-def import_submodule(name: str) -> ModuleType:
-    """Import `zeroshard.<sub>` even while the package `__init__` cannot import yet.
-
-    The package `__init__` imports the engine; the model and the corpus do not
-    need it, so on failure the submodule is loaded from its file alone.
-    """
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        path = REPO.joinpath(*name.split(".")).with_suffix(".py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up here
-        spec.loader.exec_module(module)
-        return module
+from zeroshard.data import CharCorpus, load_text, micro_batch  # noqa: E402
+from zeroshard.models.gpt import GPT, PRESETS  # noqa: E402
 
 
 def peak_rss_bytes() -> int:
@@ -52,31 +36,28 @@ def peak_rss_bytes() -> int:
 
 
 def prepare_corpus(path: Path) -> None:
-    data = import_submodule("zeroshard.data")
-    corpus = data.CharCorpus.from_text(data.load_text())
+    corpus = CharCorpus.from_text(load_text())
     torch.save({"ids": corpus.ids, "alphabet": corpus.alphabet}, path)
 
 
 def train(args: argparse.Namespace) -> dict:
-    gpt = import_submodule("zeroshard.models.gpt")
-    data = import_submodule("zeroshard.data")
     rank, world = dist.get_rank(), dist.get_world_size()
     saved = torch.load(args.corpus, weights_only=True)
-    corpus = data.CharCorpus(saved["ids"], saved["alphabet"])
-    cfg = replace(gpt.PRESETS[args.size], vocab_size=corpus.vocab_size)
+    corpus = CharCorpus(saved["ids"], saved["alphabet"])
+    cfg = replace(PRESETS[args.size], vocab_size=corpus.vocab_size)
     settings = Settings(mode=args.mode, lr=args.lr, micro_batch=args.micro_batch, bucket_elems=args.bucket_elems)
 
     importlib.import_module(LIBRARY[args.variant])  # its import cost belongs to the baseline
     base_rss = peak_rss_bytes()  # imports, process group and corpus; before any model state
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every variant
-    model = gpt.GPT(cfg)
+    model = GPT(cfg)
     num_params = model.num_params()
     step = BUILDERS[args.variant](model, settings)
 
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         batch = corpus.global_batch(i, rows=args.micro_batch * world, block_size=cfg.block_size, seed=args.seed)
-        x, y = data.micro_batch(batch, rank, world, 0, 1)
+        x, y = micro_batch(batch, rank, world, 0, 1)
         start = time.perf_counter()
         loss = step(x, y)
         times.append(time.perf_counter() - start)

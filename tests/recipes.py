@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zeroshard import data
 from zeroshard.models import GPT, PRESETS
 
 GPT_CFG = PRESETS["tiny"]
@@ -76,10 +77,9 @@ def global_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def micro_batch(step: int, case: Case, world: int, rank: int, micro: int):
-    """Rank `rank`'s rows of micro-step `micro` (the global batch is micro-step major)."""
-    x, y = global_batch(step, case.micro_rows * world * case.accumulation)
-    lo = (micro * world + rank) * case.micro_rows
-    return x[lo : lo + case.micro_rows], y[lo : lo + case.micro_rows]
+    """Rank `rank`'s rows of micro-step `micro`, laid out as the demo lays them out."""
+    batch = global_batch(step, case.micro_rows * world * case.accumulation)
+    return data.micro_batch(batch, rank, world, micro, case.accumulation)
 
 
 def flat_weights(model: torch.nn.Module) -> torch.Tensor:

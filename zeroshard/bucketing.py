@@ -11,6 +11,8 @@ import torch.nn as nn
 class Bucket:
     group: int  # index of the optimizer param group
     params: list[nn.Parameter] = field(default_factory=list)
+    numel: int = 0  # elements so far
+    completes_at: int = 0  # position, in backward order, of its last parameter
 
 
 def bucket_params(model: nn.Module, groups: list[list[nn.Parameter]], max_numel: int) -> list[Bucket]:
@@ -30,20 +32,17 @@ def bucket_params(model: nn.Module, groups: list[list[nn.Parameter]], max_numel:
     group_of = {id(p): g for g, params in enumerate(groups) for p in params if p.requires_grad}
     open_buckets: dict[tuple, Bucket] = {}
     buckets: list[Bucket] = []
-    numel: dict[int, int] = {}  # id(bucket) -> elements so far
-    completes_at: dict[int, int] = {}  # id(bucket) -> position of its last parameter
     for position, p in enumerate(reversed(list(model.parameters()))):
         g = group_of.get(id(p))
         if g is None:
             continue
         key = (g, p.dtype, p.device)
         bucket = open_buckets.get(key)
-        if bucket is None or (bucket.params and numel[id(bucket)] + p.numel() > max_numel):
+        if bucket is None or (bucket.params and bucket.numel + p.numel() > max_numel):
             bucket = Bucket(g)
             buckets.append(bucket)
             open_buckets[key] = bucket
-            numel[id(bucket)] = 0
         bucket.params.append(p)
-        numel[id(bucket)] += p.numel()
-        completes_at[id(bucket)] = position
-    return sorted(buckets, key=lambda b: completes_at[id(b)])
+        bucket.numel += p.numel()
+        bucket.completes_at = position
+    return sorted(buckets, key=lambda b: b.completes_at)

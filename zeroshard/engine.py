@@ -73,7 +73,8 @@ class Engine:
         self._broadcast_from_rank0(model)
         units_of_group = [[u for u in self.units if u.param_group == i] for i in range(len(groups))]
         shard_optimizer(optimizer, units_of_group, fuse=device.type in _FUSED_DEVICES)
-        self.reducer = GradReducer(self.units, self.comm, self.pool, config.zero_optimization.overlap_comm)
+        self.reducer = GradReducer(self.units, self.comm, self.pool, config.zero_optimization.overlap_comm,
+                                   self._names)
         self._register_hooks()
         if self.comm.rank == 0:
             log.info("zeroshard stage %d on %d ranks: %d units, %d elements",
@@ -94,8 +95,9 @@ class Engine:
         in_units = {id(p) for u in self.units for p in u.params}
         others = [p.data for p in model.parameters() if id(p) not in in_units]
         with torch.no_grad():
-            for tensor in [u.flat.data for u in self.units] + others + list(model.buffers()):
+            for tensor in [u.flat.data for u in self.units] + others:
                 broadcast(self.comm, tensor, src=0)
+        self._broadcast_buffers()
 
     def _broadcast_buffers(self) -> None:
         """Keep module buffers (BatchNorm statistics, say) equal to rank 0's, as DDP does each forward."""
@@ -115,7 +117,7 @@ class Engine:
                 "a gradient was accumulated outside engine.backward(loss); call "
                 "engine.backward(loss) instead of loss.backward() so zeroshard can reduce it"
             )
-        self.reducer.on_grad(unit_index, param_index, self._names[id(self.units[unit_index].params[param_index])])
+        self.reducer.on_grad(unit_index, param_index)
 
     # -- training loop ------------------------------------------------------
 
@@ -167,7 +169,7 @@ class Engine:
         except BaseException as exc:
             self._fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
             raise
-        self.reducer.finish(self._names)
+        self.reducer.finish()
         self._backward_pending = True
 
     def _fail(self, why: str) -> None:
@@ -193,7 +195,6 @@ class Engine:
         if not self._backward_pending:
             raise RuntimeError("engine.step() was called without engine.backward(loss) since the last step")
         self._backward_pending = False
-        self._failed: str | None = None  # why this engine can no longer train, after a failed backward
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:

@@ -27,8 +27,10 @@ MAX_IN_FLIGHT = 1
 class GradReducer:
     """Per-backward bookkeeping: which units are ready, launched, in flight."""
 
-    def __init__(self, units: list[ShardedUnit], comm: Comm, pool: BufferPool, overlap: bool):
+    def __init__(self, units: list[ShardedUnit], comm: Comm, pool: BufferPool, overlap: bool,
+                 names: dict[int, str]):
         self.units = units
+        self.names = names  # id(parameter) -> its name in the model, for messages
         self.comm = comm
         self.pool = pool
         self.overlap = overlap
@@ -49,12 +51,12 @@ class GradReducer:
         for unit in self.units:
             unit.attach_grads()
 
-    def on_grad(self, unit_index: int, param_index: int, name: str) -> None:
+    def on_grad(self, unit_index: int, param_index: int) -> None:
         """A parameter's gradient for this backward is complete (autograd hook)."""
         unit = self.units[unit_index]
         if (unit_index, param_index) in self._seen and unit_index < self._next:
             raise RuntimeError(
-                f"parameter '{name}' received a second gradient in one backward after its bucket was "
+                f"parameter '{self.names[id(unit.params[param_index])]}' received a second gradient in one backward after its bucket was "
                 "already reduced (reentrant activation checkpointing does this); use "
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
             )
@@ -66,21 +68,18 @@ class GradReducer:
         if self._reduce:
             self._launch_ready()
 
-    def finish(self, names: dict[int, str]) -> None:
+    def finish(self) -> None:
         """After backward: launch what is left, in order, and wait for everything."""
         try:
             if self._reduce:
-                self._warn_unused(names)
+                self._warn_unused()
                 while self._next < len(self.units):
                     self._launch(self._next)
-            for pending in self._in_flight:
-                pending.wait()
         finally:
-            self._in_flight.clear()
-            self.active = False
+            self.abandon()
 
     def abandon(self) -> None:
-        """After a failed backward: let launched reductions land, then forget this backward."""
+        """Let launched reductions land, then forget this backward (also after a failed one)."""
         try:
             for pending in self._in_flight:
                 pending.wait()
@@ -88,12 +87,12 @@ class GradReducer:
             self._in_flight.clear()
             self.active = False
 
-    def _warn_unused(self, names: dict[int, str]) -> None:
+    def _warn_unused(self) -> None:
         unused = [(ui, pi) for ui, u in enumerate(self.units) for pi in range(len(u.params))
                   if (ui, pi) not in self._seen and (ui, pi) not in self._warned_unused]
         if unused:
             self._warned_unused.update(unused)
-            listed = ", ".join(names[id(self.units[ui].params[pi])] for ui, pi in unused)
+            listed = ", ".join(self.names[id(self.units[ui].params[pi])] for ui, pi in unused)
             log.warning("parameters received no gradient in this backward and are reduced as zero "
                         "(the optimizer still applies weight decay and momentum to them): %s", listed)
 

@@ -79,7 +79,9 @@ class Pending:
     """
 
     def __init__(self, comm: Comm, op: str, work=None):
-        self._comm, self._op, self._work = comm, op, work
+        self._comm, self._op = comm, op
+        # Backend work handles: one per collective, several for a batch of sends and receives.
+        self._works = work if isinstance(work, list) else [w for w in (work,) if w is not None]
         self._thens: list[Callable[[], object]] = []
         self._done = False
 
@@ -96,11 +98,9 @@ class Pending:
             return
         self._done = True
         start = time.perf_counter()
-        works = self._work if isinstance(self._work, list) else [self._work]
-        for work in works:
-            if work is not None:
-                work.wait()
-        self._work = None
+        for work in self._works:
+            work.wait()
+        self._works = []
         self._comm.recorder.add_seconds(self._op, time.perf_counter() - start)
         for fn in self._thens:
             fn()
