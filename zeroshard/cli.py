@@ -15,7 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from zeroshard import cli_estimate, compare
+from zeroshard import cli_estimate, compare, consolidate
 from zeroshard.models import PRESETS
 from zeroshard.config import ConfigError
 from zeroshard.train import add_arguments, engine_config, positive_int, to_argv
@@ -29,6 +29,9 @@ examples:
   zeroshard config check ds_config.json --world-size 8
                                            validate a DeepSpeed config, print what zeroshard will use
   zeroshard train --dtype bf16             bf16 parameters, fp32 master weights: 2+2+12 bytes per parameter
+  zeroshard train --save-every 50          sharded checkpoints in ./checkpoints; continue with
+  zeroshard train --nproc 4 --resume checkpoints   any --nproc or --stage reads them
+  zeroshard consolidate checkpoints model.safetensors   one state dict for the plain model
 """
 
 
@@ -60,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_estimate.add_parser(commands)
     compare.add_parser(commands)
     add_config_command(commands)
+    consolidate.add_parser(commands)
     return parser
 
 
@@ -142,6 +146,16 @@ def _check_config(args: argparse.Namespace) -> None:
         args.command_parser.error(f"argument --config: {error}")
 
 
+def _check_resume(args: argparse.Namespace) -> None:
+    """Reject a --resume path that holds no readable checkpoint, before launching the ranks."""
+    from zeroshard.checkpoint_files import CheckpointError, read_manifest, resolve
+
+    try:
+        read_manifest(resolve(args.resume, None))
+    except CheckpointError as error:
+        args.command_parser.error(f"argument --resume: {error}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`zeroshard COMMAND [flags]`; returns the process exit status."""
     parser = build_parser()
@@ -153,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.data is not None:
             _check_data(args.command_parser, args.data, PRESETS[args.model].block_size)
         _check_config(args)
+        if args.resume is not None:
+            _check_resume(args)
         return run_train(args)
     if args.command == "estimate":
         return cli_estimate.run(args)
@@ -160,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         return compare.run(args)
     if args.command == "config":
         return run_config_check(args)
+    if args.command == "consolidate":
+        return consolidate.run(args)
     parser.error(f"unknown command '{args.command}'")  # unreachable: argparse checks choices
     return 2
 

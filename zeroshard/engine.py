@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zeroshard import checkpoint
 from zeroshard.agreement import check_ranks_agree
 from zeroshard.bucketing import bucket_params
 from zeroshard.buffers import BufferPool
@@ -407,6 +408,27 @@ class Engine:
         coef = min(1.0, max_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
+
+    # -- checkpoints --------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None,
+                        client_state: dict | None = None) -> Path:
+        """Write a sharded checkpoint to `save_dir/tag` (default tag `global_step<N>`) and point
+        `save_dir/latest` at it; returns the tag's directory. Every rank must call it, at an
+        accumulation boundary. `client_state`: your own plain data (tensors, numbers, strings,
+        lists, dicts), given back by `load_checkpoint`. See `zeroshard/checkpoint.py`."""
+        return checkpoint.save(self, save_dir, tag, client_state)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True) -> tuple[Path, dict]:
+        """Load a checkpoint written by any world size, stage or dtype; returns (its directory, client_state).
+
+        `tag` None: the one `load_dir/latest` names (or `load_dir` itself if it is a tag's directory).
+        `load_optimizer_states=False` loads the weights only: the optimizer state, step counters and
+        loss scale stay as they are. Every rank must call it; on error every rank raises
+        `CheckpointError` and the engine is unchanged.
+        """
+        return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
 
     # -- reports ------------------------------------------------------------
 

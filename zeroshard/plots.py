@@ -18,11 +18,11 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
 _DPI = 100
 
 
-def loss_chart(path: Path, losses: list[float], lrs: list[float]) -> None:
-    """The global mean loss per optimizer step, with the learning rate on a second axis."""
+def loss_chart(path: Path, losses: list[float], lrs: list[float], first_step: int = 1) -> None:
+    """The global mean loss per optimizer step (from `first_step`), with the learning rate on a second axis."""
     fig = Figure(figsize=(8, 4.5), dpi=_DPI, layout="constrained")
     ax = fig.add_subplot()
-    steps = range(1, len(losses) + 1)
+    steps = range(first_step, first_step + len(losses))
     ax.plot(steps, losses, color="tab:blue", label="loss")
     ax.set(xlabel="optimizer step", ylabel="loss (global mean)", title="Training loss")
     ax.grid(alpha=0.3)

@@ -88,6 +88,17 @@ class LossScaler:
         self._iteration = 0  # updates so far
         self._last_overflow = -1  # iteration of the last overflow
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the scale and where the dynamic rules stand."""
+        return {"scale": self.scale, "hysteresis_left": self._hysteresis_left,
+                "iteration": self._iteration, "last_overflow": self._last_overflow}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = state["scale"]
+        self._hysteresis_left = state["hysteresis_left"]
+        self._iteration = state["iteration"]
+        self._last_overflow = state["last_overflow"]
+
     def update(self, overflow: bool, step: int) -> None:
         """Account for optimizer step `step` (counted from 0) having overflowed or not."""
         if self.dynamic and overflow:

@@ -60,7 +60,7 @@ def report_figures(engine: zeroshard.Engine, args: argparse.Namespace, config: z
     return {
         "config": config.to_dict(), "world_size": world, "backend": dist.get_backend(),
         "model": args.model, "params": engine.num_params, "psi_padded": psi,
-        "units": len(engine.units), "steps": args.steps, "tokens_per_step": tokens,
+        "units": len(engine.units), "steps": args.steps, "first_step": result.first_step, "tokens_per_step": tokens,
         "losses": result.losses, "lr": result.lrs, "step_seconds": result.step_seconds,
         "tokens_per_second": [tokens / s for s in result.step_seconds],
         "memory_stats": [m for m, _ in everyone],
@@ -78,7 +78,7 @@ def print_report(console: Console, engine: zeroshard.Engine, args: argparse.Name
     median = statistics.median(result.step_seconds[1:] or result.step_seconds)  # step 1 warms up
     console.print()
     console.print(f"[bold]zeroshard stage {stage}[/], {world} rank(s) on {dist.get_backend()}: "
-                  f"{args.steps} steps of {tokens:,} tokens")
+                  f"{_steps_run(result.first_step, args.steps)} of {tokens:,} tokens")
     console.print(f"loss [bold]{result.losses[0]:.3f}[/] (first step) -> [bold]{result.losses[-1]:.3f}[/] "
                   f"(last step)")
     console.print(f"median step {median:.3f} s, {tokens / median:,.0f} tokens/s")
@@ -88,6 +88,10 @@ def print_report(console: Console, engine: zeroshard.Engine, args: argparse.Name
     memory, comm = formulas(psi, world, args, engine)
     console.print(_memory_table(memory, world, engine, args, result.memory, everyone))
     console.print(_comm_table(comm, world, engine, args, result.comm_last_step, everyone))
+
+
+def _steps_run(first: int, last: int) -> str:
+    return f"{last} steps" if first == 1 else f"steps {first}-{last} (resumed)"
 
 
 def _match(ok: bool) -> str:

@@ -16,16 +16,18 @@ class StepLog:
 
     The CSV has a header and one row per step (step, loss, lr, step_seconds,
     tokens_per_second), flushed as it goes, so a run that stops early keeps
-    its rows; TensorBoard, pandas and spreadsheets read it as is.
+    its rows; an existing file is appended to (a resumed run continues it).
+    TensorBoard, pandas and spreadsheets read it as is.
     """
 
     FIELDS = ("step", "loss", "lr", "step_seconds", "tokens_per_second")
 
     def __init__(self, csv_path: str | None, every: int, total: int):
         self.every, self.total = every, total
-        self._file = open(csv_path, "w", newline="", encoding="utf-8") if csv_path else None
+        new = csv_path is not None and (not Path(csv_path).exists() or Path(csv_path).stat().st_size == 0)
+        self._file = open(csv_path, "a", newline="", encoding="utf-8") if csv_path else None
         self._csv = csv.writer(self._file) if self._file else None
-        if self._csv:
+        if new:  # a resumed run adds its rows under the first run's
             self._csv.writerow(self.FIELDS)
 
     def __enter__(self) -> "StepLog":
@@ -52,7 +54,7 @@ def write_report(directory: str, figures: dict) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "report.json", out / "loss.png", out / "memory.png"]
     paths[0].write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
-    plots.loss_chart(paths[1], figures["losses"], figures["lr"])
+    plots.loss_chart(paths[1], figures["losses"], figures["lr"], figures["first_step"])
     plots.memory_chart(paths[2], figures["memory_stats"], figures["estimate"]["memory"],
                        f"stage {figures['config']['zero_optimization']['stage']}, "
                        f"{figures['world_size']} ranks, GPT '{figures['model']}'")

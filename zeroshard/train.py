@@ -94,6 +94,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="append one CSV row per step: step, loss, lr, step_seconds, tokens_per_second")
     parser.add_argument("--log-every", type=positive_int, default=None, metavar="STEPS",
                         help="print a log line every STEPS steps (default: a tenth of --steps)")
+    parser.add_argument("--save-every", type=positive_int, default=None, metavar="STEPS",
+                        help="save a sharded checkpoint every STEPS steps and after the last one, "
+                             "in --save-dir (default: no checkpoints)")
+    parser.add_argument("--save-dir", metavar="DIR", default="checkpoints",
+                        help="where --save-every writes its checkpoints, one directory per step, and "
+                             "'latest' names the newest (default: %(default)s)")
+    parser.add_argument("--resume", metavar="PATH", default=None,
+                        help="continue from a checkpoint: a --save-dir (its latest) or one step's directory; "
+                             "any --nproc and --stage can read it, --steps counts from the first step")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="training dtype: bf16 or fp16 train 16-bit parameters with fp32 master weights "
                              "(fp16 with dynamic loss scaling) (default: fp32, or the config's)")
@@ -106,14 +115,15 @@ def true_or_false(text: str) -> bool:
     return text.lower() == "true"
 
 
-_PATH_FLAGS = ("config", "data", "report", "log_csv")  # made absolute: workers may start elsewhere
+_PATH_FLAGS = ("config", "data", "report", "log_csv", "save_dir", "resume")  # made absolute: workers may start elsewhere
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:
     """The training flags of `args` as a command line for `python -m zeroshard.train`."""
     argv = []
     for name in ("config", "stage", "steps", "data", "model", "micro_batch", "accumulation",
-                 "bucket_size", "reduce_scatter", "lr", "seed", "report", "log_csv", "log_every", "dtype"):
+                 "bucket_size", "reduce_scatter", "lr", "seed", "report", "log_csv", "log_every", "dtype",
+                 "save_every", "save_dir", "resume"):
         value = getattr(args, name)
         if value is None:
             continue
@@ -218,6 +228,7 @@ def build_model(args: argparse.Namespace, corpus: CharCorpus,
 class RunResult:
     """What one rank measured and, on rank 0, the sample it wrote."""
 
+    first_step: int  # the first optimizer step of this run, from 1 (above 1 when resumed)
     losses: list[float]  # global mean loss per optimizer step
     lrs: list[float]  # learning rate of each optimizer step (first param group)
     step_seconds: list[float]  # wall time per optimizer step
@@ -241,14 +252,15 @@ def train(args: argparse.Namespace, console: Console | None = None) -> RunResult
     log.info("%s: %s characters, alphabet of %d; GPT '%s' with %s parameters",
              args.data or "King James Bible", f"{len(corpus.ids):,}", corpus.vocab_size,
              args.model, f"{engine.num_params:,}")
+    start = _resume(engine, schedule, args) if args.resume is not None else 0
     rank0 = dist.get_rank() == 0
     step_log = StepLog(args.log_csv if rank0 else None, args.log_every or max(1, args.steps // 10), args.steps)
     with _progress(console, rank0) as progress, step_log:
-        losses, lrs, seconds, comm = _train_loop(engine, schedule, corpus, args, progress, step_log)
+        losses, lrs, seconds, comm = _train_loop(engine, schedule, corpus, args, start, progress, step_log)
     memory = engine.memory_stats()
     # Every rank generates (same seed, same text): at stage 3 each forward gathers on all ranks.
     sample = generate(model, corpus, _prompt(corpus), 80, args.seed)
-    result = RunResult(losses, lrs, seconds, comm, memory, sample if rank0 else "")
+    result = RunResult(start + 1, losses, lrs, seconds, comm, memory, sample if rank0 else "")
     # Every rank's figures, so the report can say whether all ranks match the formula.
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (result.memory, {op: (c, b) for op, (c, b, _) in comm.items()}))
@@ -260,6 +272,29 @@ def train(args: argparse.Namespace, console: Console | None = None) -> RunResult
     return result
 
 
+def _resume(engine: zeroshard.Engine, schedule: torch.optim.lr_scheduler.LRScheduler,
+            args: argparse.Namespace) -> int:
+    """Load --resume into the engine and the LR schedule; returns the number of steps already done."""
+    path, client_state = engine.load_checkpoint(args.resume)
+    if "demo_step" not in client_state:
+        raise UsageError(f"{path} was not written by the demo (`zeroshard train --save-every`), so it does not "
+                         "say which step it ended; load it with engine.load_checkpoint in your own script")
+    start = client_state["demo_step"]
+    if start >= args.steps:
+        raise UsageError(f"{path} is at step {start} and --steps is {args.steps}: nothing left to train; "
+                         f"give --steps above {start}")
+    schedule.load_state_dict(client_state["lr_schedule"])
+    log.info("resumed from %s at step %d", path, start)
+    return start
+
+
+def _save(engine: zeroshard.Engine, schedule: torch.optim.lr_scheduler.LRScheduler,
+          args: argparse.Namespace, steps_done: int) -> None:
+    if args.save_every is None or (steps_done % args.save_every and steps_done != args.steps):
+        return
+    engine.save_checkpoint(args.save_dir, client_state={"demo_step": steps_done, "lr_schedule": schedule.state_dict()})
+
+
 def _progress(console: Console, enabled: bool) -> Progress:
     return Progress(
         TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
@@ -269,15 +304,15 @@ def _progress(console: Console, enabled: bool) -> Progress:
 
 
 def _train_loop(engine: zeroshard.Engine, schedule: torch.optim.lr_scheduler.LRScheduler,
-                corpus: CharCorpus, args: argparse.Namespace, progress: Progress, step_log: StepLog):
-    """Run `args.steps` optimizer steps; returns (losses, lrs, step seconds, last step's comm delta)."""
+                corpus: CharCorpus, args: argparse.Namespace, start: int, progress: Progress, step_log: StepLog):
+    """Run optimizer steps `start` .. `args.steps` - 1; returns (losses, lrs, step seconds, last step's comm delta)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = args.micro_batch * world * args.accumulation
     block = engine.module.cfg.block_size
     device = next(engine.module.parameters()).device
-    task = progress.add_task("train", total=args.steps, loss=float("nan"), tps=0.0)
+    task = progress.add_task("train", total=args.steps, completed=start, loss=float("nan"), tps=0.0)
     losses, lrs, seconds = [], [], []
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         before = engine.comm_stats()
         start = time.perf_counter()
         lrs.append(schedule.get_last_lr()[0])
@@ -297,6 +332,7 @@ def _train_loop(engine: zeroshard.Engine, schedule: torch.optim.lr_scheduler.LRS
         seconds.append(time.perf_counter() - start)
         progress.update(task, advance=1, loss=losses[-1], tps=rows * block / seconds[-1])
         step_log(step + 1, losses[-1], lrs[-1], seconds[-1], rows * block / seconds[-1])
+        _save(engine, schedule, args, step + 1)
     delta = {op: (after[op].calls - before[op].calls, after[op].bytes - before[op].bytes,
                   after[op].algorithms) for op in after}
     return losses, lrs, seconds, delta
@@ -338,7 +374,7 @@ def main(argv: list[str] | None = None) -> None:
                         handlers=[RichHandler(console=console, show_path=False, show_time=False)])
     try:
         train(args, console)
-    except (UsageError, zeroshard.ConfigError) as error:
+    except (UsageError, zeroshard.ConfigError, zeroshard.CheckpointError) as error:
         # Every rank says it: torchrun may stop the others before rank 0 gets to print.
         console.print(f"[red]error[/] (rank {rank}): {error}", highlight=False)
         raise SystemExit(2) from None

@@ -143,7 +143,7 @@ def _check_order(comm: Comm, label: str, index: int) -> None:
     mine = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64)
     every = torch.empty(comm.world_size, dtype=torch.int64)
     comm.recorder.record("order_check", _nbytes(every), "native")
-    work = dist.all_gather_into_tensor(every, mine, group=comm.group, async_op=True)
+    work = dist.all_gather_single(every, mine, group=comm.group, async_op=True)
     Pending(comm, "order_check", work, index).wait()
     if (every != every[0]).any():
         labels = [None] * comm.world_size

@@ -1,0 +1,345 @@
+"""Sharded checkpoints of an engine: every rank writes its shard, any job reads them back.
+
+`engine.save_checkpoint(save_dir)` and `engine.load_checkpoint(load_dir)`
+call `save` and `load` here. A checkpoint holds the fp32 master weights,
+the optimizer state, frozen parameters and buffers by parameter name
+(`checkpoint_files.py` has the layout), so the reading job may have another
+world size, another ZeRO stage or another training dtype than the writing
+one. Both run on every rank of the group and raise the same error on every
+rank: a rank that cannot write or read says so before any rank changes
+anything, so a failed save leaves the previous checkpoint and a failed load
+leaves the engine as they were.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save_file
+
+import zeroshard
+from zeroshard.checkpoint_files import (
+    FORMAT, MANIFEST, STATE, VERSION, CheckpointError, PieceReader, check_tag, commit, fsync_file,
+    partial_dir, piece_key, rank_file, read_manifest, read_state, resolve, write_bytes,
+)
+from zeroshard.comm import Comm, all_gather_object
+from zeroshard.holdings import Holdings
+
+if TYPE_CHECKING:
+    from zeroshard.engine import Engine
+
+log = logging.getLogger(__name__)
+
+# Param-group keys the engine chooses for the device at hand; a checkpoint does not carry them over.
+_IMPLEMENTATION_KEYS = {"params", "fused", "foreach", "capturable", "differentiable"}
+
+
+def agree(comm: Comm, error: str | None) -> None:
+    """Raise the same CheckpointError on every rank if any rank has an error."""
+    errors = all_gather_object(comm, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, first = failed[0]
+        raise CheckpointError(first if comm.world_size == 1 else f"rank {rank}: {first}")
+
+
+def check_boundary(engine: "Engine", action: str) -> None:
+    if engine._backward_pending or engine.micro_steps % engine.gradient_accumulation_steps:
+        raise CheckpointError(
+            f"{action} at micro-step {engine.micro_steps}, inside an accumulation window of "
+            f"{engine.gradient_accumulation_steps}: the window's partial gradients are not part of a "
+            "checkpoint. Call it after the engine.step() that ends the window "
+            "(engine.is_gradient_accumulation_boundary() was true before that step)")
+
+
+def holdings(engine: "Engine") -> Holdings:
+    frozen = [f for mu in engine.module_units for f in mu.frozen]
+    return Holdings.of(engine.module, engine.units, frozen, engine._names)
+
+
+# -- save ---------------------------------------------------------------------------
+
+
+def save(engine: "Engine", save_dir: str | Path, tag: str | None = None,
+         client_state: dict | None = None) -> Path:
+    """Write the engine's training state to `save_dir/tag` (default tag: global_step<N>); returns that path."""
+    check_boundary(engine, "save_checkpoint")
+    tag = tag or f"global_step{engine.global_steps}"
+    check_tag(tag)
+    save_dir = Path(save_dir)
+    comm, held = engine.comm, holdings(engine)
+    state, error = None, None
+    if comm.rank == 0:
+        state, error = _serialized_state(engine, held, client_state)
+    agree(comm, error)
+    partial = partial_dir(save_dir, tag)
+    if comm.rank == 0:
+        error = _attempt(lambda: _fresh_dir(save_dir, partial), f"cannot create {partial}")
+    agree(comm, error)
+    path = partial / rank_file(comm.rank)
+    sizes: dict[str, int] = {}
+
+    def write_shard() -> None:
+        save_file(_pieces(engine, held), str(path), metadata={"format": FORMAT, "rank": str(comm.rank)})
+        sizes[path.name] = fsync_file(path)
+
+    agree(comm, _attempt(write_shard, f"cannot write its shard to {partial}"))
+    everyone = all_gather_object(comm, sizes)
+    if comm.rank == 0:
+        files = {name: size for rank_sizes in everyone for name, size in rank_sizes.items()}
+
+        def finish() -> None:
+            files[STATE] = write_bytes(partial / STATE, state)
+            write_bytes(partial / MANIFEST, _manifest(engine, held, files).encode())
+            commit(save_dir, tag)
+
+        error = _attempt(finish, f"cannot complete {partial}")
+    agree(comm, error)  # every rank returns once the tag is in place
+    if comm.rank == 0:
+        log.info("saved checkpoint %s (%d rank files)", save_dir / tag, comm.world_size)
+    return save_dir / tag
+
+
+def _attempt(action, what: str) -> str | None:
+    """Run `action`; an OSError becomes the message every rank raises (the previous tags stay intact)."""
+    try:
+        action()
+    except OSError as exc:
+        return f"{what} ({exc}); the save was abandoned and earlier checkpoints are intact"
+    return None
+
+
+def _fresh_dir(save_dir: Path, partial: Path) -> None:
+    save_dir.mkdir(parents=True, exist_ok=True)
+    if partial.exists():  # left by a save that failed
+        shutil.rmtree(partial)
+    partial.mkdir()
+
+
+def _pieces(engine: "Engine", held: Holdings) -> dict[str, torch.Tensor]:
+    """This rank's pieces: its shard of masters, optimizer state and frozen flats; rank 0 adds the replicated."""
+    pieces: dict[str, torch.Tensor] = {}
+
+    def add(kind: str, span, tensor: torch.Tensor) -> None:
+        for run in span.runs():
+            pieces[piece_key(kind, run.name, run.start)] = (
+                tensor[run.at : run.at + run.numel].detach().to("cpu", copy=True))
+
+    for t in held.trained:
+        add("param", t.own, t.own_part(t.unit.master))
+        for key, value in engine.optimizer.state.get(t.unit.master, {}).items():
+            if torch.is_tensor(value) and value.shape == t.unit.master.shape:
+                add("optim." + key, t.own, t.own_part(value))
+    for flat, span in held.frozen:
+        add("param", span, flat.shard_data)
+    if engine.comm.rank == 0:
+        for name, p in held.whole:
+            pieces[piece_key("param", name, 0)] = p.detach().reshape(-1).to("cpu", copy=True)
+        for name, b in held.buffers:
+            pieces[piece_key("buffer", name, 0)] = b.detach().reshape(-1).to("cpu", copy=True)
+    return pieces
+
+
+def _serialized_state(engine: "Engine", held: Holdings, client_state: dict | None) -> tuple[bytes | None, str | None]:
+    """state.pt's bytes, checked to load with weights_only=True; or why they cannot be written."""
+    optimizer = engine.optimizer
+    scalars: dict[str, dict] = {}
+    for t in held.trained:
+        values = {k: v for k, v in optimizer.state.get(t.unit.master, {}).items()
+                  if not (torch.is_tensor(v) and v.shape == t.unit.master.shape)}
+        for name in t.held.names:
+            scalars[name] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in values.items()}
+    state = {
+        "global_steps": engine.global_steps,
+        "skipped_steps": engine.skipped_steps,
+        "loss_scaler": engine.scaler.state_dict() if engine.scaler is not None else None,
+        "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
+        "scalars": scalars,
+        "client_state": client_state if client_state is not None else {},
+    }
+    buffer = io.BytesIO()
+    try:
+        torch.save(state, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as exc:  # pickling or the weights-only unpickler names the offending type
+        return None, (f"the checkpoint's state cannot be stored as plain data ({type(exc).__name__}: "
+                      f"{str(exc).splitlines()[0]}). client_state and the LR scheduler's state_dict() may hold "
+                      "only tensors, numbers, strings, None, and lists, tuples and dicts of them, so that "
+                      "checkpoints load without running pickled code; nothing was written")
+    return buffer.getvalue(), None
+
+
+def _manifest(engine: "Engine", held: Holdings, sizes: dict[str, int]) -> str:
+    optimizer = engine.optimizer
+    state_keys = sorted({k for t in held.trained for k, v in optimizer.state.get(t.unit.master, {}).items()
+                         if torch.is_tensor(v) and v.shape == t.unit.master.shape})
+    manifest = {
+        "format": FORMAT, "version": VERSION, "zeroshard": zeroshard.__version__, "torch": torch.__version__,
+        "world_size": engine.comm.world_size, "stage": engine.config.stage,
+        "training_dtype": engine.config.training_dtype, "global_steps": engine.global_steps,
+        "optimizer": type(optimizer).__name__, "optimizer_state": state_keys,
+        "param_groups": len(optimizer.param_groups),
+        "params": held.param_table(), "buffers": held.buffer_table(),
+        "state_dict": _state_dict_keys(engine),
+        "files": dict(sorted(sizes.items())),
+    }
+    return json.dumps(manifest, indent=1)
+
+
+def _state_dict_keys(engine: "Engine") -> dict[str, str]:
+    """Each key of the module's state dict -> the parameter or buffer name it is stored under."""
+    first: dict[int, str] = {}
+    keys = {}
+    for key, tensor in engine.module.state_dict(keep_vars=True).items():
+        keys[key] = engine._names.get(id(tensor)) or first.setdefault(id(tensor), key)
+    return keys
+
+
+# -- load ---------------------------------------------------------------------------
+
+
+def load(engine: "Engine", load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
+         load_lr_scheduler_states: bool = True) -> tuple[Path, dict]:
+    """Read a checkpoint into the engine; returns (the tag directory, the saved client_state)."""
+    check_boundary(engine, "load_checkpoint")
+    comm, held = engine.comm, holdings(engine)
+    path, manifest, state, reader, error = None, None, None, None, None
+    try:
+        path = resolve(load_dir, tag)
+        manifest = read_manifest(path)
+        state = read_state(path)
+        reader = PieceReader(path, manifest)
+        error = _mismatch(engine, held, manifest, reader, load_optimizer_states)
+    except CheckpointError as exc:
+        error = str(exc)
+    try:
+        agree(comm, error)
+        _load_values(engine, held, reader)
+        if load_optimizer_states:
+            _load_optimizer(engine, held, reader, manifest, state)
+            _load_counters(engine, state)
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    finally:
+        if reader is not None:
+            reader.close()
+    if comm.rank == 0:
+        log.info("loaded checkpoint %s (written by %d ranks at stage %d, step %d)", path,
+                 manifest["world_size"], manifest["stage"], manifest["global_steps"])
+    return path, state["client_state"]
+
+
+def _mismatch(engine: "Engine", held: Holdings, manifest: dict, reader: PieceReader,
+              with_optimizer: bool) -> str | None:
+    """Why this checkpoint cannot be loaded into this engine, or None."""
+    error = _model_mismatch(held, manifest)
+    if error is None and with_optimizer:
+        error = _optimizer_mismatch(engine, held, manifest)
+    if error is not None:
+        return error
+    kinds = ["param"] + (["optim." + k for k in manifest["optimizer_state"]] if with_optimizer else [])
+    needs = [(k, run) for t in held.trained for k in kinds for run in t.held.runs()]
+    needs += [("param", run) for _, span in held.frozen for run in span.runs()]
+    for kind, run in needs:
+        why = reader.missing(kind, run.name, run.start, run.numel)
+        if why is not None:
+            return f"{why}: the checkpoint is incomplete or damaged; load an earlier tag"
+    return None
+
+
+def _model_mismatch(held: Holdings, manifest: dict) -> str | None:
+    mine, theirs = held.param_table(), manifest["params"]
+    missing = [n for n in mine if n not in theirs]
+    unexpected = [n for n in theirs if n not in mine]
+    shapes = [f"'{n}' {theirs[n]['shape']} vs {mine[n]['shape']}" for n in mine
+              if n in theirs and theirs[n]["shape"] != mine[n]["shape"]]
+    buffers, their_buffers = held.buffer_table(), manifest["buffers"]
+    shapes += [f"buffer '{n}' {their_buffers[n]['shape']} vs {b['shape']}" for n, b in buffers.items()
+               if n in their_buffers and their_buffers[n]["shape"] != b["shape"]]
+    missing += [f"buffer '{n}'" for n in buffers if n not in their_buffers]
+    unexpected += [f"buffer '{n}'" for n in their_buffers if n not in buffers]
+    if not (missing or unexpected or shapes):
+        return None
+    parts = [f"{label} ({len(items)}): {', '.join(items[:5])}{', ...' if len(items) > 5 else ''}"
+             for label, items in (("missing from the checkpoint", missing), ("not in this model", unexpected),
+                                  ("shape in checkpoint vs model", shapes)) if items]
+    return ("the checkpoint was written for another model: " + "; ".join(parts) +
+            ". Build the model the checkpoint was saved from, or load the weights you want into this model "
+            "(model.load_state_dict(..., strict=False)) before zeroshard.initialize")
+
+
+def _optimizer_mismatch(engine: "Engine", held: Holdings, manifest: dict) -> str | None:
+    fix = "; pass load_optimizer_states=False to load the weights only, with fresh optimizer state"
+    name = type(engine.optimizer).__name__
+    if manifest["optimizer"] != name:
+        return f"the checkpoint's optimizer state is {manifest['optimizer']}'s, this engine's optimizer is {name}" + fix
+    if manifest["param_groups"] != len(engine.optimizer.param_groups):
+        return (f"the checkpoint's optimizer has {manifest['param_groups']} param groups, this engine's has "
+                f"{len(engine.optimizer.param_groups)}" + fix)
+    saved_groups = {n: p["group"] for n, p in manifest["params"].items()}
+    for n, p in held.param_table().items():
+        if p["group"] is not None and saved_groups[n] != p["group"]:
+            where = "frozen" if saved_groups[n] is None else f"in param group {saved_groups[n]}"
+            return (f"parameter '{n}' is in param group {p['group']} here but was {where} when the checkpoint "
+                    "was saved, so its optimizer state and settings do not carry over" + fix)
+    return None
+
+
+def _load_values(engine: "Engine", held: Holdings, reader: PieceReader) -> None:
+    """Masters, frozen parameters and buffers; then the 16-bit parameters and replicas follow the masters."""
+    if engine.schedule is not None:
+        engine.schedule.release_all()  # shards change under the gathered buffers
+    for t in held.trained:
+        for run in t.held.runs():
+            reader.read_into("param", run.name, run.start, t.unit.master[run.at : run.at + run.numel])
+    for flat, span in held.frozen:
+        for run in span.runs():
+            reader.read_into("param", run.name, run.start, flat.shard_data[run.at : run.at + run.numel])
+    for kind, tensors in (("param", held.whole), ("buffer", held.buffers)):
+        for name, tensor in tensors:
+            values = torch.empty(tensor.numel(), dtype=tensor.dtype)
+            reader.read_into(kind, name, 0, values)
+            with torch.no_grad():
+                tensor.copy_(values.view(tensor.shape))
+    for t in held.trained:
+        t.unit.cast_master_to_params()
+    for pending in [t.unit.gather_params(engine.comm) for t in held.trained if t.unit.gathers_after_step]:
+        pending.wait()
+
+
+def _load_optimizer(engine: "Engine", held: Holdings, reader: PieceReader, manifest: dict, state: dict) -> None:
+    """Rebuild the optimizer's state for this job's masters, through torch's own load_state_dict."""
+    optimizer = engine.optimizer
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    tensors: dict[int, dict] = {}
+    for t in held.trained:
+        scalars = state["scalars"].get(t.held.names[0], {})
+        if not scalars and not manifest["optimizer_state"]:
+            continue  # saved before the first step: no state yet
+        entry = dict(scalars)
+        for key in manifest["optimizer_state"]:
+            values = torch.zeros_like(t.unit.master)
+            for run in t.held.runs():
+                reader.read_into("optim." + key, run.name, run.start, values[run.at : run.at + run.numel])
+            entry[key] = values
+        tensors[index[id(t.unit.master)]] = entry
+    groups = [{**{k: v for k, v in saved.items() if k not in _IMPLEMENTATION_KEYS},
+               **{k: v for k, v in group.items() if k in _IMPLEMENTATION_KEYS - {"params"}},
+               "params": [index[id(p)] for p in group["params"]]}
+              for saved, group in zip(state["param_groups"], optimizer.param_groups)]
+    optimizer.load_state_dict({"state": tensors, "param_groups": groups})
+
+
+def _load_counters(engine: "Engine", state: dict) -> None:
+    engine.global_steps = state["global_steps"]
+    engine.skipped_steps = state["skipped_steps"]
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
+    if engine.scaler is not None and state["loss_scaler"] is not None:
+        engine.scaler.load_state_dict(state["loss_scaler"])
