@@ -219,3 +219,30 @@ def _check_report(report_dir, csv_path, psi: int, memory: dict, comm: dict) -> N
     assert [float(r["lr"]) for r in rows] == pytest.approx(report["lr"], rel=1e-5)
     assert [float(r["tokens_per_second"]) for r in rows] == pytest.approx(
         [report["tokens_per_step"] / s for s in report["step_seconds"]], rel=1e-3)
+
+
+def _train(tmp_path, *flags: str) -> str:
+    cmd = [sys.executable, "-m", "zeroshard.cli", "train", "--model", "tiny", "--steps", "4", *flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def _csv_losses(path) -> dict[int, float]:
+    with open(path, newline="") as f:
+        return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f)}
+
+
+def test_train_resumes_on_another_world_size_and_stage(tmp_path):
+    # 2 ranks x 4 rows at stage 2, stopped after step 2; 4 ranks x 2 rows at stage 3 go on: the same global batch.
+    _train(tmp_path, "--micro-batch", "4", "--save-every", "2", "--save-dir", "ck", "--log-csv", "a.csv")
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["global_step2", "global_step4", "latest"]
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "global_step4"
+    output = _train(tmp_path, "--nproc", "4", "--stage", "3", "--micro-batch", "2", "--resume", "ck/global_step2",
+                    "--save-dir", "ck4", "--log-csv", "b.csv", "--report", "report")
+    assert "resumed from" in output and "steps 3-4 (resumed)" in output, output
+    whole, resumed = _csv_losses(tmp_path / "a.csv"), _csv_losses(tmp_path / "b.csv")
+    assert list(whole) == [1, 2, 3, 4] and list(resumed) == [3, 4]
+    assert [resumed[s] for s in (3, 4)] == pytest.approx([whole[3], whole[4]], rel=1e-5)
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["first_step"] == 3 and len(report["losses"]) == 2 and report["world_size"] == 4
