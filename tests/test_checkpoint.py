@@ -235,3 +235,50 @@ def test_bf16_masters_survive_a_change_of_stage_and_dtype(tmp_path):
     engine.load_checkpoint(tmp_path / "bf16")
     full = engine.full_state_dict()
     assert all(torch.equal(full[name], master) for name, master in masters.items())
+
+
+# -- one process: what else a training state holds ------------------------------------
+
+
+def test_config_schedule_and_integer_buffers_come_back(tmp_path):
+    """The config's scheduler block is restored with the optimizer; BatchNorm's int64 counter stays int64."""
+    torch.manual_seed(0)
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}}}
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+        return zeroshard.initialize(model, None, config)
+
+    def train(engine, steps):
+        for step in range(steps):
+            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+        return loss.item()
+
+    engine = build(0)
+    train(engine, 3)
+    engine.save_checkpoint(tmp_path)
+    saved_mean, saved_lr = engine.module[1].running_mean.clone(), engine.optimizer.param_groups[0]["lr"]
+    expected_loss = train(engine, 2)
+    other = build(1)
+    other.load_checkpoint(tmp_path)
+    assert other.lr_scheduler.last_epoch == 3 and other.optimizer.param_groups[0]["lr"] == saved_lr > 0
+    assert other.module[1].num_batches_tracked.item() == 3
+    assert train(other, 2) == expected_loss
+    buffers = full_tensors(tmp_path, kind="buffer")
+    assert buffers["1.num_batches_tracked"].dtype == torch.int64 and buffers["1.num_batches_tracked"].item() == 3
+    assert torch.equal(buffers["1.running_mean"], saved_mean)
+
+
+def test_rank_files_rank_0_cannot_see_mean_no_shared_filesystem(tmp_path):
+    from zeroshard.checkpoint import _check_shared
+
+    (tmp_path / "rank_00000.safetensors").write_bytes(b"x" * 10)
+    _check_shared(tmp_path, {"rank_00000.safetensors": 10})
+    with pytest.raises(OSError, match=r"rank_00001.safetensors, written by another rank, is not in rank 0's .*"
+                                      r"save_dir must be on a filesystem every node shares"):
+        _check_shared(tmp_path, {"rank_00000.safetensors": 10, "rank_00001.safetensors": 10})

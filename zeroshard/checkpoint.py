@@ -50,6 +50,7 @@ def agree(comm: Comm, error: str | None) -> None:
 
 
 def check_boundary(engine: "Engine", action: str) -> None:
+    engine._check_usable()  # a failed engine's ranks may be out of step: restart, then load
     if engine._backward_pending or engine.micro_steps % engine.gradient_accumulation_steps:
         raise CheckpointError(
             f"{action} at micro-step {engine.micro_steps}, inside an accumulation window of "
@@ -78,6 +79,10 @@ def save(engine: "Engine", save_dir: str | Path, tag: str | None = None,
     if comm.rank == 0:
         state, error = _serialized_state(engine, held, client_state)
     agree(comm, error)
+    tags = all_gather_object(comm, tag)
+    if len(set(tags)) > 1:
+        raise CheckpointError(f"the ranks asked for different tags ({', '.join(map(repr, tags))}); pass the same "
+                              "tag on every rank (or none: global_step<N>)")
     partial = partial_dir(save_dir, tag)
     if comm.rank == 0:
         error = _attempt(lambda: _fresh_dir(save_dir, partial), f"cannot create {partial}")
@@ -95,6 +100,7 @@ def save(engine: "Engine", save_dir: str | Path, tag: str | None = None,
         files = {name: size for rank_sizes in everyone for name, size in rank_sizes.items()}
 
         def finish() -> None:
+            _check_shared(partial, files)
             files[STATE] = write_bytes(partial / STATE, state)
             write_bytes(partial / MANIFEST, _manifest(engine, held, files).encode())
             commit(save_dir, tag)
@@ -120,6 +126,14 @@ def _fresh_dir(save_dir: Path, partial: Path) -> None:
     if partial.exists():  # left by a save that failed
         shutil.rmtree(partial)
     partial.mkdir()
+
+
+def _check_shared(partial: Path, files: dict[str, int]) -> None:
+    """Every rank's file must be visible to rank 0, which completes the checkpoint."""
+    for name, size in files.items():
+        if not (partial / name).is_file() or (partial / name).stat().st_size != size:
+            raise OSError(f"{name}, written by another rank, is not in rank 0's {partial}: save_dir must be "
+                          "on a filesystem every node shares (NFS, Lustre, a mounted bucket)")
 
 
 def _pieces(engine: "Engine", held: Holdings) -> dict[str, torch.Tensor]:
@@ -164,16 +178,39 @@ def _serialized_state(engine: "Engine", held: Holdings, client_state: dict | Non
         "scalars": scalars,
         "client_state": client_state if client_state is not None else {},
     }
+    where = _first_not_plain(state["client_state"], "client_state") or _first_not_plain(
+        state["lr_scheduler"], "the LR scheduler's state_dict()")
     buffer = io.BytesIO()
     try:
-        torch.save(state, buffer)
-        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
-    except Exception as exc:  # pickling or the weights-only unpickler names the offending type
-        return None, (f"the checkpoint's state cannot be stored as plain data ({type(exc).__name__}: "
-                      f"{str(exc).splitlines()[0]}). client_state and the LR scheduler's state_dict() may hold "
-                      "only tensors, numbers, strings, None, and lists, tuples and dicts of them, so that "
+        if where is None:
+            torch.save(state, buffer)
+            torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as exc:  # what the walk above does not foresee: torch's own message
+        where = f"the state ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+    if where is not None:
+        return None, (f"{where} cannot be stored as plain data. client_state and the LR scheduler's state may "
+                      "hold only tensors, numbers, strings, None, and lists, tuples and dicts of them, so that "
                       "checkpoints load without running pickled code; nothing was written")
     return buffer.getvalue(), None
+
+
+def _first_not_plain(value, where: str) -> str | None:
+    """Where in `value` the first object torch.load(weights_only=True) would refuse is, with its type."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return f"{where} (a {type(value).__module__}.{type(value).__qualname__})"
+    for key, item in items:
+        if not isinstance(key, (bool, int, float, str)) and key is not None:
+            return f"a key of {where} (a {type(key).__qualname__})"
+        found = _first_not_plain(item, f"{where}[{key!r}]")
+        if found is not None:
+            return found
+    return None
 
 
 def _manifest(engine: "Engine", held: Holdings, sizes: dict[str, int]) -> str:
@@ -206,8 +243,15 @@ def _state_dict_keys(engine: "Engine") -> dict[str, str]:
 
 
 def load(engine: "Engine", load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
-         load_lr_scheduler_states: bool = True) -> tuple[Path, dict]:
-    """Read a checkpoint into the engine; returns (the tag directory, the saved client_state)."""
+         load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[Path, dict]:
+    """Read a checkpoint into the engine; returns (the tag directory, the saved client_state).
+
+    As DeepSpeed: the weights always; the step counters and fp16 loss scale
+    unless `load_module_only`; the optimizer state and param-group settings,
+    and the LR scheduler, when their flags say so and not `load_module_only`.
+    """
+    if load_module_only:
+        load_optimizer_states = load_lr_scheduler_states = False
     check_boundary(engine, "load_checkpoint")
     comm, held = engine.comm, holdings(engine)
     path, manifest, state, reader, error = None, None, None, None, None
@@ -224,6 +268,7 @@ def load(engine: "Engine", load_dir: str | Path, tag: str | None = None, load_op
         _load_values(engine, held, reader)
         if load_optimizer_states:
             _load_optimizer(engine, held, reader, manifest, state)
+        if not load_module_only:
             _load_counters(engine, state)
         if load_lr_scheduler_states and engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
@@ -276,7 +321,8 @@ def _model_mismatch(held: Holdings, manifest: dict) -> str | None:
 
 
 def _optimizer_mismatch(engine: "Engine", held: Holdings, manifest: dict) -> str | None:
-    fix = "; pass load_optimizer_states=False to load the weights only, with fresh optimizer state"
+    fix = ("; pass load_optimizer_states=False to keep this engine's optimizer state (or load_module_only=True "
+           "for the weights alone)")
     name = type(engine.optimizer).__name__
     if manifest["optimizer"] != name:
         return f"the checkpoint's optimizer state is {manifest['optimizer']}'s, this engine's optimizer is {name}" + fix

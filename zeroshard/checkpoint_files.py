@@ -102,7 +102,16 @@ def commit(save_dir: Path, tag: str) -> Path:
     tmp = save_dir / f".{LATEST}.tmp"
     write_bytes(tmp, (tag + "\n").encode())
     os.replace(tmp, save_dir / LATEST)
+    fsync_dir(save_dir)  # the renames themselves survive a power loss
     return final
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # -- reading ----------------------------------------------------------------------
@@ -125,8 +134,11 @@ def resolve(load_dir: str | Path, tag: str | None) -> Path:
     if (load_dir / LATEST).is_file():
         tag = (load_dir / LATEST).read_text().strip()
         if not (load_dir / tag).is_dir():
+            old = load_dir / f".{tag}.old"
+            hint = (f"a save over it was interrupted and its previous contents are in {old}: rename that "
+                    f"to {load_dir / tag}, or " if old.is_dir() else "")
             raise CheckpointError(f"{load_dir / LATEST} names '{tag}', which is not in {load_dir}; "
-                                  "pass tag= (or the tag's directory) to load another one")
+                                  f"{hint}pass tag= (or the tag's directory) to load another one")
         return load_dir / tag
     raise CheckpointError(f"{load_dir} is not a zeroshard checkpoint: {foreign_hint(load_dir)}")
 

@@ -29,8 +29,8 @@ examples:
   zeroshard config check ds_config.json --world-size 8
                                            validate a DeepSpeed config, print what zeroshard will use
   zeroshard train --dtype bf16             bf16 parameters, fp32 master weights: 2+2+12 bytes per parameter
-  zeroshard train --save-every 50          sharded checkpoints in ./checkpoints; continue with
-  zeroshard train --nproc 4 --resume checkpoints   any --nproc or --stage reads them
+  zeroshard train --save-every 50          sharded checkpoints in ./checkpoints; after a stop, go on with
+  zeroshard train --save-every 50 --resume checkpoints   (any --nproc or --stage reads them)
   zeroshard consolidate checkpoints model.safetensors   one state dict for the plain model
 """
 

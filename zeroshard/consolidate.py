@@ -18,9 +18,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from zeroshard.checkpoint_files import CheckpointError, PieceReader, read_manifest, resolve
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from zeroshard.checkpoint_files import (
+    CheckpointError,
+    PieceReader,
+    read_manifest,
+    resolve,
+)
+from zeroshard.precision import DTYPES
 
 
 def full_tensors(load_dir: str | Path, tag: str | None = None, kind: str = "param") -> dict[str, torch.Tensor]:
@@ -42,11 +46,17 @@ def full_tensors(load_dir: str | Path, tag: str | None = None, kind: str = "para
             why = reader.missing(kind, name, 0, numel)
             if why is not None:
                 raise CheckpointError(f"{path}: {why}")
-            trained = kind != "param" or entry.get("group") is not None
-            values = torch.empty(numel, dtype=torch.float32 if trained else _DTYPES[entry["dtype"]])
+            values = torch.empty(numel, dtype=_stored_dtype(kind, entry))
             reader.read_into(kind, name, 0, values)
             out[name] = values.view(shape)
     return out
+
+
+def _stored_dtype(kind: str, entry: dict) -> torch.dtype:
+    """Masters and optimizer state are fp32; frozen parameters and buffers keep their own dtype."""
+    if kind == "buffer" or (kind == "param" and entry["group"] is None):
+        return getattr(torch, entry["dtype"])
+    return torch.float32
 
 
 def consolidate(load_dir: str | Path, tag: str | None = None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -73,9 +83,6 @@ def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: 
     return len(state)
 
 
-_CLI_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """`zeroshard consolidate CHECKPOINT OUT [--tag T] [--dtype D]`."""
     parser = commands.add_parser(
@@ -88,13 +95,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="a save directory (its 'latest' tag) or one tag's directory")
     parser.add_argument("out", metavar="OUT", help="the .safetensors file to write")
     parser.add_argument("--tag", default=None, help="the tag to read in CHECKPOINT (default: its 'latest')")
-    parser.add_argument("--dtype", choices=sorted(_CLI_DTYPES), default=None,
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="cast floating-point tensors (default: fp32 masters, frozen ones as stored)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        count = write(args.checkpoint, args.out, args.tag, _CLI_DTYPES.get(args.dtype))
+        count = write(args.checkpoint, args.out, args.tag, DTYPES.get(args.dtype))
     except CheckpointError as error:
         print(f"zeroshard consolidate: {error}", file=sys.stderr)
         return 1

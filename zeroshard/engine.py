@@ -416,19 +416,24 @@ class Engine:
         """Write a sharded checkpoint to `save_dir/tag` (default tag `global_step<N>`) and point
         `save_dir/latest` at it; returns the tag's directory. Every rank must call it, at an
         accumulation boundary. `client_state`: your own plain data (tensors, numbers, strings,
-        lists, dicts), given back by `load_checkpoint`. See `zeroshard/checkpoint.py`."""
+        lists, dicts), given back by `load_checkpoint`; rank 0's is the one stored.
+        See `zeroshard/checkpoint.py`."""
         return checkpoint.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True) -> tuple[Path, dict]:
+                        load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[Path, dict]:
         """Load a checkpoint written by any world size, stage or dtype; returns (its directory, client_state).
 
         `tag` None: the one `load_dir/latest` names (or `load_dir` itself if it is a tag's directory).
-        `load_optimizer_states=False` loads the weights only: the optimizer state, step counters and
-        loss scale stay as they are. Every rank must call it; on error every rank raises
-        `CheckpointError` and the engine is unchanged.
+        As DeepSpeed's: `load_optimizer_states=False` keeps this engine's optimizer state,
+        `load_lr_scheduler_states=False` its LR scheduler; `load_module_only=True` loads the
+        weights alone (no counters, loss scale, optimizer or scheduler), to fine-tune from them.
+        Every rank must call it; on error every rank raises `CheckpointError` and the engine is
+        unchanged.
         """
-        return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+        return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only)
 
     # -- reports ------------------------------------------------------------
 

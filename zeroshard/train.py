@@ -102,7 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'latest' names the newest (default: %(default)s)")
     parser.add_argument("--resume", metavar="PATH", default=None,
                         help="continue from a checkpoint: a --save-dir (its latest) or one step's directory; "
-                             "any --nproc and --stage can read it, --steps counts from the first step")
+                             "any --nproc and --stage can read it. --steps counts from the first step and lays "
+                             "out the LR schedule: give the first run's to reproduce it")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                         help="training dtype: bf16 or fp16 train 16-bit parameters with fp32 master weights "
                              "(fp16 with dynamic loss scaling) (default: fp32, or the config's)")
