@@ -240,38 +240,58 @@ def test_bf16_masters_survive_a_change_of_stage_and_dtype(tmp_path):
 # -- one process: what else a training state holds ------------------------------------
 
 
+SMALL_CONFIG = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+                "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}}}
+
+
+def _small_engine(seed: int):
+    """A BatchNorm model (an int64 buffer) with the config's optimizer and scheduler, in this process."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    return zeroshard.initialize(model, None, SMALL_CONFIG)
+
+
+def _small_train(engine, steps: int) -> float:
+    for step in range(steps):
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
+        loss = engine(x).square().mean()
+        engine.backward(loss)
+        engine.step()
+    return loss.item()
+
+
 def test_config_schedule_and_integer_buffers_come_back(tmp_path):
     """The config's scheduler block is restored with the optimizer; BatchNorm's int64 counter stays int64."""
-    torch.manual_seed(0)
-    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}}}
-
-    def build(seed):
-        torch.manual_seed(seed)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
-        return zeroshard.initialize(model, None, config)
-
-    def train(engine, steps):
-        for step in range(steps):
-            x = torch.randn(16, 4, generator=torch.Generator().manual_seed(step))
-            loss = engine(x).square().mean()
-            engine.backward(loss)
-            engine.step()
-        return loss.item()
-
-    engine = build(0)
-    train(engine, 3)
+    engine = _small_engine(0)
+    _small_train(engine, 3)
     engine.save_checkpoint(tmp_path)
     saved_mean, saved_lr = engine.module[1].running_mean.clone(), engine.optimizer.param_groups[0]["lr"]
-    expected_loss = train(engine, 2)
-    other = build(1)
+    expected_loss = _small_train(engine, 2)
+    other = _small_engine(1)
     other.load_checkpoint(tmp_path)
     assert other.lr_scheduler.last_epoch == 3 and other.optimizer.param_groups[0]["lr"] == saved_lr > 0
     assert other.module[1].num_batches_tracked.item() == 3
-    assert train(other, 2) == expected_loss
+    assert _small_train(other, 2) == expected_loss
     buffers = full_tensors(tmp_path, kind="buffer")
     assert buffers["1.num_batches_tracked"].dtype == torch.int64 and buffers["1.num_batches_tracked"].item() == 3
     assert torch.equal(buffers["1.running_mean"], saved_mean)
+
+
+def test_weights_only_loads_as_deepspeed_does(tmp_path):
+    """load_module_only: the weights alone; load_optimizer_states=False: all but the optimizer's state."""
+    engine = _small_engine(0)
+    _small_train(engine, 3)
+    engine.save_checkpoint(tmp_path)
+    saved = engine.full_state_dict()
+    module_only, no_optimizer = _small_engine(1), _small_engine(1)
+    module_only.load_checkpoint(tmp_path, load_module_only=True)
+    no_optimizer.load_checkpoint(tmp_path, load_optimizer_states=False)
+    for loaded in (module_only, no_optimizer):
+        full = loaded.full_state_dict()
+        assert all(torch.equal(full[k], v) for k, v in saved.items())
+        assert not loaded.optimizer.state  # never stepped, and nothing loaded into it
+    assert (module_only.global_steps, module_only.lr_scheduler.last_epoch) == (0, 0)
+    assert (no_optimizer.global_steps, no_optimizer.lr_scheduler.last_epoch) == (3, 3)
 
 
 def test_rank_files_rank_0_cannot_see_mean_no_shared_filesystem(tmp_path):
