@@ -51,6 +51,9 @@ def agree(comm: Comm, error: str | None) -> None:
 
 def check_boundary(engine: "Engine", action: str) -> None:
     engine._check_usable()  # a failed engine's ranks may be out of step: restart, then load
+    if engine._backward_pending and engine.gradient_accumulation_steps == 1:
+        raise CheckpointError(f"{action} between engine.backward() and engine.step(): the gradients of that "
+                              "backward are not part of a checkpoint. Call it after engine.step()")
     if engine._backward_pending or engine.micro_steps % engine.gradient_accumulation_steps:
         raise CheckpointError(
             f"{action} at micro-step {engine.micro_steps}, inside an accumulation window of "
@@ -312,7 +315,7 @@ def _model_mismatch(held: Holdings, manifest: dict) -> str | None:
     unexpected += [f"buffer '{n}'" for n in their_buffers if n not in buffers]
     if not (missing or unexpected or shapes):
         return None
-    parts = [f"{label} ({len(items)}): {', '.join(items[:5])}{', ...' if len(items) > 5 else ''}"
+    parts = [f"{label} ({len(items)}): {', '.join(items[:5])}{f' and {len(items) - 5} more' if len(items) > 5 else ''}"
              for label, items in (("missing from the checkpoint", missing), ("not in this model", unexpected),
                                   ("shape in checkpoint vs model", shapes)) if items]
     return ("the checkpoint was written for another model: " + "; ".join(parts) +

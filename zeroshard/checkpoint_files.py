@@ -120,14 +120,17 @@ def fsync_dir(path: Path) -> None:
 def resolve(load_dir: str | Path, tag: str | None) -> Path:
     """The tag directory to load: `load_dir/tag`, the one `latest` names, or `load_dir` itself."""
     load_dir = Path(load_dir)
+    if load_dir.is_file():
+        raise CheckpointError(f"{load_dir} is a file, not a checkpoint directory: give the save directory "
+                              "(its 'latest' tag) or one tag's directory; a consolidated state dict loads with "
+                              "model.load_state_dict() before zeroshard.initialize")
     if not load_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {load_dir} does not exist")
     if tag is not None:
         check_tag(tag)
         path = load_dir / tag
         if not path.is_dir():
-            tags = sorted(p.name for p in load_dir.iterdir() if (p / MANIFEST).is_file())
-            raise CheckpointError(f"{load_dir} has no checkpoint '{tag}'; it has: {', '.join(tags) or 'none'}")
+            raise CheckpointError(f"{load_dir} has no checkpoint '{tag}'; it has: {', '.join(tags_in(load_dir)) or 'none'}")
         return path
     if (load_dir / MANIFEST).is_file():
         return load_dir
@@ -140,7 +143,15 @@ def resolve(load_dir: str | Path, tag: str | None) -> Path:
             raise CheckpointError(f"{load_dir / LATEST} names '{tag}', which is not in {load_dir}; "
                                   f"{hint}pass tag= (or the tag's directory) to load another one")
         return load_dir / tag
+    if tags_in(load_dir):
+        raise CheckpointError(f"{load_dir} has no '{LATEST}' file to say which checkpoint to load; it has: "
+                              f"{', '.join(tags_in(load_dir))}: pass tag= (or the tag's directory)")
     raise CheckpointError(f"{load_dir} is not a zeroshard checkpoint: {foreign_hint(load_dir)}")
+
+
+def tags_in(save_dir: Path) -> list[str]:
+    """The complete tags of a save directory (not the hidden ones of a save in progress)."""
+    return sorted(p.name for p in save_dir.iterdir() if (p / MANIFEST).is_file() and not p.name.startswith("."))
 
 
 def foreign_hint(path: Path) -> str:
@@ -187,7 +198,12 @@ def read_manifest(path: Path) -> dict:
 
 
 def read_state(path: Path) -> dict:
-    return torch.load(path / STATE, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path / STATE, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a damaged pickle: UnpicklingError, RuntimeError, EOFError, ...
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CheckpointError(f"checkpoint file {path / STATE} cannot be read ({first}); "
+                              "restore it or load an earlier tag") from None
 
 
 @dataclass(frozen=True)

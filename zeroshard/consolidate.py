@@ -76,10 +76,13 @@ def consolidate(load_dir: str | Path, tag: str | None = None, dtype: torch.dtype
 
 def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: torch.dtype | None = None) -> int:
     """Write the consolidated state dict to a safetensors file; returns the number of tensors."""
-    state = consolidate(load_dir, tag, dtype)
-    manifest = read_manifest(resolve(load_dir, tag))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out),
-              metadata={"source": str(resolve(load_dir, tag)), "global_steps": str(manifest["global_steps"])})
+    path = resolve(load_dir, tag)
+    state = consolidate(path, dtype=dtype)
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out),
+                  metadata={"source": str(path), "global_steps": str(read_manifest(path)["global_steps"])})
+    except Exception as exc:  # safetensors reports I/O errors in its own error type
+        raise CheckpointError(f"cannot write {out} ({exc}); give a path in an existing, writable directory") from None
     return len(state)
 
 

@@ -81,6 +81,7 @@ class Holdings:
     frozen: list[tuple[FlatParams, Span]]  # stage 3's frozen flats: this rank's `shard_data`
     whole: list[tuple[str, nn.Parameter]]  # parameters in no flat buffer (frozen): replicated
     buffers: list[tuple[str, torch.Tensor]]  # the module's persistent buffers: replicated
+    order: tuple[str, ...]  # parameter names as the module registers them, for tables and messages
 
     @classmethod
     def of(cls, module: nn.Module, units: list[ShardedUnit], frozen_flats: list[FlatParams],
@@ -92,10 +93,10 @@ class Holdings:
         whole = [(n, p) for n, p in module.named_parameters() if id(p) not in in_flats]
         params = {id(p) for p in module.parameters()}
         buffers = [(k, t) for k, t in module.state_dict(keep_vars=True).items() if id(t) not in params]
-        return cls(trained, frozen, whole, buffers)
+        return cls(trained, frozen, whole, buffers, tuple(names[id(p)] for p in module.parameters()))
 
     def param_table(self) -> dict[str, dict]:
-        """name -> shape, dtype and param group (None: frozen) of every parameter, in flat order."""
+        """name -> shape, dtype and param group (None: frozen) of every parameter, in the module's order."""
         table = {}
         for t in self.trained:
             for name, shape in zip(t.held.names, t.unit.flat.shapes):
@@ -106,7 +107,7 @@ class Holdings:
                 table[name] = {"shape": list(shape), "dtype": _dtype(flat.dtype), "group": None}
         for name, p in self.whole:
             table[name] = {"shape": list(p.shape), "dtype": _dtype(p.dtype), "group": None}
-        return table
+        return {name: table[name] for name in self.order}
 
     def buffer_table(self) -> dict[str, dict]:
         return {name: {"shape": list(b.shape), "dtype": _dtype(b.dtype)} for name, b in self.buffers}
