@@ -181,8 +181,13 @@ def run_zeroshard(rank: int, world: int, device, case: Case, steps: int, skip: t
     opt = make_optimizer(case.optimizer, model)
     schedule = make_schedule(case, opt)
     engine = zeroshard.initialize(model, opt, case.config())
+    return engine, train_steps(engine, schedule, case, world, rank, device, [s for s in range(steps) if s not in skip])
+
+
+def train_steps(engine, schedule, case: Case, world: int, rank: int, device, steps) -> list[float]:
+    """Train the optimizer steps `steps` on this rank: each one's mean loss over its micro-steps."""
     losses = []
-    for step in (s for s in range(steps) if s not in skip):
+    for step in steps:
         step_loss = 0.0
         for micro in range(case.accumulation):
             x, y = (t.to(device) for t in micro_batch(step, case, world, rank, micro))
@@ -193,7 +198,7 @@ def run_zeroshard(rank: int, world: int, device, case: Case, steps: int, skip: t
         if schedule is not None:
             schedule.step()
         losses.append(step_loss)
-    return engine, losses
+    return losses
 
 
 def train_zeroshard(rank: int, world: int, device, case: Case, steps: int):

@@ -22,8 +22,7 @@ from safetensors.torch import load_file
 import zeroshard
 from tests.distributed import run_ranks
 from tests.recipes import (
-    Case, flat_weights, loss_of, make_model, make_optimizer, make_schedule, micro_batch, relative_error,
-    train_reference,
+    Case, flat_weights, make_model, make_optimizer, make_schedule, relative_error, train_reference, train_steps,
 )
 from zeroshard.consolidate import consolidate, full_tensors
 
@@ -37,23 +36,6 @@ def _engine(device, case: Case, seed: int = 0, extra: dict | None = None):
     opt = make_optimizer(case.optimizer, model)
     schedule = make_schedule(case, opt)
     return zeroshard.initialize(model, opt, case.config() | (extra or {})), schedule
-
-
-def _steps(engine, schedule, case: Case, world: int, rank: int, device, steps: range) -> list[float]:
-    """Train `steps`; each one's mean loss over this rank's micro-steps."""
-    losses = []
-    for step in steps:
-        total = 0.0
-        for micro in range(case.accumulation):
-            x, y = (t.to(device) for t in micro_batch(step, case, world, rank, micro))
-            loss = loss_of(engine, x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / case.accumulation
-        if schedule is not None:
-            schedule.step()
-        losses.append(total)
-    return losses
 
 
 def _weights(engine) -> torch.Tensor:
@@ -90,9 +72,9 @@ def _uninterrupted(rank, world, device, root):
     out = []
     for case, extra in RESUMED:
         engine, schedule = _engine(device, case, extra=extra)
-        losses = _steps(engine, schedule, case, world, rank, device, range(SAVE_AT))
+        losses = train_steps(engine, schedule, case, world, rank, device, range(SAVE_AT))
         at_save = _counters(engine)
-        losses += _steps(engine, schedule, case, world, rank, device, range(SAVE_AT, STEPS))
+        losses += train_steps(engine, schedule, case, world, rank, device, range(SAVE_AT, STEPS))
         out.append((losses, _weights(engine), at_save, _counters(engine)))
     return out
 
@@ -100,7 +82,7 @@ def _uninterrupted(rank, world, device, root):
 def _stop_at_save(rank, world, device, root):
     for i, (case, extra) in enumerate(RESUMED):
         engine, schedule = _engine(device, case, extra=extra)
-        _steps(engine, schedule, case, world, rank, device, range(SAVE_AT))
+        train_steps(engine, schedule, case, world, rank, device, range(SAVE_AT))
         _save(engine, schedule, Path(root) / str(i))
 
 
@@ -110,7 +92,7 @@ def _resume(rank, world, device, root):
         engine, schedule = _engine(device, case, seed=7, extra=extra)  # other initial weights: the load replaces them
         _load(engine, schedule, Path(root) / str(i))
         at_load = _counters(engine)
-        losses = _steps(engine, schedule, case, world, rank, device, range(SAVE_AT, STEPS))
+        losses = train_steps(engine, schedule, case, world, rank, device, range(SAVE_AT, STEPS))
         out.append((losses, _weights(engine), at_load, _counters(engine)))
     return out
 
@@ -142,7 +124,7 @@ READERS = [  # (world, case): the same global batch of 8 rows
 
 def _write(rank, world, device, root, case):
     engine, schedule = _engine(device, case)
-    _steps(engine, schedule, case, world, rank, device, range(SAVE_AT))
+    train_steps(engine, schedule, case, world, rank, device, range(SAVE_AT))
     _save(engine, schedule, Path(root) / "written")
     return _weights(engine)
 
@@ -152,7 +134,7 @@ def _read(rank, world, device, root, case, name):
     _load(engine, schedule, Path(root) / "written")
     loaded = _weights(engine)
     _save(engine, schedule, Path(root) / name)  # what this layout holds, to compare with what was written
-    losses = _steps(engine, schedule, case, world, rank, device, range(SAVE_AT, STEPS))
+    losses = train_steps(engine, schedule, case, world, rank, device, range(SAVE_AT, STEPS))
     return loaded, losses, _weights(engine), engine.global_steps
 
 
@@ -206,7 +188,7 @@ def test_consolidated_state_dict_loads_into_the_plain_model(written, tmp_path):
 def _write_bf16(rank, world, device, root):
     case = Case(stage=2, optimizer="adamw1_slow", dtype="bf16")
     engine, _ = _engine(device, case)
-    _steps(engine, None, case, world, rank, device, range(2))
+    train_steps(engine, None, case, world, rank, device, range(2))
     engine.save_checkpoint(Path(root) / "bf16")
 
 
