@@ -274,6 +274,19 @@ def test_weights_only_loads_as_deepspeed_does(tmp_path):
         assert not loaded.optimizer.state  # never stepped, and nothing loaded into it
     assert (module_only.global_steps, module_only.lr_scheduler.last_epoch) == (0, 0)
     assert (no_optimizer.global_steps, no_optimizer.lr_scheduler.last_epoch) == (3, 3)
+    with pytest.raises(TypeError, match="positional"):  # DeepSpeed's third is load_module_strict: no silent mix-up
+        module_only.load_checkpoint(tmp_path, None, False)
+
+
+def test_save_latest_false_leaves_latest_alone(tmp_path):
+    engine = _small_engine(0)
+    _small_train(engine, 1)
+    assert engine.save_checkpoint(tmp_path) == tmp_path / "global_step1"
+    _small_train(engine, 1)
+    assert engine.save_checkpoint(tmp_path, "best", None, False) == tmp_path / "best"
+    assert (tmp_path / "latest").read_text() == "global_step1\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best", "global_step1", "latest"]
+    assert engine.load_checkpoint(tmp_path, "best")[0] == tmp_path / "best" and engine.global_steps == 2
 
 
 def test_rank_files_rank_0_cannot_see_mean_no_shared_filesystem(tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import zeroshard
@@ -240,10 +241,13 @@ def test_consolidate_reports_the_same_damage(ckpt, damage):
 
 
 def _drop_pieces(tag_dir: Path, kind: str, name: str) -> None:
-    """Rewrite rank 0's file without the pieces of (kind, name), as a rank file that lacks them would be."""
+    """Rewrite rank 0's file without the runs of (kind, name), as a rank file that lacks them would be."""
     file = tag_dir / RANK0
-    pieces = {k: v for k, v in load_file(file).items() if not k.startswith(f"{kind}:{name}:")}
-    save_file(pieces, str(file), metadata={"format": "zeroshard checkpoint", "rank": "0"})
+    with safe_open(str(file), framework="pt") as f:
+        metadata = f.metadata()
+    runs = {key: [r for r in entries if not (key.startswith(kind + ":") and r[0] == name)]
+            for key, entries in json.loads(metadata["runs"]).items()}
+    save_file(load_file(file), str(file), metadata=metadata | {"runs": json.dumps(runs)})
     manifest = json.loads((tag_dir / "manifest.json").read_text())
     _edit_manifest(tag_dir, files=manifest["files"] | {RANK0: file.stat().st_size})
 
@@ -650,3 +654,13 @@ def test_cli_resume_with_nothing_left_to_train(tmp_path):
     assert (f"{save_dir / 'global_step2'} is at step 2 and --steps is 2: nothing left to train; "
             "give --steps above 2") in output, output
     assert "Traceback" not in output, output
+
+
+def test_rank_file_that_does_not_say_what_it_holds(ckpt):
+    """A safetensors file without zeroshard's runs (a plain state dict in its place, say)."""
+    file = ckpt / TAG / RANK0
+    save_file(load_file(file), str(file))  # the same tensors, no metadata
+    manifest = json.loads((ckpt / TAG / "manifest.json").read_text())
+    _edit_manifest(ckpt / TAG, files=manifest["files"] | {RANK0: file.stat().st_size})
+    load_fails(engine(), ckpt, rf"^checkpoint file {re.escape(str(file))} does not say what it holds \(KeyError: "
+                               r"'runs'\); it is damaged or not a zeroshard rank file: restore it or load an earlier tag$")

@@ -26,10 +26,10 @@ from safetensors.torch import save_file
 import zeroshard
 from zeroshard.checkpoint_files import (
     FORMAT, MANIFEST, STATE, VERSION, CheckpointError, PieceReader, check_tag, commit, fsync_file,
-    partial_dir, piece_key, rank_file, read_manifest, read_state, resolve, write_bytes,
+    partial_dir, rank_file, read_manifest, read_state, resolve, runs_metadata, window_key, write_bytes,
 )
 from zeroshard.comm import Comm, all_gather_object
-from zeroshard.holdings import Holdings
+from zeroshard.holdings import Holdings, Span
 
 if TYPE_CHECKING:
     from zeroshard.engine import Engine
@@ -71,7 +71,7 @@ def holdings(engine: "Engine") -> Holdings:
 
 
 def save(engine: "Engine", save_dir: str | Path, tag: str | None = None,
-         client_state: dict | None = None) -> Path:
+         client_state: dict | None = None, save_latest: bool = True) -> Path:
     """Write the engine's training state to `save_dir/tag` (default tag: global_step<N>); returns that path."""
     check_boundary(engine, "save_checkpoint")
     tag = tag or f"global_step{engine.global_steps}"
@@ -94,7 +94,8 @@ def save(engine: "Engine", save_dir: str | Path, tag: str | None = None,
     sizes: dict[str, int] = {}
 
     def write_shard() -> None:
-        save_file(_pieces(engine, held), str(path), metadata={"format": FORMAT, "rank": str(comm.rank)})
+        tensors, runs = _windows(engine, held)
+        save_file(tensors, str(path), metadata={"format": FORMAT, "rank": str(comm.rank), "runs": runs_metadata(runs)})
         sizes[path.name] = fsync_file(path)
 
     agree(comm, _attempt(write_shard, f"cannot write its shard to {partial}"))
@@ -106,7 +107,7 @@ def save(engine: "Engine", save_dir: str | Path, tag: str | None = None,
             _check_shared(partial, files)
             files[STATE] = write_bytes(partial / STATE, state)
             write_bytes(partial / MANIFEST, _manifest(engine, held, files).encode())
-            commit(save_dir, tag)
+            commit(save_dir, tag, save_latest)
 
         error = _attempt(finish, f"cannot complete {partial}")
     agree(comm, error)  # every rank returns once the tag is in place
@@ -139,28 +140,31 @@ def _check_shared(partial: Path, files: dict[str, int]) -> None:
                           "on a filesystem every node shares (NFS, Lustre, a mounted bucket)")
 
 
-def _pieces(engine: "Engine", held: Holdings) -> dict[str, torch.Tensor]:
-    """This rank's pieces: its shard of masters, optimizer state and frozen flats; rank 0 adds the replicated."""
-    pieces: dict[str, torch.Tensor] = {}
+def _windows(engine: "Engine", held: Holdings) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+    """This rank's tensors (its shard of masters, optimizer state and frozen flats; rank 0 adds the
+    replicated) and the runs of parameters each holds. CPU tensors are written as they are, no copy."""
+    tensors: dict[str, torch.Tensor] = {}
+    runs: dict[str, list] = {}
 
-    def add(kind: str, span, tensor: torch.Tensor) -> None:
-        for run in span.runs():
-            pieces[piece_key(kind, run.name, run.start)] = (
-                tensor[run.at : run.at + run.numel].detach().to("cpu", copy=True))
+    def add(kind: str, window: str, span: Span, tensor: torch.Tensor) -> None:
+        entries = [[r.name, r.start, r.at, r.numel] for r in span.runs()]
+        if entries:  # a shard of padding only holds nothing
+            key = window_key(kind, window)
+            tensors[key] = tensor.detach().reshape(-1).cpu()
+            runs[key] = entries
 
-    for t in held.trained:
-        add("param", t.own, t.own_part(t.unit.master))
+    for i, t in enumerate(held.trained):
+        add("param", f"@shard{i}", t.own, t.own_part(t.unit.master))
         for key, value in engine.optimizer.state.get(t.unit.master, {}).items():
             if torch.is_tensor(value) and value.shape == t.unit.master.shape:
-                add("optim." + key, t.own, t.own_part(value))
-    for flat, span in held.frozen:
-        add("param", span, flat.shard_data)
+                add("optim." + key, f"@shard{i}", t.own, t.own_part(value))
+    for j, (flat, span) in enumerate(held.frozen):
+        add("param", f"@frozen{j}", span, flat.shard_data)
     if engine.comm.rank == 0:
-        for name, p in held.whole:
-            pieces[piece_key("param", name, 0)] = p.detach().reshape(-1).to("cpu", copy=True)
-        for name, b in held.buffers:
-            pieces[piece_key("buffer", name, 0)] = b.detach().reshape(-1).to("cpu", copy=True)
-    return pieces
+        for kind, named in (("param", held.whole), ("buffer", held.buffers)):
+            for name, tensor in named:
+                add(kind, name, Span.whole(name, tensor.numel()), tensor)
+    return tensors, runs
 
 
 def _serialized_state(engine: "Engine", held: Holdings, client_state: dict | None) -> tuple[bytes | None, str | None]:

@@ -13,13 +13,16 @@ save_dir/
     rank_00000.safetensors  rank 0's pieces; one file per rank that wrote
 ```
 
-A piece is a 1-D run of one parameter's flattened elements, stored under
-the key `kind:name:offset` (`param:blocks.0.attn.qkv.weight:4096`): kind
-`param` is the value (the fp32 master of a trained parameter, the value
-itself of a frozen one), `buffer` a module buffer, `optim.<key>` an
-optimizer state tensor (`optim.exp_avg`). Pieces are cut by the writing
-job's shards and read back by the reading job's, so a checkpoint reloads
-on any world size and any stage. A tag directory is written under a
+A rank file holds 1-D tensors as the rank held them (its shard of a flat
+buffer, saved without a copy) under the key `kind:window`
+(`optim.exp_avg:@shard3`): kind `param` is the value (the fp32 master of a
+trained parameter, the value itself of a frozen one), `buffer` a module
+buffer, `optim.<key>` an optimizer state tensor (`optim.exp_avg`). The
+file's metadata entry `runs` says which elements of which parameters each
+tensor holds: `[name, start, at, numel]`, the parameter's flattened
+elements [start, start + numel) at [at, at + numel) of the tensor. Runs are
+cut by the writing job's shards and read back by the reading job's, so a
+checkpoint reloads on any world size and any stage. A tag directory is written under a
 temporary name and renamed when complete, so a tag either exists whole or
 not at all.
 """
@@ -52,14 +55,13 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 
 
-def piece_key(kind: str, name: str, offset: int) -> str:
-    return f"{kind}:{name}:{offset}"
+def window_key(kind: str, window: str) -> str:
+    return f"{kind}:{window}"
 
 
-def parse_key(key: str) -> tuple[str, str, int]:
-    kind, rest = key.split(":", 1)
-    name, offset = rest.rsplit(":", 1)
-    return kind, name, int(offset)
+def runs_metadata(runs: dict[str, list]) -> str:
+    """The `runs` entry of a rank file's metadata: key -> [[name, start, at, numel], ...]."""
+    return json.dumps(runs, separators=(",", ":"))
 
 
 # -- writing ----------------------------------------------------------------------
@@ -91,7 +93,7 @@ def write_bytes(path: Path, data: bytes) -> int:
     return len(data)
 
 
-def commit(save_dir: Path, tag: str) -> Path:
+def commit(save_dir: Path, tag: str, save_latest: bool = True) -> Path:
     """Put a complete partial directory in place of the tag (replacing an older one), then point `latest` at it."""
     final, partial, old = save_dir / tag, partial_dir(save_dir, tag), save_dir / f".{tag}.old"
     if final.exists():
@@ -99,9 +101,10 @@ def commit(save_dir: Path, tag: str) -> Path:
         final.rename(old)
     partial.rename(final)
     shutil.rmtree(old, ignore_errors=True)
-    tmp = save_dir / f".{LATEST}.tmp"
-    write_bytes(tmp, (tag + "\n").encode())
-    os.replace(tmp, save_dir / LATEST)
+    if save_latest:
+        tmp = save_dir / f".{LATEST}.tmp"
+        write_bytes(tmp, (tag + "\n").encode())
+        os.replace(tmp, save_dir / LATEST)
     fsync_dir(save_dir)  # the renames themselves survive a power loss
     return final
 
@@ -211,7 +214,8 @@ class Piece:
     offset: int  # first element, in the parameter's flattened elements
     numel: int
     file: int  # index into the reader's open files
-    key: str
+    key: str  # the tensor that holds it
+    at: int  # where in that tensor it starts
 
 
 class PieceReader:
@@ -229,14 +233,26 @@ class PieceReader:
                 raise CheckpointError(f"checkpoint file {path / name} cannot be read ({exc}); "
                                       "restore it or load an earlier tag") from None
             self._files.append(handle)
-            for key in handle.keys():
-                kind, pname, offset = parse_key(key)
-                numel = 1
-                for d in handle.get_slice(key).get_shape():
-                    numel *= d
-                self._pieces.setdefault((kind, pname), []).append(Piece(offset, numel, len(self._files) - 1, key))
+            self._index(path / name, handle, len(self._files) - 1)
         for pieces in self._pieces.values():
             pieces.sort(key=lambda p: p.offset)
+
+    def _index(self, file: Path, handle, index: int) -> None:
+        """Note every run the file's metadata lists, after checking it lies inside its tensor."""
+        try:
+            runs = json.loads((handle.metadata() or {})["runs"])
+            for key, entries in runs.items():
+                length = handle.get_slice(key).get_shape()[0]
+                for name, start, at, numel in entries:
+                    if at + numel > length:
+                        raise ValueError(f"run of '{name}' past the end of '{key}'")
+                    self._pieces.setdefault((key.split(":", 1)[0], name), []).append(
+                        Piece(start, numel, index, key, at))
+        except Exception as exc:  # KeyError, JSONDecodeError, a safetensors error, ValueError
+            self.close()
+            raise CheckpointError(f"checkpoint file {file} does not say what it holds ({type(exc).__name__}: "
+                                  f"{exc}); it is damaged or not a zeroshard rank file: restore it or load an "
+                                  "earlier tag") from None
 
     def close(self) -> None:
         self._stack.close()
@@ -246,9 +262,6 @@ class PieceReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def kinds(self, name: str) -> set[str]:
-        return {kind for kind, pname in self._pieces if pname == name}
 
     def missing(self, kind: str, name: str, start: int, numel: int) -> str | None:
         """Why elements [start, start + numel) of (kind, name) cannot be read, or None if they can."""
@@ -270,5 +283,6 @@ class PieceReader:
             for piece in self._pieces.get((kind, name), []):
                 lo, hi = max(start, piece.offset), min(end, piece.offset + piece.numel)
                 if lo < hi:
-                    values = self._files[piece.file].get_slice(piece.key)[lo - piece.offset : hi - piece.offset]
+                    first = piece.at + lo - piece.offset
+                    values = self._files[piece.file].get_slice(piece.key)[first : first + hi - lo]
                     out[lo - start : hi - start].copy_(values)

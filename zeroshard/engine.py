@@ -411,21 +411,22 @@ class Engine:
 
     # -- checkpoints --------------------------------------------------------
 
-    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None,
-                        client_state: dict | None = None) -> Path:
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> Path:
         """Write a sharded checkpoint to `save_dir/tag` (default tag `global_step<N>`) and point
-        `save_dir/latest` at it; returns the tag's directory. Every rank must call it, at an
+        `save_dir/latest` at it (unless `save_latest` is false); returns the tag's directory. Every rank must call it, at an
         accumulation boundary. `client_state`: your own plain data (tensors, numbers, strings,
         lists, dicts), given back by `load_checkpoint`; rank 0's is the one stored.
         See `zeroshard/checkpoint.py`."""
-        return checkpoint.save(self, save_dir, tag, client_state)
+        return checkpoint.save(self, save_dir, tag, client_state, save_latest)
 
-    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[Path, dict]:
         """Load a checkpoint written by any world size, stage or dtype; returns (its directory, client_state).
 
         `tag` None: the one `load_dir/latest` names (or `load_dir` itself if it is a tag's directory).
+        The flags are keyword-only: DeepSpeed's third positional argument is `load_module_strict`.
         As DeepSpeed's: `load_optimizer_states=False` keeps this engine's optimizer state,
         `load_lr_scheduler_states=False` its LR scheduler; `load_module_only=True` loads the
         weights alone (no counters, loss scale, optimizer or scheduler), to fine-tune from them.
