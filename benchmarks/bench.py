@@ -85,7 +85,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def machine_meta(args: argparse.Namespace) -> dict:
+def machine() -> dict:
+    """This machine and the software versions: the part of the results header every benchmark shares."""
     def version(pkg: str) -> str:
         try:
             return metadata.version(pkg)
@@ -99,26 +100,42 @@ def machine_meta(args: argparse.Namespace) -> dict:
     return {
         "cpu": cpu, "cores": os.cpu_count(), "ram_gib": mem_kib / 2**20,
         "python": platform.python_version(), "torch": version("torch"), "deepspeed": version("deepspeed"),
-        "backend": "gloo", "threads": 1, "world": args.world, "block_size": BLOCK_SIZE,
+        "safetensors": version("safetensors"), "backend": "gloo", "threads": 1,
+    }  # fmt: skip
+
+
+def machine_meta(args: argparse.Namespace) -> dict:
+    return machine() | {
+        "world": args.world, "block_size": BLOCK_SIZE,
         "micro_batch": args.micro_batch, "bucket_elems": args.bucket_elems, "lr": args.lr,
         "seed": args.seed, "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds,
         "dtype": args.dtype,
     }  # fmt: skip
 
 
-def _error(rank_results: list[dict | None], logs: list[Path], timed_out: bool, timeout: float) -> str:
-    """The first error a rank reported, else the last error-looking line of its log."""
-    for r in rank_results:
-        if r and "error" in r:
-            return r["error"].splitlines()[0][:300] if r["error"] else "error"
-    if timed_out:
-        return f"timed out after {timeout:.0f} s"
-    for log in logs:
-        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-        hits = [ln for ln in lines if "Error" in ln or "Exception" in ln]
-        if hits or lines:
-            return (hits or lines)[-1][:300]
-    return "no output"
+def open_results(path: Path, fresh: bool, meta: dict, workload: list[str]) -> dict:
+    """The results kept in `path` (unless `fresh`) with `meta` as their header; exits if the workload changed."""
+    results = {"runs": {}}
+    if path.exists() and not fresh:
+        results = json.loads(path.read_text())
+    changed = [k for k in workload if k in results.get("meta", {}) and results["meta"][k] != meta[k]]
+    if changed:
+        sys.exit(f"{path} was measured with other {', '.join(changed)}; pass --fresh or another --json")
+    results["meta"] = meta
+    return results
+
+
+def command_line() -> str:
+    """How this benchmark was started, relative to the repository root, for the report."""
+    return "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]])
+
+
+def rank_env() -> dict[str, str]:
+    """What every rank needs in its environment besides the rendezvous (which `launch` sets)."""
+    return {
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
 
 
 def summarize(rank_results: list[dict], warmup: int) -> dict:
@@ -160,17 +177,12 @@ def run_variant(args: argparse.Namespace, size: str, mode: str, variant: str, co
     argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch)]
     argv += ["--bucket-elems", str(args.bucket_elems), "--lr", str(args.lr), "--seed", str(args.seed)]
     argv += ["--corpus", str(corpus), "--result", str(stem.with_suffix(".json")), "--dtype", args.dtype]
-    env = {
-        "DS_ACCELERATOR": "cpu",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    run = launch(argv, args.world, stem, args.timeout, env)
-    rank_files = [stem.with_suffix(f".json.rank{r}") for r in range(args.world)]
-    rank_results = [json.loads(f.read_text()) if f.exists() else None for f in rank_files]
+    run = launch(argv, args.world, stem, args.timeout, rank_env())
+    rank_results = run.results(stem.with_suffix(".json"))
     if run.ok and all(r and "error" not in r for r in rank_results):
         entry = summarize(rank_results, args.warmup)
     else:
-        entry = {"ok": False, "error": _error(rank_results, run.logs, run.timed_out, args.timeout)}
+        entry = {"ok": False, "error": run.error(rank_results, args.timeout)}
     return entry | {"launch_seconds": run.seconds, "returncodes": run.returncodes}
 
 
@@ -189,15 +201,8 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     corpus = HERE / "results" / "corpus.pt"
     prepare_corpus(corpus)
-    results = {"runs": {}}
-    if args.json.exists() and not args.fresh:
-        results = json.loads(args.json.read_text())
-    meta = machine_meta(args)
-    changed = [k for k in WORKLOAD if k in results.get("meta", {}) and results["meta"][k] != meta[k]]
-    if changed:
-        sys.exit(f"{args.json} was measured with other {', '.join(changed)}; pass --fresh or another --json")
-    results["meta"] = meta
-    command = "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]])
+    results = open_results(args.json, args.fresh, machine_meta(args), WORKLOAD)
+    command = command_line()
     todo = [(s, m, v) for s in args.sizes for m in args.modes for _ in range(args.rounds) for v in args.variants]
     rounds: dict[str, list[dict]] = {}
     for i, (size, mode, variant) in enumerate(todo, 1):

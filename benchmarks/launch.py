@@ -8,6 +8,7 @@ child it starts (DeepSpeed's JIT build) can be killed together.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -35,6 +36,25 @@ class Launch:
     @property
     def ok(self) -> bool:
         return all(rc == 0 for rc in self.returncodes)
+
+    def results(self, result: Path) -> list[dict | None]:
+        """Each rank's JSON, written to `result`.rank<r> (None for a rank that wrote none)."""
+        files = [result.with_name(f"{result.name}.rank{r}") for r in range(len(self.returncodes))]
+        return [json.loads(f.read_text()) if f.exists() else None for f in files]
+
+    def error(self, rank_results: list[dict | None], timeout: float) -> str:
+        """The first error a rank reported, else the last error-looking line of its log."""
+        for r in rank_results:
+            if r and "error" in r:
+                return r["error"].splitlines()[0][:300] if r["error"] else "error"
+        if self.timed_out:
+            return f"timed out after {timeout:.0f} s"
+        for log in self.logs:
+            lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+            hits = [ln for ln in lines if "Error" in ln or "Exception" in ln]
+            if hits or lines:
+                return (hits or lines)[-1][:300]
+        return "no output"
 
 
 def _rank_env(rank: int, world: int, port: int, extra: dict[str, str]) -> dict[str, str]:

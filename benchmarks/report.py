@@ -151,6 +151,14 @@ def _model_state_table(runs: dict[str, dict]) -> list[str]:
     return lines if len(lines) > 2 else []
 
 
+def _machine_lines(m: dict, more_software: str = "") -> list[str]:
+    return [
+        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']:.0f} GiB RAM, no GPU",
+        f"- Software: Python {m['python']}, torch {m['torch']}, DeepSpeed {m['deepspeed']} (`DS_ACCELERATOR=cpu`)"
+        + more_software,
+    ]
+
+
 def _header(results: dict) -> list[str]:
     m = results["meta"]
     commands = sorted({run["command"] for run in results["runs"].values()})
@@ -159,8 +167,7 @@ def _header(results: dict) -> list[str]:
         "# Benchmarks",
         "",
         f"- Date: {', '.join(dates)}",
-        f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']:.0f} GiB RAM, no GPU",
-        f"- Software: Python {m['python']}, torch {m['torch']}, DeepSpeed {m['deepspeed']} (`DS_ACCELERATOR=cpu`)",
+        *_machine_lines(m),
         (
             f"- Ranks: {m['world']} processes on this machine, backend {m['backend']}, "
             f"{m['threads']} thread per rank (`torch.set_num_threads(1)`)"
@@ -223,4 +230,185 @@ def render(results: dict, sizes: list[str], modes: list[str], variants: list[str
                           "ZeRO formula:", "", *states]
             if mode == "fused":
                 lines += ["", "Targets:", "", *_target_rows(runs)]
+    return "\n".join(lines) + "\n"
+
+
+# -- the checkpoint benchmark (checkpoint.py) ---------------------------------------------
+
+CHECKPOINT_LABELS = {
+    "fsdp2": "FSDP2 + DCP",
+    "fsdp2_reshard": "FSDP2 (reshard_after_forward) + DCP",
+    "deepspeed_z2": "DeepSpeed ZeRO-2",
+    "deepspeed_z3": "DeepSpeed ZeRO-3",
+    "zeroshard_s2": "zeroshard stage 2",
+    "zeroshard_s3": "zeroshard stage 3",
+}
+CHECKPOINT_PEER = "fsdp2"  # the ratios are against this variant
+CHECKPOINT_NOTES = [
+    (
+        "- zeroshard stage 2/3: `engine.save_checkpoint(dir, tag, client_state)` / `engine.load_checkpoint(dir, tag)` "
+        "(optimizer state included); every rank writes its shard of the fp32 masters and Adam state to one "
+        "safetensors file, rank 0 adds `state.pt` (counters, param groups, client state) and `manifest.json`; "
+        "`latest` names the tag. Stage 3 with `wrap=[Block]`."
+    ),
+    (
+        "- FSDP2 + DCP: `fully_shard` on each Block, then on the root (`reshard_after_forward=False`); save = "
+        "`get_state_dict(model, optimizer)` from `torch.distributed.checkpoint.state_dict`, then "
+        "`dcp.save({model, optim, client}, checkpoint_id=...)`; load = `get_state_dict`, `dcp.load`, `set_state_dict`."
+    ),
+    (
+        "- DeepSpeed ZeRO-2/3: `engine.save_checkpoint(dir, tag, client_state)` / `engine.load_checkpoint(dir, tag)` "
+        "(optimizer state included), set up as in the training benchmark (torch Adam, gloo, `DS_ACCELERATOR=cpu`). "
+        "Its file count includes the `latest` file and the `zero_to_fp32.py` / `zero_to_torch.py` scripts it copies "
+        "next to every checkpoint. Loading on another world size needs DeepSpeed's universal-checkpoint "
+        "conversion (`ds_to_universal.py`, then `load_universal_checkpoint`), which is not run here: the failure "
+        "of a plain `load_checkpoint` is recorded."
+    ),
+]
+
+
+def _ms(seconds_ms: float) -> str:
+    return f"{seconds_ms:.0f}" if seconds_ms >= 100 else f"{seconds_ms:.1f}"
+
+
+def _reload_cell(load: dict | None, notes: list[str], label: str, arrow: str, with_time: bool) -> str:
+    if load is None:
+        return "–"
+    if not load["ok"]:
+        notes.append(f"{label}, {arrow}: {load['error']}")
+        return f"failed [{len(notes)}]"
+    if load["exact"]:
+        cell = "exact"
+    else:
+        cell = f"loaded, {len(load['tensors_differ'])} of {load['tensors']} tensors differ"
+    if not load["changed_by_load"]:
+        cell += " (the fresh model already matched: no evidence)"
+    if not load["client_state_ok"]:
+        cell += ", client state lost"
+    return cell + (f", {_ms(load['load_ms'])} ms" if with_time else "")
+
+
+def _checkpoint_table(runs: dict[str, dict], writer: int, worlds: list[int]) -> list[str]:
+    others = [w for w in worlds if w != writer]
+    head = ["variant", "save ms", "save + fsync ms", f"load ms ({writer} ranks)", "on disk MiB", "files",
+            "save peak RSS Δ MiB", "RSS before save MiB", f"reload {writer} → {writer}",
+            *[f"reload {writer} → {w}" for w in others]]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * 7 + "---|" * (1 + len(others))]
+    notes: list[str] = []
+    for name, run in runs.items():
+        label = CHECKPOINT_LABELS[name]
+        if not _ok(run):
+            error = run["error"].replace("|", "\\|")
+            lines.append(f"| {label} | failed: {error} |" + " |" * (len(head) - 2))
+            continue
+        loads = run["loads"]
+        same = loads.get(str(writer))
+        load_ms = _ms(same["load_ms"]) if same and same["ok"] else "–"
+        cells = [
+            label, _ms(run["save_ms"]), _ms(run["durable_ms"]), load_ms, f"{run['bytes'] / MIB:.1f}",
+            str(run["files"]), f"{run['save_rss_delta_bytes'] / MIB:.1f}", f"{run['rss_before_save_bytes'] / MIB:.0f}",
+            _reload_cell(same, notes, label, f"{writer} → {writer} ranks", with_time=False),
+            *[_reload_cell(loads.get(str(w)), notes, label, f"{writer} → {w} ranks", with_time=True) for w in others],
+        ]
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    if notes:
+        lines += ["", *[f"- [{i}] {note}" for i, note in enumerate(notes, 1)]]
+    return lines
+
+
+def _checkpoint_ratios(runs: dict[str, dict]) -> list[str]:
+    peer = runs.get(CHECKPOINT_PEER)
+    if not _ok(peer):
+        return []
+    keys = [("save_ms", "save"), ("durable_ms", "save + fsync"), ("load_ms", "load"), ("bytes", "bytes on disk"),
+            ("save_rss_delta_bytes", "save peak RSS Δ")]
+
+    def value(run: dict, key: str) -> float | None:
+        if key == "load_ms":
+            load = run["loads"].get(str(run["writer_world"]))
+            return load["load_ms"] if load and load["ok"] else None
+        return run[key]
+
+    lines = ["| variant | " + " | ".join(k[1] for k in keys) + " |", "|---|" + "---:|" * len(keys)]
+    for name, run in runs.items():
+        if name == CHECKPOINT_PEER or not _ok(run):
+            continue
+        cells = []
+        for key, _ in keys:
+            ours, theirs = value(run, key), value(peer, key)
+            cells.append(_ratio(ours, theirs) if ours is not None and theirs else "–")
+        lines.append(f"| {CHECKPOINT_LABELS[name]} | " + " | ".join(cells) + " |")
+    return lines if len(lines) > 2 else []
+
+
+def render_checkpoints(results: dict, sizes: list[str], variants: list[str]) -> str:
+    """The "Checkpoints" section: save/load time, size, RSS and reloads on other world sizes, per preset."""
+    m = results["meta"]
+    runs_all = results["runs"]
+    commands = sorted({run["command"] for run in runs_all.values()})
+    dates = sorted({run["measured_at"][:10] for run in runs_all.values()})
+    worlds = sorted({int(w) for run in runs_all.values() for w in run.get("loads", {})},
+                    key=lambda w: (w != m["world"], w))
+    safetensors = f", safetensors {m['safetensors']}" if m.get("safetensors") else ""
+    lines = [
+        "## Checkpoints",
+        "",
+        f"- Date: {', '.join(dates)}",
+        *_machine_lines(m, safetensors),
+        (
+            f"- Ranks: written by {m['world']} processes on this machine (backend {m['backend']}, "
+            f"{m['threads']} thread per rank); read back by {', '.join(map(str, worlds)) or 'none'} "
+            "(each a fresh process tree)"
+        ),
+        (
+            f"- Workload: GPT preset (see each table), {m['train_steps']} training steps before the first save "
+            f"(so Adam's `exp_avg` / `exp_avg_sq` exist), Adam ({m['mode']}) lr {m['lr']}, per-rank micro batch "
+            f"{m['micro_batch']} × {m['block_size']} tokens, fp32, seed {m['seed']}"
+        ),
+        (
+            "- save ms: wall time of the save call on each rank, all ranks starting together after a barrier; "
+            f"the slowest rank, median over {m['rounds']} round(s), each round into a new directory (the earlier "
+            "one deleted). save + fsync ms: from the same start until every rank's save has returned and rank 0 "
+            "has fsynced every file written (zeroshard and DCP fsync their own files; DeepSpeed's `torch.save` "
+            "does not, so its save ms leaves the write-back to the kernel)"
+        ),
+        (
+            f"- load ms: wall time of loading weights and optimizer state at {m['world']} ranks into a freshly "
+            "built engine/model (other seed, not trained), slowest rank, median over the rounds; a new engine for "
+            "every round. The checkpoint was just written, so its files are read mostly from the page cache"
+        ),
+        (
+            "- Memory: save peak RSS Δ = per rank, the RSS high-water mark during the save (`VmHWM`, reset "
+            "through `/proc/self/clear_refs` just before) minus the RSS just before; the largest over ranks "
+            "and rounds. RSS before save: the largest rank's RSS just before the first save. on disk MiB: the "
+            "sizes of every file the save wrote (`ls -l`), files: their number"
+        ),
+        (
+            "- reload: the weights gathered in full to rank 0 (zeroshard `full_state_dict(rank0_only=True)`, FSDP2 "
+            "`get_model_state_dict(full_state_dict=True, cpu_offload=True)`, DeepSpeed `module.state_dict()`, "
+            "inside `GatheredParameters` at ZeRO-3) after training and after loading, compared by SHA-256 of "
+            "every tensor's bytes: exact = every tensor equal (the fresh model's differ before loading); "
+            "time = load ms at that world size. A failure shows the first line of the error"
+        ),
+        "",
+        "Command" + ("s" if len(commands) > 1 else "") + ":",
+        "",
+        "```",
+        *commands,
+        "```",
+        "",
+        "Variants:",
+        "",
+        *CHECKPOINT_NOTES,
+    ]
+    for size in sizes:
+        runs = {v: runs_all[f"{size}/{v}"] for v in variants if f"{size}/{v}" in runs_all}
+        if not runs:
+            continue
+        params = next((r["num_params"] for r in runs.values() if _ok(r)), None)
+        title = f"{size} ({params / 1e6:.1f}M parameters)" if params else size
+        lines += ["", f"### Checkpoints: {title}", "", *_checkpoint_table(runs, m["world"], worlds)]
+        ratios = _checkpoint_ratios(runs)
+        if ratios:
+            lines += ["", f"Against {CHECKPOINT_LABELS[CHECKPOINT_PEER]} (ratio of the values above):", "", *ratios]
     return "\n".join(lines) + "\n"

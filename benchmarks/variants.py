@@ -3,6 +3,10 @@ and return a step function.
 
 A step function runs one training step on this rank's micro batch
 (forward, backward, optimizer step, gradients cleared) and returns the loss.
+It carries what it trains for callers that need more than steps (the
+checkpoint benchmark, the worker's memory report): `step.model` and
+`step.optimizer` for the torch wrappers, `step.engine` for DeepSpeed and
+zeroshard.
 Every builder receives the same freshly initialized model and the same
 `Settings`, so the variants differ only in how they parallelize.
 """
@@ -42,6 +46,7 @@ def _torch_step(model: nn.Module, opt: torch.optim.Optimizer) -> StepFn:
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    step.model, step.optimizer = model, opt
     return step
 
 
@@ -107,6 +112,7 @@ def _engine_step(engine) -> StepFn:
         engine.step()  # also clears the gradients
         return loss.detach()
 
+    step.engine = engine
     return step
 
 
@@ -148,9 +154,7 @@ def build_zeroshard(stage: int) -> Callable[[nn.Module, Settings], StepFn]:
         }
         wrap = [type(model.blocks[0])] if stage == 3 else None  # the same units as the FSDP peers
         engine = zeroshard.initialize(model, make_adam(model.parameters(), s), config, wrap=wrap)
-        step = _engine_step(engine)
-        step.engine = engine  # the worker reads memory_stats() after training
-        return step
+        return _engine_step(engine)
 
     return build
 
