@@ -19,6 +19,7 @@ bytes are equal.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import gc
 import hashlib
@@ -44,22 +45,23 @@ TAG = "ckpt"  # the tag (DeepSpeed, zeroshard) or directory name (DCP) of the ch
 # -- each variant's save, load and full weights ---------------------------------------
 
 
-class Checkpointer:
+class Checkpointer(abc.ABC):
     """How one variant saves, loads and shows its full weights. Every rank calls every method."""
 
     def __init__(self, step: StepFn):
         self.step = step
 
+    @abc.abstractmethod
     def save(self, directory: Path, client_state: dict) -> None:
-        raise NotImplementedError
+        """Save weights, optimizer state and `client_state` into `directory`."""
 
+    @abc.abstractmethod
     def load(self, directory: Path) -> dict:
         """Load the checkpoint in `directory` (weights and optimizer state); returns the client state."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def full_state(self) -> dict[str, torch.Tensor]:
         """The model's full state dict on rank 0 (other ranks may get an empty dict)."""
-        raise NotImplementedError
 
 
 class ZeroshardCheckpointer(Checkpointer):
