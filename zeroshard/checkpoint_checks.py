@@ -1,0 +1,106 @@
+"""Whether a checkpoint and an engine fit: every reason a save or load must stop, as one sentence.
+
+Each check returns (or raises) a message that names the cause and the fix;
+`checkpoint.py` makes every rank raise the same one before anything changes.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from zeroshard.checkpoint_files import CheckpointError, PieceReader
+from zeroshard.holdings import Holdings
+
+if TYPE_CHECKING:
+    from zeroshard.engine import Engine
+
+
+def check_boundary(engine: "Engine", action: str) -> None:
+    engine._check_usable()  # a failed engine's ranks may be out of step: restart, then load
+    if engine._backward_pending and engine.gradient_accumulation_steps == 1:
+        raise CheckpointError(f"{action} between engine.backward() and engine.step(): the gradients of that "
+                              "backward are not part of a checkpoint. Call it after engine.step()")
+    if engine._backward_pending or engine.micro_steps % engine.gradient_accumulation_steps:
+        raise CheckpointError(
+            f"{action} at micro-step {engine.micro_steps}, inside an accumulation window of "
+            f"{engine.gradient_accumulation_steps}: the window's partial gradients are not part of a "
+            "checkpoint. Call it after the engine.step() that ends the window "
+            "(engine.is_gradient_accumulation_boundary() was true before that step)")
+
+
+def first_not_plain(value, where: str) -> str | None:
+    """Where in `value` the first object torch.load(weights_only=True) would refuse is, with its type."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return f"{where} (a {type(value).__module__}.{type(value).__qualname__})"
+    for key, item in items:
+        if not isinstance(key, (bool, int, float, str)) and key is not None:
+            return f"a key of {where} (a {type(key).__qualname__})"
+        found = first_not_plain(item, f"{where}[{key!r}]")
+        if found is not None:
+            return found
+    return None
+
+
+def mismatch(engine: "Engine", held: Holdings, manifest: dict, reader: PieceReader,
+              with_optimizer: bool) -> str | None:
+    """Why this checkpoint cannot be loaded into this engine, or None."""
+    error = _modelmismatch(held, manifest)
+    if error is None and with_optimizer:
+        error = _optimizermismatch(engine, held, manifest)
+    if error is not None:
+        return error
+    kinds = ["param"] + (["optim." + k for k in manifest["optimizer_state"]] if with_optimizer else [])
+    needs = [(k, run) for t in held.trained for k in kinds for run in t.held.runs()]
+    needs += [("param", run) for _, span in held.frozen for run in span.runs()]
+    for kind, run in needs:
+        why = reader.missing(kind, run.name, run.start, run.numel)
+        if why is not None:
+            return f"{why}: the checkpoint is incomplete or damaged; load an earlier tag"
+    return None
+
+
+def _modelmismatch(held: Holdings, manifest: dict) -> str | None:
+    mine, theirs = held.param_table(), manifest["params"]
+    missing = [n for n in mine if n not in theirs]
+    unexpected = [n for n in theirs if n not in mine]
+    shapes = [f"'{n}' {theirs[n]['shape']} vs {mine[n]['shape']}" for n in mine
+              if n in theirs and theirs[n]["shape"] != mine[n]["shape"]]
+    buffers, their_buffers = held.buffer_table(), manifest["buffers"]
+    shapes += [f"buffer '{n}' {their_buffers[n]['shape']} vs {b['shape']}" for n, b in buffers.items()
+               if n in their_buffers and their_buffers[n]["shape"] != b["shape"]]
+    missing += [f"buffer '{n}'" for n in buffers if n not in their_buffers]
+    unexpected += [f"buffer '{n}'" for n in their_buffers if n not in buffers]
+    if not (missing or unexpected or shapes):
+        return None
+    parts = [f"{label} ({len(items)}): {', '.join(items[:5])}{f' and {len(items) - 5} more' if len(items) > 5 else ''}"
+             for label, items in (("missing from the checkpoint", missing), ("not in this model", unexpected),
+                                  ("shape in checkpoint vs model", shapes)) if items]
+    return ("the checkpoint was written for another model: " + "; ".join(parts) +
+            ". Build the model the checkpoint was saved from, or load the weights you want into this model "
+            "(model.load_state_dict(..., strict=False)) before zeroshard.initialize")
+
+
+def _optimizermismatch(engine: "Engine", held: Holdings, manifest: dict) -> str | None:
+    fix = ("; pass load_optimizer_states=False to keep this engine's optimizer state (or load_module_only=True "
+           "for the weights alone)")
+    name = type(engine.optimizer).__name__
+    if manifest["optimizer"] != name:
+        return f"the checkpoint's optimizer state is {manifest['optimizer']}'s, this engine's optimizer is {name}" + fix
+    if manifest["param_groups"] != len(engine.optimizer.param_groups):
+        return (f"the checkpoint's optimizer has {manifest['param_groups']} param groups, this engine's has "
+                f"{len(engine.optimizer.param_groups)}" + fix)
+    saved_groups = {n: p["group"] for n, p in manifest["params"].items()}
+    for n, p in held.param_table().items():
+        if p["group"] is not None and saved_groups[n] != p["group"]:
+            where = "frozen" if saved_groups[n] is None else f"in param group {saved_groups[n]}"
+            return (f"parameter '{n}' is in param group {p['group']} here but was {where} when the checkpoint "
+                    "was saved, so its optimizer state and settings do not carry over" + fix)
+    return None
