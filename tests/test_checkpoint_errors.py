@@ -209,6 +209,13 @@ def _other_format(tag_dir: Path) -> str:
     return rf"^{re.escape(str(tag_dir / 'manifest.json'))} is not a zeroshard checkpoint manifest"
 
 
+def _lacking_keys(tag_dir: Path) -> str:
+    manifest = json.loads((tag_dir / "manifest.json").read_text())
+    del manifest["params"], manifest["files"]
+    (tag_dir / "manifest.json").write_text(json.dumps(manifest))
+    return rf"^{re.escape(str(tag_dir / 'manifest.json'))} lacks params, files: it is damaged; load an earlier tag$"
+
+
 def _garbled_header(tag_dir: Path) -> str:
     file = tag_dir / RANK0
     data = bytearray(file.read_bytes())
@@ -226,7 +233,7 @@ def _garbled_state(tag_dir: Path) -> str:
     return rf"^checkpoint file {re.escape(str(file))} cannot be read \(.+\); {DAMAGED_FIX}$"
 
 
-@pytest.mark.parametrize("damage", [_truncate, _delete, _bad_json, _other_version, _other_format,
+@pytest.mark.parametrize("damage", [_truncate, _delete, _bad_json, _other_version, _other_format, _lacking_keys,
                                     _garbled_header, _garbled_state])
 def test_damaged_checkpoint(ckpt, damage):
     match = damage(ckpt / TAG)

@@ -45,6 +45,9 @@ VERSION = 1
 MANIFEST = "manifest.json"
 STATE = "state.pt"
 LATEST = "latest"
+# What a reader relies on in manifest.json (the rest is for people).
+_MANIFEST_KEYS = ("world_size", "stage", "global_steps", "optimizer", "optimizer_state", "param_groups",
+                  "params", "buffers", "state_dict", "files")
 
 
 class CheckpointError(RuntimeError):
@@ -189,6 +192,9 @@ def read_manifest(path: Path) -> dict:
         raise CheckpointError(f"{path} is checkpoint format version {manifest.get('version')}; this zeroshard "
                               f"reads version {VERSION}: load it with the zeroshard that wrote it "
                               f"({manifest.get('zeroshard', 'unknown')})")
+    lacking = [key for key in _MANIFEST_KEYS if key not in manifest]
+    if lacking:
+        raise CheckpointError(f"{manifest_path} lacks {', '.join(lacking)}: it is damaged; load an earlier tag")
     for name, size in manifest["files"].items():
         file = path / name
         if not file.is_file():
