@@ -191,12 +191,7 @@ def _header(results: dict) -> list[str]:
             "process group and corpus, before building the model"
         ),
         "",
-        "Command" + ("s" if len(commands) > 1 else "") + ":",
-        "",
-        "```",
-        *commands,
-        "```",
-        "",
+        *_command_block(commands),
         (
             f"Variants ({m.get('dtype', 'fp32')} throughout; `plain` = `Adam(lr)`, `fused` = `Adam(lr, fused=True)`, "
             "the same optimizer object handed to the engines"
@@ -391,12 +386,7 @@ def render_checkpoints(results: dict, sizes: list[str], variants: list[str]) -> 
             "time = load ms at that world size. A failure shows the first line of the error"
         ),
         "",
-        "Command" + ("s" if len(commands) > 1 else "") + ":",
-        "",
-        "```",
-        *commands,
-        "```",
-        "",
+        *_command_block(commands),
         "Variants:",
         "",
         *CHECKPOINT_NOTES,
@@ -412,3 +402,8 @@ def render_checkpoints(results: dict, sizes: list[str], variants: list[str]) -> 
         if ratios:
             lines += ["", f"Against {CHECKPOINT_LABELS[CHECKPOINT_PEER]} (ratio of the values above):", "", *ratios]
     return "\n".join(lines) + "\n"
+
+
+def _command_block(commands: list[str]) -> list[str]:
+    """The markdown lines that show the commands a report came from."""
+    return ["Command" + ("s" if len(commands) > 1 else "") + ":", "", "```", *commands, "```", ""]

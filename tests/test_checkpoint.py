@@ -109,7 +109,8 @@ def test_resume_is_bit_identical_to_the_run_that_never_stopped(tmp_path):
             assert torch.equal(r_weights, weights), f"{case}, rank {rank}: final weights differ"
             assert at_load == at_save and r_end == at_end, f"{case}: counters {at_load}/{r_end} vs {at_save}/{at_end}"
     fp16_steps, _, fp16_skipped, fp16_scale = whole[0][-1][2]
-    assert 1 <= fp16_skipped < fp16_steps and fp16_scale < 2.0 ** 18, "the fp16 case must overflow, then train"
+    assert fp16_skipped >= 1 and fp16_skipped < fp16_steps and fp16_scale < 2.0 ** 18, \
+        "the fp16 case must overflow, then train"
 
 
 # -- another world size, stage or dtype reads it -------------------------------------
