@@ -79,6 +79,27 @@ def check_elementwise(optimizer: torch.optim.Optimizer, group: dict) -> None:
         )
 
 
+def fresh_state(optimizer: torch.optim.Optimizer) -> dict:
+    """The state a new optimizer of this class and these settings holds before any step, by parameter.
+
+    Most torch optimizers create their state lazily, in the first step; Adagrad creates
+    `sum` and `step` for every parameter in its constructor.
+    """
+    groups = [{**hyperparams(optimizer, g), "params": g["params"]} for g in optimizer.param_groups if g["params"]]
+    return dict(type(optimizer)(groups).state) if groups else {}
+
+
+def is_fresh(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer's state is only what its constructor created (it has never stepped)."""
+    if not optimizer.state:
+        return True
+    fresh = fresh_state(optimizer)
+    return fresh.keys() == optimizer.state.keys() and all(
+        state.keys() == fresh[p].keys() and all(
+            torch.equal(v, fresh[p][k]) if torch.is_tensor(v) else v == fresh[p][k] for k, v in state.items())
+        for p, state in optimizer.state.items())
+
+
 def shard_optimizer(
     optimizer: torch.optim.Optimizer, units_of_group: list[list[ShardedUnit]], fuse: bool
 ) -> None:
@@ -87,6 +108,7 @@ def shard_optimizer(
     `fuse`: switch groups left at `fused=None` to torch's fused kernel where the
     class has one (same math, one kernel over few large tensors).
     """
+    built_state = bool(optimizer.state)  # by the constructor (Adagrad): the masters need theirs
     for group, units in zip(optimizer.param_groups, units_of_group):
         group["params"] = [unit.master for unit in units]
         if fuse and "fused" in optimizer.defaults and group.get("fused") is None:
@@ -94,6 +116,8 @@ def shard_optimizer(
             if group.get("foreach"):
                 group["foreach"] = False
     optimizer.state.clear()
+    if built_state:
+        optimizer.state.update(fresh_state(optimizer))
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zeroshard.optim import OptimizerError, check_elementwise
+from zeroshard.optim import OptimizerError, check_elementwise, is_fresh
 
 _WRAPPED = "_zeroshard_wrapped"  # set on a module once an engine owns its parameters
 
@@ -73,7 +73,7 @@ def mark_wrapped(model: nn.Module) -> None:
 
 def trainable_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
     """The optimizer's param groups, checked against the model; frozen parameters left out."""
-    if optimizer.state:
+    if not is_fresh(optimizer):  # Adagrad's constructor makes state: that is fresh
         raise OptimizerError("the optimizer already has state; pass a freshly built optimizer to "
                              "zeroshard.initialize")
     names = {id(p): name for name, p in model.named_parameters()}
