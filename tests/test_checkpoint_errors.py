@@ -268,6 +268,16 @@ def test_missing_weight_pieces(ckpt):
         consolidate.consolidate(ckpt)
 
 
+def test_missing_frozen_parameter_rank_0_writes_whole(tmp_path):
+    writer = engine(make_model(freeze=True))
+    train_step(writer)
+    writer.save_checkpoint(tmp_path)
+    _drop_pieces(tmp_path / TAG, "param", "wpe.weight")  # frozen: replicated, written by rank 0 alone
+    load_fails(engine(make_model(freeze=True)), tmp_path,
+               r"^the checkpoint has no param for elements 0\.\.1023 of 'wpe\.weight': the checkpoint is "
+               r"incomplete or damaged; load an earlier tag$")
+
+
 def test_missing_optimizer_pieces_still_load_weights_only(ckpt, saved):
     _drop_pieces(ckpt / TAG, "optim.exp_avg", "wte.weight")
     load_fails(engine(), ckpt, r"^the checkpoint has no optim\.exp_avg for elements 0\.\.2079 of 'wte\.weight': "

@@ -323,3 +323,5 @@ def _load_counters(engine: "Engine", state: dict) -> None:
     engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps
     if engine.scaler is not None and state["loss_scaler"] is not None:
         engine.scaler.load_state_dict(state["loss_scaler"])
+    elif engine.scaler is not None and engine.comm.rank == 0:
+        log.info("the checkpoint was not written in fp16: the loss scale starts at %g", engine.loss_scale)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroshard.checkpoint_files import CheckpointError, PieceReader
-from zeroshard.holdings import Holdings
+from zeroshard.holdings import Holdings, Span
 
 if TYPE_CHECKING:
     from zeroshard.engine import Engine
@@ -60,6 +60,8 @@ def mismatch(engine: "Engine", held: Holdings, manifest: dict, reader: PieceRead
     kinds = ["param"] + (["optim." + k for k in manifest["optimizer_state"]] if with_optimizer else [])
     needs = [(k, run) for t in held.trained for k in kinds for run in t.held.runs()]
     needs += [("param", run) for _, span in held.frozen for run in span.runs()]
+    needs += [(kind, run) for kind, named in (("param", held.whole), ("buffer", held.buffers))
+              for name, tensor in named for run in Span.whole(name, tensor.numel()).runs()]
     for kind, run in needs:
         why = reader.missing(kind, run.name, run.start, run.numel)
         if why is not None:
