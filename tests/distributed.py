@@ -9,6 +9,7 @@ forces CPU). Results travel back through files written with torch.save.
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
 import traceback
 from datetime import timedelta
@@ -69,7 +70,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = TIMEOUT_S, collecti
             if p.is_alive():
                 p.kill()
         results = [_load(Path(out_dir) / f"rank{r}.pt") for r in range(world_size)]
-    errors = {r: res for r, res in enumerate(results) if res is None or "error" in res}
+    errors = {r: res if res is not None else {"exitcode": procs[r].exitcode}
+              for r, res in enumerate(results) if res is None or "error" in res}
     if hung or errors:
         raise RankFailure(hung, errors)
     return [res["ok"] for res in results]
@@ -84,11 +86,18 @@ class RankFailure(AssertionError):
         self.hung, self.errors = hung, errors
         lines = [f"ranks {hung} did not finish within the timeout"] if hung else []
         for rank, res in errors.items():
-            if res is None:
-                lines.append(f"rank {rank}: exited without a result")
+            if "exitcode" in res:
+                lines.append(f"rank {rank}: exited without a result ({_exit(res['exitcode'])})")
             else:
                 lines.append(f"rank {rank}: {res['error']}\n{res['traceback']}")
         super().__init__("\n".join(lines))
 
     def messages(self) -> list[str]:
-        return [res["error"] for res in self.errors.values() if res is not None]
+        return [res["error"] for res in self.errors.values() if "error" in res]
+
+
+def _exit(code: int | None) -> str:
+    """How a process ended: a negative exit code is the signal that killed it (SIGILL: see conftest.py)."""
+    if code is not None and code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
