@@ -1,4 +1,8 @@
-"""Checkpoint review: Adagrad (state built in its constructor) and world size 3 (padding-only shards)."""
+"""Checkpoints of the uneven cases: 3 ranks (padding-only shards), and Adagrad (state built in its constructor).
+
+References: torch's own Adagrad in one process, and the writer's full state
+dict and optimizer state, which every reader must give back exactly.
+"""
 
 from __future__ import annotations
 
