@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 import zeroshard
@@ -457,11 +457,15 @@ def test_save_dir_that_is_a_file(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
-@pytest.mark.parametrize("target, match", [
-    ("save_file", r"^cannot write its shard to {partial} \(\[Errno 28\] No space left on device\); "),
-    ("commit", r"^cannot complete {partial} \(\[Errno 28\] No space left on device\); "),
-], ids=["shard", "commit"])
-def test_failed_write_keeps_the_earlier_checkpoint(ckpt, saved, monkeypatch, target, match):
+@pytest.mark.parametrize("target, error, match", [
+    ("save_file", OSError(28, "No space left on device"),
+     r"^cannot write its shard to {partial} \(\[Errno 28\] No space left on device\); "),
+    ("save_file", SafetensorError("Error while serializing: IoError(No space left on device)"),  # not an OSError
+     r"^cannot write its shard to {partial} \(Error while serializing: IoError\(No space left on device\)\); "),
+    ("commit", OSError(28, "No space left on device"),
+     r"^cannot complete {partial} \(\[Errno 28\] No space left on device\); "),
+], ids=["shard", "shard_safetensors_error", "commit"])
+def test_failed_write_keeps_the_earlier_checkpoint(ckpt, saved, monkeypatch, target, error, match):
     from zeroshard import checkpoint
 
     e = engine()
@@ -469,7 +473,7 @@ def test_failed_write_keeps_the_earlier_checkpoint(ckpt, saved, monkeypatch, tar
     train_step(e, 1)
 
     def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+        raise error
 
     monkeypatch.setattr(checkpoint, target, disk_full)
     partial = re.escape(str(ckpt / ".global_step2.partial"))

@@ -78,11 +78,14 @@ def save(engine: "Engine", save_dir: str | Path, tag: str | None = None,
     """Write the engine's training state to `save_dir/tag` (default tag: global_step<N>); returns that path."""
     check_boundary(engine, "save_checkpoint")
     tag = tag or f"global_step{engine.global_steps}"
-    check_tag(tag)
     save_dir = Path(save_dir)
     comm, held = engine.comm, holdings(engine)
     state, error = None, None
-    if comm.rank == 0:
+    try:
+        check_tag(tag)
+    except CheckpointError as exc:  # agreed below, so that no rank waits for one that stopped here
+        error = str(exc)
+    if comm.rank == 0 and error is None:
         state, error = _serialized_state(engine, held, client_state)
     agree(comm, error)
     tags = all_gather_object(comm, tag)
@@ -120,10 +123,14 @@ def save(engine: "Engine", save_dir: str | Path, tag: str | None = None,
 
 
 def _attempt(action, what: str) -> str | None:
-    """Run `action`; an OSError becomes the message every rank raises (the previous tags stay intact)."""
+    """Run `action`; its failure becomes the message every rank raises (the previous tags stay intact).
+
+    Any exception, not only OSError: safetensors reports a failed write in its own error type,
+    and a rank that raised alone would leave the others waiting in the next agreement.
+    """
     try:
         action()
-    except OSError as exc:
+    except Exception as exc:
         return f"{what} ({exc}); the save was abandoned and earlier checkpoints are intact"
     return None
 
