@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from zeroshard.checkpoint_files import CheckpointError, PieceReader
-from zeroshard.holdings import Holdings, Span
+from zeroshard.holdings import Holdings
 
 if TYPE_CHECKING:
     from zeroshard.engine import Engine
@@ -50,26 +50,26 @@ def first_not_plain(value, where: str) -> str | None:
 
 
 def mismatch(engine: "Engine", held: Holdings, manifest: dict, reader: PieceReader,
-              with_optimizer: bool) -> str | None:
+             with_optimizer: bool) -> str | None:
     """Why this checkpoint cannot be loaded into this engine, or None."""
-    error = _modelmismatch(held, manifest)
+    error = _model_mismatch(held, manifest)
     if error is None and with_optimizer:
-        error = _optimizermismatch(engine, held, manifest)
+        error = _optimizer_mismatch(engine, held, manifest)
     if error is not None:
         return error
     kinds = ["param"] + (["optim." + k for k in manifest["optimizer_state"]] if with_optimizer else [])
-    needs = [(k, run) for t in held.trained for k in kinds for run in t.held.runs()]
-    needs += [("param", run) for _, span in held.frozen for run in span.runs()]
-    needs += [(kind, run) for kind, named in (("param", held.whole), ("buffer", held.buffers))
-              for name, tensor in named for run in Span.whole(name, tensor.numel()).runs()]
-    for kind, run in needs:
-        why = reader.missing(kind, run.name, run.start, run.numel)
+    needs = [(k, r.name, r.start, r.numel) for t in held.trained for k in kinds for r in t.held.runs()]
+    needs += [("param", r.name, r.start, r.numel) for _, span in held.frozen for r in span.runs()]
+    needs += [(kind, name, 0, tensor.numel()) for kind, named in (("param", held.whole), ("buffer", held.buffers))
+              for name, tensor in named]
+    for kind, name, start, numel in needs:
+        why = reader.missing(kind, name, start, numel)
         if why is not None:
             return f"{why}: the checkpoint is incomplete or damaged; load an earlier tag"
     return None
 
 
-def _modelmismatch(held: Holdings, manifest: dict) -> str | None:
+def _model_mismatch(held: Holdings, manifest: dict) -> str | None:
     mine, theirs = held.param_table(), manifest["params"]
     missing = [n for n in mine if n not in theirs]
     unexpected = [n for n in theirs if n not in mine]
@@ -90,7 +90,7 @@ def _modelmismatch(held: Holdings, manifest: dict) -> str | None:
             "(model.load_state_dict(..., strict=False)) before zeroshard.initialize")
 
 
-def _optimizermismatch(engine: "Engine", held: Holdings, manifest: dict) -> str | None:
+def _optimizer_mismatch(engine: "Engine", held: Holdings, manifest: dict) -> str | None:
     fix = ("; pass load_optimizer_states=False to keep this engine's optimizer state (or load_module_only=True "
            "for the weights alone)")
     name = type(engine.optimizer).__name__

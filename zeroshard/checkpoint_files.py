@@ -149,9 +149,10 @@ def resolve(load_dir: str | Path, tag: str | None) -> Path:
             raise CheckpointError(f"{load_dir / LATEST} names '{tag}', which is not in {load_dir}; "
                                   f"{hint}pass tag= (or the tag's directory) to load another one")
         return load_dir / tag
-    if tags_in(load_dir):
+    tags = tags_in(load_dir)
+    if tags:
         raise CheckpointError(f"{load_dir} has no '{LATEST}' file to say which checkpoint to load; it has: "
-                              f"{', '.join(tags_in(load_dir))}: pass tag= (or the tag's directory)")
+                              f"{', '.join(tags)}: pass tag= (or the tag's directory)")
     raise CheckpointError(f"{load_dir} is not a zeroshard checkpoint: {foreign_hint(load_dir)}")
 
 

@@ -35,20 +35,24 @@ def full_tensors(load_dir: str | Path, tag: str | None = None, kind: str = "para
     """
     path = resolve(load_dir, tag)
     manifest = read_manifest(path)
+    with PieceReader(path, manifest) as reader:
+        return _whole(reader, path, manifest, kind)
+
+
+def _whole(reader: PieceReader, path: Path, manifest: dict, kind: str) -> dict[str, torch.Tensor]:
     table = manifest["buffers"] if kind == "buffer" else manifest["params"]
     out = {}
-    with PieceReader(path, manifest) as reader:
-        for name, entry in table.items():
-            if kind.startswith("optim.") and entry.get("group") is None:
-                continue  # frozen: no optimizer state
-            shape = entry["shape"]
-            numel = int(torch.Size(shape).numel())
-            why = reader.missing(kind, name, 0, numel)
-            if why is not None:
-                raise CheckpointError(f"{path}: {why}")
-            values = torch.empty(numel, dtype=_stored_dtype(kind, entry))
-            reader.read_into(kind, name, 0, values)
-            out[name] = values.view(shape)
+    for name, entry in table.items():
+        if kind.startswith("optim.") and entry.get("group") is None:
+            continue  # frozen: no optimizer state
+        shape = entry["shape"]
+        numel = int(torch.Size(shape).numel())
+        why = reader.missing(kind, name, 0, numel)
+        if why is not None:
+            raise CheckpointError(f"{path}: {why}")
+        values = torch.empty(numel, dtype=_stored_dtype(kind, entry))
+        reader.read_into(kind, name, 0, values)
+        out[name] = values.view(shape)
     return out
 
 
@@ -61,9 +65,14 @@ def _stored_dtype(kind: str, entry: dict) -> torch.dtype:
 
 def consolidate(load_dir: str | Path, tag: str | None = None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The model's full state dict (every key of `model.state_dict()`; tied keys are separate copies)."""
-    path = resolve(load_dir, tag)
+    return _consolidate(resolve(load_dir, tag), dtype)[0]
+
+
+def _consolidate(path: Path, dtype: torch.dtype | None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the full state dict, the manifest) of tag directory `path`: one manifest read, one pass over the files."""
     manifest = read_manifest(path)
-    stored = full_tensors(path, kind="param") | full_tensors(path, kind="buffer")
+    with PieceReader(path, manifest) as reader:
+        stored = _whole(reader, path, manifest, "param") | _whole(reader, path, manifest, "buffer")
     out, used = {}, set()
     for key, name in manifest["state_dict"].items():
         tensor = stored[name]
@@ -71,16 +80,16 @@ def consolidate(load_dir: str | Path, tag: str | None = None, dtype: torch.dtype
             tensor = tensor.to(dtype)
         out[key] = tensor.clone() if id(tensor) in used else tensor  # safetensors stores no aliases
         used.add(id(tensor))
-    return out
+    return out, manifest
 
 
 def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: torch.dtype | None = None) -> int:
     """Write the consolidated state dict to a safetensors file; returns the number of tensors."""
     path = resolve(load_dir, tag)
-    state = consolidate(path, dtype=dtype)
+    state, manifest = _consolidate(path, dtype)
     try:
         save_file({k: v.contiguous() for k, v in state.items()}, str(out),
-                  metadata={"source": str(path), "global_steps": str(read_manifest(path)["global_steps"])})
+                  metadata={"source": str(path), "global_steps": str(manifest["global_steps"])})
     except Exception as exc:  # safetensors reports I/O errors in its own error type
         raise CheckpointError(f"cannot write {out} ({exc}); give a path in an existing, writable directory") from None
     return len(state)

@@ -122,9 +122,9 @@ _PATH_FLAGS = ("config", "data", "report", "log_csv", "save_dir", "resume")  # m
 def to_argv(args: argparse.Namespace) -> list[str]:
     """The training flags of `args` as a command line for `python -m zeroshard.train`."""
     argv = []
-    for name in ("config", "stage", "steps", "data", "model", "micro_batch", "accumulation",
-                 "bucket_size", "reduce_scatter", "lr", "seed", "report", "log_csv", "log_every", "dtype",
-                 "save_every", "save_dir", "resume"):
+    flags = argparse.ArgumentParser(add_help=False)
+    add_arguments(flags)
+    for name in vars(flags.parse_args([])):  # every training flag, as add_arguments declares them
         value = getattr(args, name)
         if value is None:
             continue
