@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from variants import BUILDERS, Settings, StepFn  # noqa: E402 (after the path set-up)
 from worker import build_model, load_corpus, model_config, run_rank, train_steps  # noqa: E402
 
-from zeroshard.models.gpt import GPTConfig  # noqa: E402
+from zeroshard.app.models.gpt import GPTConfig  # noqa: E402
 
 TAG = "ckpt"  # the tag (DeepSpeed, zeroshard) or directory name (DCP) of the checkpoint in each round directory
 

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from variants import BUILDERS, LIBRARY, PEERS, ZEROSHARD, Settings, StepFn, cast_for_peer  # noqa: E402 (after the path set-up)
 
-from zeroshard.data import CharCorpus, load_text, micro_batch  # noqa: E402
-from zeroshard.models.gpt import GPT, PRESETS, GPTConfig  # noqa: E402
+from zeroshard.app.data import CharCorpus, load_text, micro_batch  # noqa: E402
+from zeroshard.app.models.gpt import GPT, PRESETS, GPTConfig  # noqa: E402
 
 
 def peak_rss_bytes() -> int:
@@ -81,13 +81,13 @@ def model_states(step, world: int) -> dict | None:
     from zeroshard import estimate
 
     engine = step.engine
-    config, units = engine.config, len(engine.units)
+    config, units = engine.config, len(engine.buckets)
     per = estimate.state_bytes_per_element(config.training_dtype, config.communication_data_type,
                                            config.gradient_accumulation_steps, config.stage)
-    padded = sum(u.flat.padded_numel for u in engine.units)
+    padded = sum(u.flat.padded_numel for u in engine.buckets)
     formula = estimate.model_state_bytes(padded, world, config.stage, **per, optimizer_scalar_bytes=4 * units)
     # Stage 3 keeps parameters under stage3_param_persistence_threshold whole on every rank.
-    persistent = sum(u.flat.padded_numel for u in engine.units if config.stage == 3 and not u.switches.shard_params)
+    persistent = sum(u.flat.padded_numel for u in engine.buckets if config.stage == 3 and not u.switches.shard_params)
     formula["params"] += per["param_bytes"] * (persistent - persistent // world)
     return {"measured": engine.memory_stats(), "formula": formula, "per_element": per}
 

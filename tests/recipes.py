@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from zeroshard import data
-from zeroshard.models import GPT, PRESETS
-from zeroshard.precision import DTYPES
+from zeroshard.app import data
+from zeroshard.app.models import GPT, PRESETS
+from zeroshard.core.precision import DTYPES
 
 GPT_CFG = PRESETS["tiny"]
 ADAMW1 = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}  # the one-group AdamW

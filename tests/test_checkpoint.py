@@ -4,7 +4,7 @@ References: the uninterrupted zeroshard run (same world size: bit for bit),
 single-process PyTorch on the same global batch (another world size or
 stage: the parity bar of tests/test_parity.py), and the saved values
 themselves (weights, fp32 masters and optimizer state come back exactly,
-whatever the reader's layout; `zeroshard.consolidate` reads them back
+whatever the reader's layout; `zeroshard.checkpoint.consolidate` reads them back
 without a process group).
 """
 
@@ -24,7 +24,7 @@ from tests.distributed import run_ranks
 from tests.recipes import (
     Case, flat_weights, make_model, make_optimizer, make_schedule, relative_error, train_reference, train_steps,
 )
-from zeroshard.consolidate import consolidate, full_tensors
+from zeroshard.checkpoint.consolidate import consolidate, full_tensors
 
 STEPS, SAVE_AT = 6, 3
 # fp16 from 2^18: the first steps overflow and are skipped, so the loss scale has a history to keep.
@@ -174,7 +174,7 @@ def test_consolidated_state_dict_loads_into_the_plain_model(written, tmp_path):
     assert torch.equal(flat_weights(model), saved)
     assert torch.equal(state["wte.weight"], state["head.weight"])
     out = tmp_path / "model.safetensors"
-    done = subprocess.run([sys.executable, "-m", "zeroshard.cli", "consolidate", str(root / "written"), str(out),
+    done = subprocess.run([sys.executable, "-m", "zeroshard.app.cli", "consolidate", str(root / "written"), str(out),
                            "--dtype", "bf16"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"wrote {len(state)} tensors" in done.stdout
@@ -291,7 +291,7 @@ def test_save_latest_false_leaves_latest_alone(tmp_path):
 
 
 def test_rank_files_rank_0_cannot_see_mean_no_shared_filesystem(tmp_path):
-    from zeroshard.checkpoint import _check_shared
+    from zeroshard.checkpoint.saving import _check_shared
 
     (tmp_path / "rank_00000.safetensors").write_bytes(b"x" * 10)
     _check_shared(tmp_path, {"rank_00000.safetensors": 10})

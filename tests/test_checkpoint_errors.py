@@ -27,8 +27,8 @@ import zeroshard
 from tests.distributed import run_ranks
 from tests.recipes import GPT_CFG, Case, loss_of, make_model, make_optimizer, micro_batch
 from zeroshard import CheckpointError, consolidate
-from zeroshard.cli import main as cli_main
-from zeroshard.models import GPT
+from zeroshard.app.cli import main as cli_main
+from zeroshard.app.models import GPT
 
 CASE = Case(stage=2)
 WRONG_MODEL_FIX = ("Build the model the checkpoint was saved from, or load the weights you want into this model "
@@ -466,7 +466,7 @@ def test_save_dir_that_is_a_file(tmp_path):
      r"^cannot complete {partial} \(\[Errno 28\] No space left on device\); "),
 ], ids=["shard", "shard_safetensors_error", "commit"])
 def test_failed_write_keeps_the_earlier_checkpoint(ckpt, saved, monkeypatch, target, error, match):
-    from zeroshard import checkpoint
+    from zeroshard.checkpoint import saving as checkpoint
 
     e = engine()
     e.load_checkpoint(ckpt)
@@ -612,7 +612,7 @@ def test_two_ranks_fail_together_with_the_same_message(tmp_path):
 
 def _run(*argv: str, cwd: Path) -> tuple[int, str]:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "COLUMNS": "400"}
-    done = subprocess.run([sys.executable, "-m", "zeroshard.cli", *argv], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "zeroshard.app.cli", *argv], capture_output=True, text=True,
                           check=False, timeout=180, cwd=cwd, env=env)
     return done.returncode, done.stdout + done.stderr
 
@@ -642,7 +642,7 @@ def test_cli_train_resume_checked_before_launching(tmp_path, monkeypatch, capsys
     def launch(args):
         raise AssertionError("the ranks were launched")
 
-    monkeypatch.setattr("zeroshard.cli.run_train", launch)
+    monkeypatch.setattr("zeroshard.app.cli.run_train", launch)
     resume, _ = layout(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["train", "--resume", str(resume)])
@@ -653,7 +653,7 @@ def test_cli_train_resume_checked_before_launching(tmp_path, monkeypatch, capsys
 
 
 def test_resume_of_a_checkpoint_the_demo_did_not_write(saved):
-    from zeroshard.train import UsageError, _resume
+    from zeroshard.app.train import UsageError, _resume
 
     e = engine()
     schedule = torch.optim.lr_scheduler.LambdaLR(e.optimizer, lambda step: 1.0)

@@ -14,8 +14,8 @@ import torch.nn as nn
 
 import zeroshard
 from tests.distributed import run_ranks
-from zeroshard.consolidate import consolidate, full_tensors
-from zeroshard.optim import OptimizerError
+from zeroshard.checkpoint.consolidate import consolidate, full_tensors
+from zeroshard.core.optim import OptimizerError
 
 
 class Tiny(nn.Module):

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from zeroshard import estimate
-from zeroshard.cli import build_parser, main, torchrun_argv
+from zeroshard.app.cli import build_parser, main, torchrun_argv
 
 # -- estimate: model states (ZeRO paper section 3, DESIGN.md section 1) -------------------
 
@@ -141,7 +141,7 @@ def test_torchrun_argv():
     argv = torchrun_argv(args)
     assert argv[:5] == ["--nnodes", "1", "--nproc-per-node", "3", "--standalone"]
     module = argv.index("--module")
-    assert argv[module + 1] == "zeroshard.train"
+    assert argv[module + 1] == "zeroshard.app.train"
     assert build_parser().parse_args(["train", *argv[module + 2:]]).steps == 7
     args = build_parser().parse_args(["train", "--nnodes", "2", "--rdzv-endpoint", "host:29400"])
     assert "--standalone" not in torchrun_argv(args)
@@ -168,7 +168,7 @@ def test_train_two_ranks_stage3_reports_measured_equal_to_formula(tmp_path):
                                                         "allgather_bucket_size": 50000,
                                                         "stage3_wrap_classes": ["Block"],
                                                         "stage3_param_persistence_threshold": 0}}))
-    cmd = [sys.executable, "-m", "zeroshard.cli", "train", "--nproc", "2", "--config", str(config),
+    cmd = [sys.executable, "-m", "zeroshard.app.cli", "train", "--nproc", "2", "--config", str(config),
            "--stage", "3", "--steps", "5", "--report", str(tmp_path / "report"),
            "--log-csv", str(tmp_path / "steps.csv")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
@@ -222,7 +222,7 @@ def _check_report(report_dir, csv_path, psi: int, memory: dict, comm: dict) -> N
 
 
 def _train(tmp_path, *flags: str) -> str:
-    cmd = [sys.executable, "-m", "zeroshard.cli", "train", "--model", "tiny", "--steps", "4", *flags]
+    cmd = [sys.executable, "-m", "zeroshard.app.cli", "train", "--model", "tiny", "--steps", "4", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr

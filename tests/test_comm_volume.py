@@ -26,7 +26,7 @@ def _per_step(rank, world, device, cases):
         model = make_model(device=device)
         psi = sum(p.numel() for p in model.parameters())
         engine = zeroshard.initialize(model, make_optimizer(case.optimizer, model), case.config())
-        padded = sum(u.flat.padded_numel for u in engine.units)
+        padded = sum(u.flat.padded_numel for u in engine.buckets)
         deltas = []
         for step in range(2):
             before = engine.comm_stats()
@@ -37,7 +37,7 @@ def _per_step(rank, world, device, cases):
             after = engine.comm_stats()
             deltas.append({op: (after[op].calls - before[op].calls, after[op].bytes - before[op].bytes)
                            for op in OPS})
-        out.append((psi, padded, len(engine.units), deltas))
+        out.append((psi, padded, len(engine.buckets), deltas))
     return out
 
 

@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 from zeroshard import estimate
-from zeroshard.models import GPT, PRESETS
-from zeroshard.param_count import count_params
+from zeroshard.app.models import GPT, PRESETS
+from zeroshard.estimate.param_count import count_params
 
 RUNS = {"0": "stage 0", "1": "stage 1", "2": "stage 2"}  # each run is a launch: keep to these
 
@@ -25,7 +25,7 @@ def _png_size(path) -> tuple[int, int]:
 def test_compare_two_ranks(tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("in the beginning god created the heaven and the earth. " * 40)
-    cmd = [sys.executable, "-m", "zeroshard.cli", "compare", "--nproc", "2", "--steps", "2",
+    cmd = [sys.executable, "-m", "zeroshard.app.cli", "compare", "--nproc", "2", "--steps", "2",
            "--model", "tiny", "--micro-batch", "2", "--data", str(text), "--out", str(tmp_path / "out"),
            "--runs", *RUNS]
     env = {**os.environ, "COLUMNS": "200"}  # rich fits tables to 80 columns without a terminal

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from zeroshard.config import Config, ConfigError, ConfigFacts, ConfigWarning
-from zeroshard.ds_blocks import build_optimizer, build_scheduler
+from zeroshard.config.blocks import build_optimizer, build_scheduler
 
 
 def error_of(source, facts=None) -> str:
@@ -291,7 +291,7 @@ def test_strict_must_be_a_boolean():
 # ---- zeroshard config check ----
 
 def test_config_check_prints_the_effective_config(tmp_path, capsys):
-    from zeroshard.cli import main
+    from zeroshard.app.cli import main
 
     path = tmp_path / "ds.json"
     raw = {"train_batch_size": 16, "gradient_accumulation_steps": 2,
@@ -304,7 +304,7 @@ def test_config_check_prints_the_effective_config(tmp_path, capsys):
 
 
 def test_config_check_prints_the_error(tmp_path, capsys):
-    from zeroshard.cli import main
+    from zeroshard.app.cli import main
 
     path = tmp_path / "ds.json"
     path.write_text('{"zero_optimization": {"stage": 7}}')
@@ -315,7 +315,7 @@ def test_config_check_prints_the_error(tmp_path, capsys):
 
 
 def test_config_check_lists_what_strict_false_ignores(tmp_path, capsys):
-    from zeroshard.cli import main
+    from zeroshard.app.cli import main
 
     path = tmp_path / "ds.json"
     path.write_text('{"strict": false, "steps_per_print": 100, "zero_optimization": {"stage": 1}}')
@@ -329,7 +329,7 @@ def test_config_check_lists_what_strict_false_ignores(tmp_path, capsys):
 def test_config_reference_is_generated():
     from pathlib import Path
 
-    from zeroshard.config_reference import reference
+    from zeroshard.config.reference import reference
 
     committed = (Path(__file__).parent.parent / "docs" / "config-reference.md").read_text(encoding="utf-8")
-    assert committed == reference(), "regenerate: python -m zeroshard.config_reference > docs/config-reference.md"
+    assert committed == reference(), "regenerate: python -m zeroshard.config.reference > docs/config-reference.md"

@@ -8,7 +8,7 @@ import torch
 import zeroshard
 from tests.distributed import RankFailure, run_ranks
 from tests.recipes import GPT_CFG, Case, make_model, micro_batch
-from zeroshard.models import GPT
+from zeroshard.app.models import GPT
 
 
 @pytest.mark.parametrize("config, message", [

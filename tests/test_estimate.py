@@ -7,9 +7,9 @@ import json
 import pytest
 
 from zeroshard import estimate
-from zeroshard.cli import main
-from zeroshard.models import GPT, PRESETS
-from zeroshard.param_count import count_params, hf_count
+from zeroshard.app.cli import main
+from zeroshard.app.models import GPT, PRESETS
+from zeroshard.estimate.param_count import count_params, hf_count
 
 
 def _estimate_json(capsys, *flags: str) -> dict:

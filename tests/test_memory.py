@@ -45,11 +45,11 @@ def measure(rank, world, device, case: Case):
     del x, y
     stats = engine.memory_stats()
     held = held_storage_bytes() - baseline if device.type == "cpu" else None
-    sizes = [u.flat.padded_numel for u in engine.units]
+    sizes = [u.flat.padded_numel for u in engine.buckets]
     largest = max(sizes)
-    if engine.module_units:  # stage 3: nothing stays gathered between steps; the largest module unit
-        assert all(u.flat.data.untyped_storage().nbytes() == 0 for u in engine.units)
-        largest = max(mu.gathered_numel for mu in engine.module_units)
+    if engine.units:  # stage 3: nothing stays gathered between steps; the largest module unit
+        assert all(u.flat.data.untyped_storage().nbytes() == 0 for u in engine.buckets)
+        largest = max(mu.gathered_numel for mu in engine.units)
     return psi, sum(sizes), len(sizes), largest, stats, held
 
 
@@ -88,14 +88,14 @@ class Stack(torch.nn.Sequential):
 def _sample_gathered(rank, world, device):
     """Peak bytes of full (gathered) buffers, sampled at every module's forward and backward hooks."""
     import zeroshard
-    from zeroshard.models.gpt import Block, GPTConfig
+    from zeroshard.app.models.gpt import Block, GPTConfig
 
     cfg = GPTConfig(n_layer=4, n_head=2, n_embd=32)
     torch.manual_seed(0)
     model = Stack(*[Block(cfg) for _ in range(cfg.n_layer)]).to(device)
     config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine = zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), config, wrap=[Block])
-    flats = [f for mu in engine.module_units for f in mu.gathered_flats]
+    flats = [f for mu in engine.units for f in mu.gathered_flats]
     peak = [0]
 
     def sample(*_):
@@ -110,8 +110,8 @@ def _sample_gathered(rank, world, device):
         x = torch.randn(2, 8, cfg.n_embd, device=device, generator=torch.Generator().manual_seed(step))
         engine.backward(engine(x))
         engine.step()
-    largest = max(4 * mu.gathered_numel for mu in engine.module_units)
-    return peak[0], largest, len(engine.module_units)
+    largest = max(4 * mu.gathered_numel for mu in engine.units)
+    return peak[0], largest, len(engine.units)
 
 
 @pytest.mark.parametrize("world", [2])

@@ -49,7 +49,7 @@ def _peer_steps(wrapped, model, opt, rank, world, device, no_sync=None) -> list[
 
 
 def _train_fsdp2(rank, world, device):
-    from zeroshard.models.gpt import Block
+    from zeroshard.app.models.gpt import Block
 
     model = make_model(device=device)
     for module in model.modules():

@@ -21,8 +21,8 @@ from tests.recipes import (
     Case, loss_of, make_model, make_optimizer, micro_batch, relative_error, run_zeroshard, train_reference_mixed,
 )
 from tests.test_memory import measure
-from zeroshard.optim import state_tensors
-from zeroshard.precision import LossScaleError, cast_inputs
+from zeroshard.core.optim import state_tensors
+from zeroshard.core.precision import LossScaleError, cast_inputs
 
 STEPS = 50
 # No clipping: the global norm sums shards in another order at each stage, and over 50 steps one bf16
@@ -38,7 +38,7 @@ POISONED = (3, 6)  # steps whose loss is inf on rank 1
 
 
 def _masters(engine) -> list[torch.Tensor]:
-    return [u.master.detach().clone() for u in engine.units]
+    return [u.master.detach().clone() for u in engine.buckets]
 
 
 def _track(rank, world, device):
@@ -65,7 +65,7 @@ def _master_init(rank, world, device):
         model = make_model(device=device)
         original = {id(p): p.detach().clone() for p in model.parameters()}
         engine = zeroshard.initialize(model, make_optimizer("adamw", model), Case(stage=stage, dtype="bf16").config())
-        for u in engine.units:
+        for u in engine.buckets:
             full = torch.cat([original[id(p)].reshape(-1) for p in u.params])
             full = torch.cat([full, full.new_zeros(u.flat.padded_numel - full.numel())])
             rounded = (u.flat.shard(u.flat.data) if stage else u.flat.data).float()
@@ -81,14 +81,14 @@ def _comm(rank, world, device):
         engine.backward(loss_of(engine, *(t.to(device) for t in micro_batch(1, case, world, rank, 0))))
         engine.step()
         after = engine.comm_stats()
-        padded = sum(u.flat.padded_numel for u in engine.units)
+        padded = sum(u.flat.padded_numel for u in engine.buckets)
         out.append((padded, {op: after[op].bytes - before[op].bytes for op in after}))
     return out
 
 
 def _snapshot(engine) -> list[torch.Tensor]:
     """Every value a step may change: 16-bit parameters, fp32 masters, optimizer state."""
-    return [t.detach().clone() for t in [u.flat.data for u in engine.units] + _masters(engine)
+    return [t.detach().clone() for t in [u.flat.data for u in engine.buckets] + _masters(engine)
             + state_tensors(engine.optimizer)]
 
 
@@ -143,7 +143,7 @@ def _bf16_model(rank, world, device):
     shards = [m.clone() for m in _masters(engine)]
     engine.backward(loss_of(engine, *micro_batch(0, Case(), world, rank, 0)))
     engine.step()
-    return values, shards, [u.flat.data.dtype for u in engine.units], engine.global_steps
+    return values, shards, [u.flat.data.dtype for u in engine.buckets], engine.global_steps
 
 
 def _everything(rank, world, device):

@@ -82,7 +82,7 @@ def _train_meta_under_cap(rank, world, device, cfg, steps, out_dir):
     import resource
 
     import zeroshard
-    from zeroshard.models.gpt import GPT, Block
+    from zeroshard.app.models.gpt import GPT, Block
 
     def init(module):
         if hasattr(module, "reset_parameters"):
@@ -105,7 +105,7 @@ def _train_meta_under_cap(rank, world, device, cfg, steps, out_dir):
                                   {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
                                   wrap=[Block], init=init)
     # This rank's initial shards, written to disk: the parent rebuilds the model from them.
-    flats = [f for mu in engine.module_units for f in mu.gathered_flats]
+    flats = [f for mu in engine.units for f in mu.gathered_flats]
     names = {id(p): n for n, p in model.named_parameters()}
     torch.save([f.shard_data for f in flats], f"{out_dir}/shards{rank}.pt")
     layout = [[(names[id(p)], n) for p, n in zip(f.params, f.numels)] for f in flats]
@@ -130,7 +130,7 @@ def test_meta_model_larger_than_the_memory_cap_trains(monkeypatch, tmp_path):
     single batch's: the reference trains the whole model, rebuilt from the
     ranks' initial shards, on that batch.
     """
-    from zeroshard.models.gpt import GPT, GPTConfig
+    from zeroshard.app.models.gpt import GPT, GPTConfig
 
     # glibc would otherwise keep freed unit buffers in its heap (its mmap threshold grows
     # with each large free), and that heap counts against the cap.

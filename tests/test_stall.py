@@ -11,7 +11,7 @@ import torch
 
 from tests.distributed import RankFailure, run_ranks
 from tests.recipes import Case, GPT_CFG, micro_batch
-from zeroshard.models import GPT
+from zeroshard.app.models import GPT
 
 TIMEOUT_S = 3.0
 DIVERGE_AT = 2
@@ -31,7 +31,7 @@ class SkippingGPT(GPT):
 
 def _diverge(rank, world, device):
     import zeroshard
-    from zeroshard.models.gpt import Block
+    from zeroshard.app.models.gpt import Block
 
     case = Case(stage=3)
     torch.manual_seed(0)

@@ -1,9 +1,19 @@
 """zeroshard: the Zero Redundancy Optimizer (ZeRO) for PyTorch on torch.distributed."""
 
-from zeroshard.checkpoint_files import CheckpointError
+from zeroshard import consolidate
+from zeroshard.checkpoint import CheckpointError
+from zeroshard.comm import CollectiveError
 from zeroshard.config import Config, ConfigError
-from zeroshard.engine import Engine, initialize
-from zeroshard.gathered import gathered_parameters
+from zeroshard.core.optim import OptimizerError
+from zeroshard.core.precision import LossScaleError
+from zeroshard.engine import Engine, EngineStateError, initialize
+from zeroshard.engine.agreement import RankMismatchError
+from zeroshard.errors import ZeroshardError
+from zeroshard.stage3.gathered import gathered_parameters
+from zeroshard.version import __version__
 
-__all__ = ["CheckpointError", "Config", "ConfigError", "Engine", "gathered_parameters", "initialize"]
-__version__ = "0.1.0"
+__all__ = [
+    "CheckpointError", "CollectiveError", "Config", "ConfigError", "Engine", "EngineStateError", "LossScaleError",
+    "OptimizerError", "RankMismatchError", "ZeroshardError", "__version__", "consolidate", "gathered_parameters",
+    "initialize",
+]

@@ -24,6 +24,7 @@ With one rank every collective is the identity, and nothing is sent.
 
 from __future__ import annotations
 
+import pickle
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -121,6 +122,22 @@ class Pending:
         for fn in self._thens:
             fn()
         self._thens.clear()
+
+
+class PendingGroup:
+    """Several collectives in flight, waited for as one (in launch order)."""
+
+    def __init__(self, pendings: list[Pending]):
+        self.pendings = pendings
+
+    def wait(self) -> None:
+        wait_all(self.pendings)
+
+
+def wait_all(pendings: "list[Pending] | list[PendingGroup]") -> None:
+    """Wait for each collective in turn: the one way zeroshard lets several land."""
+    for pending in pendings:
+        pending.wait()
 
 
 def _launch(comm: Comm, op: str, nbytes: int, algorithm: str, call, async_op: bool, what: str = "") -> Pending:
@@ -236,11 +253,14 @@ def broadcast(comm: Comm, tensor: torch.Tensor, src: int = 0) -> None:
 
 
 def all_gather_object(comm: Comm, obj) -> list:
-    """Every rank's picklable `obj`, in rank order (used to check ranks agree)."""
+    """Every rank's picklable `obj`, in rank order (used to check ranks agree).
+
+    Recorded as `object_gather`, with the pickled bytes of every rank's object as its logical size.
+    """
     out = [None] * comm.world_size
     if comm.world_size == 1:
         out[0] = obj
     else:
         dist.all_gather_object(out, obj, group=comm.group)
-    comm.recorder.record("all_gather", 0, "object")
+    comm.recorder.record("object_gather", sum(len(pickle.dumps(o)) for o in out), "pickle")
     return out

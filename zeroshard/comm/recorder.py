@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # order_check: stage 3 on gloo agrees on each collective before running it (comm/stall.py).
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "order_check")
+# object_gather: all_gather_object of small picklable objects (checks that ranks agree), bytes pickled.
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "order_check", "object_gather")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
+from zeroshard.errors import ZeroshardError
 
 # How long a rank waits for the others' traces: they fail at about the same time.
 _PEER_WAIT_S = 10.0
@@ -30,7 +31,7 @@ _ADVICE = ("every rank must run the same collectives in the same order: at stage
            "a layer on some ranks, data-dependent branches) must be made to agree")
 
 
-class CollectiveError(RuntimeError):
+class CollectiveError(ZeroshardError, RuntimeError):
     """A collective failed or timed out; the message says where each rank was."""
 
 

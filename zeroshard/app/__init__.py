@@ -1,0 +1,1 @@
+"""The `zeroshard` command line and the built-in demo (trainer, corpus, GPT model, report, plots)."""

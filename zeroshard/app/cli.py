@@ -1,0 +1,187 @@
+"""The `zeroshard` command.
+
+`zeroshard train` launches local ranks through torchrun's launcher
+(`torch.distributed.run`), each running `python -m zeroshard.app.train` with the
+same flags, so the demo that runs on a laptop runs unchanged on several
+nodes (`--nnodes`, `--rdzv-endpoint`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from zeroshard.app import cli_estimate, compare
+from zeroshard.checkpoint import consolidate
+from zeroshard.app.models import PRESETS
+from zeroshard.config import ConfigError
+from zeroshard.app.train import add_arguments, engine_config, positive_int, to_argv
+
+EXAMPLES = """\
+examples:
+  zeroshard train                          2 ranks, ZeRO stage 2, the Bible, about a minute on CPU
+  zeroshard train --stage 0 --steps 50     plain data parallel (all-reduce), for comparison
+  zeroshard train --nproc 4 --data my.txt  4 ranks on your own text file
+  zeroshard train --config ds_config.json --report out/   a DeepSpeed-style config; JSON and charts in out/
+  zeroshard config check ds_config.json --world-size 8
+                                           validate a DeepSpeed config, print what zeroshard will use
+  zeroshard train --dtype bf16             bf16 parameters, fp32 master weights: 2+2+12 bytes per parameter
+  zeroshard train --save-every 50          sharded checkpoints in ./checkpoints; after a stop, go on with
+  zeroshard train --save-every 50 --resume checkpoints   (any --nproc or --stage reads them)
+  zeroshard consolidate checkpoints model.safetensors   one state dict for the plain model
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zeroshard",
+        description="ZeRO data parallelism (stages 0-3) for PyTorch on torch.distributed.",
+        epilog="Run `zeroshard COMMAND --help` for a command's flags.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    train = commands.add_parser(
+        "train", help="train the demo GPT on N local ranks and compare memory and traffic with the formulas",
+        description="Train a small character-level GPT with ZeRO on N ranks (gloo on CPU, NCCL on\n"
+                    "GPU, one GPU per rank). Rank 0 shows progress, a generated sample, and tables\n"
+                    "of the measured per-rank memory and per-step communication next to the ZeRO\n"
+                    "paper's formulas.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.set_defaults(command_parser=train)  # so flag errors print `zeroshard train`'s usage
+    launch = train.add_argument_group("launch (torchrun)")
+    launch.add_argument("--nproc", type=positive_int, default=2, metavar="N",
+                        help="ranks (processes) on this node (default: %(default)s)")
+    launch.add_argument("--nnodes", type=positive_int, default=1, metavar="NODES",
+                        help="nodes; with more than one, run the same command on each node "
+                             "and give --rdzv-endpoint (default: %(default)s)")
+    launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", default=None,
+                        help="rendezvous address shared by all nodes (default: a free local port)")
+    add_arguments(train.add_argument_group("training"))
+    cli_estimate.add_parser(commands)
+    compare.add_parser(commands)
+    add_config_command(commands)
+    consolidate.add_parser(commands)
+    return parser
+
+
+def add_config_command(commands: argparse._SubParsersAction) -> None:
+    """`zeroshard config check FILE [--world-size N]`."""
+    config = commands.add_parser("config", help="work with DeepSpeed-style JSON config files")
+    actions = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check", help="validate a config file and print the effective configuration",
+        description="Validate a DeepSpeed-style JSON config and print the effective configuration\n"
+                    "(JSON, every key with its default and each \"auto\" resolved), or the error.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    check.add_argument("file", metavar="FILE", help="path to the JSON config")
+    check.add_argument("--world-size", type=positive_int, default=None, metavar="N",
+                       help="ranks, to derive and check the batch sizes (default: unknown)")
+
+
+def run_config_check(args: argparse.Namespace) -> int:
+    """Print the effective config as JSON (stdout), or the error (stderr); returns the exit status."""
+    from zeroshard.config import Config, ConfigError, ConfigFacts
+
+    try:
+        with warnings.catch_warnings(record=True) as ignored:  # "strict": false: one per ignored key
+            warnings.simplefilter("always")
+            config = Config.load(args.file, ConfigFacts(world_size=args.world_size))
+    except ConfigError as error:
+        print(f"zeroshard config check: {error}", file=sys.stderr)
+        return 1
+    for warning in ignored:
+        print(f"zeroshard config check: warning: {warning.message}", file=sys.stderr)
+    print(json.dumps(config.to_dict(), indent=2))
+    return 0
+
+
+def torchrun_argv(args: argparse.Namespace) -> list[str]:
+    """torchrun's command line for `args`: the launcher's flags, then the module and its flags."""
+    if args.rdzv_endpoint is None:
+        rendezvous = ["--standalone"]  # a C10d store on a free port of this machine
+    else:
+        rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
+    return ["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc), *rendezvous,
+            "--module", "zeroshard.app.train", *to_argv(args)]
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Launch the ranks and wait for them; returns the exit status."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # Ranks share this machine's cores; torchrun would otherwise set 1 thread and warn about it.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    try:
+        run(parse_args(torchrun_argv(args)))
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()  # the root cause; the others were stopped after it
+        print(f"zeroshard train: rank {rank} failed first (exit code {failure.exitcode}); "
+              "its error is printed above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _check_data(parser: argparse.ArgumentParser, path: str, block_size: int) -> None:
+    """Reject a --data file the ranks could not train on, before launching them."""
+    if not Path(path).is_file():
+        parser.error(f"argument --data: no such file '{path}'")
+    try:
+        length = len(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as error:
+        parser.error(f"argument --data: cannot read '{path}' as UTF-8 text ({error})")
+    if length <= block_size:
+        parser.error(f"argument --data: '{path}' has {length} characters; the model reads "
+                     f"{block_size} + 1 at a time, so give a longer text")
+
+
+def _check_config(args: argparse.Namespace) -> None:
+    """Reject a --config file (with the flags on top) before launching ranks that would all fail."""
+    try:
+        engine_config(argparse.Namespace(**vars(args)))  # a copy: it fills in the resolved values
+    except ConfigError as error:
+        args.command_parser.error(f"argument --config: {error}")
+
+
+def _check_resume(args: argparse.Namespace) -> None:
+    """Reject a --resume path that holds no readable checkpoint, before launching the ranks."""
+    from zeroshard.checkpoint.files import CheckpointError, read_manifest, resolve
+
+    try:
+        read_manifest(resolve(args.resume, None))
+    except CheckpointError as error:
+        args.command_parser.error(f"argument --resume: {error}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`zeroshard COMMAND [flags]`; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        if args.nnodes > 1 and args.rdzv_endpoint is None:
+            args.command_parser.error("--nnodes above 1 needs --rdzv-endpoint HOST:PORT, "
+                                      "the same on every node")
+        if args.data is not None:
+            _check_data(args.command_parser, args.data, PRESETS[args.model].block_size)
+        _check_config(args)
+        if args.resume is not None:
+            _check_resume(args)
+        return run_train(args)
+    if args.command == "estimate":
+        return cli_estimate.run(args)
+    if args.command == "compare":
+        return compare.run(args)
+    if args.command == "config":
+        return run_config_check(args)
+    if args.command == "consolidate":
+        return consolidate.run(args)
+    parser.error(f"unknown command '{args.command}'")  # unreachable: argparse checks choices
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

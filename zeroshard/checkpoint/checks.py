@@ -1,0 +1,106 @@
+"""Whether a checkpoint and an engine fit: every reason a save or load must stop, as one sentence.
+
+Each check returns (or raises) a message that names the cause and the fix;
+`agree` makes every rank raise the same one before anything changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zeroshard.checkpoint.files import CheckpointError, PieceReader
+from zeroshard.checkpoint.holdings import Holdings
+from zeroshard.checkpoint.protocol import Trainer
+from zeroshard.comm import Comm, all_gather_object
+
+
+def agree(comm: Comm, error: str | None) -> None:
+    """Raise the same CheckpointError on every rank if any rank has an error."""
+    errors = all_gather_object(comm, error)
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        rank, first = failed[0]
+        raise CheckpointError(first if comm.world_size == 1 else f"rank {rank}: {first}")
+
+
+def holdings(trainer: Trainer) -> Holdings:
+    """What this rank of `trainer` holds, by kind and parameter name."""
+    return Holdings.of(trainer.module, trainer.buckets, trainer.frozen_flats(), trainer.param_names())
+
+
+def first_not_plain(value, where: str) -> str | None:
+    """Where in `value` the first object torch.load(weights_only=True) would refuse is, with its type."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return f"{where} (a {type(value).__module__}.{type(value).__qualname__})"
+    for key, item in items:
+        if not isinstance(key, (bool, int, float, str)) and key is not None:
+            return f"a key of {where} (a {type(key).__qualname__})"
+        found = first_not_plain(item, f"{where}[{key!r}]")
+        if found is not None:
+            return found
+    return None
+
+
+def mismatch(optimizer: torch.optim.Optimizer, held: Holdings, manifest: dict, reader: PieceReader,
+             with_optimizer: bool) -> str | None:
+    """Why this checkpoint cannot be loaded into this engine, or None."""
+    error = _model_mismatch(held, manifest)
+    if error is None and with_optimizer:
+        error = _optimizer_mismatch(optimizer, held, manifest)
+    if error is not None:
+        return error
+    kinds = ["param"] + (["optim." + k for k in manifest["optimizer_state"]] if with_optimizer else [])
+    needs = [(k, r.name, r.start, r.numel) for t in held.trained for k in kinds for r in t.held.runs()]
+    needs += [("param", r.name, r.start, r.numel) for _, span in held.frozen for r in span.runs()]
+    needs += [(kind, name, 0, tensor.numel()) for kind, named in (("param", held.whole), ("buffer", held.buffers))
+              for name, tensor in named]
+    for kind, name, start, numel in needs:
+        why = reader.missing(kind, name, start, numel)
+        if why is not None:
+            return f"{why}: the checkpoint is incomplete or damaged; load an earlier tag"
+    return None
+
+
+def _model_mismatch(held: Holdings, manifest: dict) -> str | None:
+    mine, theirs = held.param_table(), manifest["params"]
+    missing = [n for n in mine if n not in theirs]
+    unexpected = [n for n in theirs if n not in mine]
+    shapes = [f"'{n}' {theirs[n]['shape']} vs {mine[n]['shape']}" for n in mine
+              if n in theirs and theirs[n]["shape"] != mine[n]["shape"]]
+    buffers, their_buffers = held.buffer_table(), manifest["buffers"]
+    shapes += [f"buffer '{n}' {their_buffers[n]['shape']} vs {b['shape']}" for n, b in buffers.items()
+               if n in their_buffers and their_buffers[n]["shape"] != b["shape"]]
+    missing += [f"buffer '{n}'" for n in buffers if n not in their_buffers]
+    unexpected += [f"buffer '{n}'" for n in their_buffers if n not in buffers]
+    if not (missing or unexpected or shapes):
+        return None
+    parts = [f"{label} ({len(items)}): {', '.join(items[:5])}{f' and {len(items) - 5} more' if len(items) > 5 else ''}"
+             for label, items in (("missing from the checkpoint", missing), ("not in this model", unexpected),
+                                  ("shape in checkpoint vs model", shapes)) if items]
+    return ("the checkpoint was written for another model: " + "; ".join(parts) +
+            ". Build the model the checkpoint was saved from, or load the weights you want into this model "
+            "(model.load_state_dict(..., strict=False)) before zeroshard.initialize")
+
+
+def _optimizer_mismatch(optimizer: torch.optim.Optimizer, held: Holdings, manifest: dict) -> str | None:
+    fix = ("; pass load_optimizer_states=False to keep this engine's optimizer state (or load_module_only=True "
+           "for the weights alone)")
+    name = type(optimizer).__name__
+    if manifest["optimizer"] != name:
+        return f"the checkpoint's optimizer state is {manifest['optimizer']}'s, this engine's optimizer is {name}" + fix
+    if manifest["param_groups"] != len(optimizer.param_groups):
+        return (f"the checkpoint's optimizer has {manifest['param_groups']} param groups, this engine's has "
+                f"{len(optimizer.param_groups)}" + fix)
+    saved_groups = {n: p["group"] for n, p in manifest["params"].items()}
+    for n, p in held.param_table().items():
+        if p["group"] is not None and saved_groups[n] != p["group"]:
+            where = "frozen" if saved_groups[n] is None else f"in param group {saved_groups[n]}"
+            return (f"parameter '{n}' is in param group {p['group']} here but was {where} when the checkpoint "
+                    "was saved, so its optimizer state and settings do not carry over" + fix)
+    return None

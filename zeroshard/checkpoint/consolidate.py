@@ -1,0 +1,121 @@
+"""One full state dict from a sharded checkpoint, in one process, without a process group.
+
+`zeroshard consolidate CKPT model.safetensors` (or `consolidate(...)`) joins
+every rank's pieces into whole tensors, keyed as the model's own
+`state_dict()`, so the result loads into the plain model with
+`model.load_state_dict(safetensors.torch.load_file(path))`. Trained
+parameters come from the fp32 masters; `dtype` casts floating-point
+values. `full_tensors` gives any stored kind by parameter name (the
+optimizer's `optim.exp_avg`, say).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from zeroshard.checkpoint.files import (
+    CheckpointError,
+    PieceReader,
+    read_manifest,
+    resolve,
+)
+from zeroshard.core.precision import DTYPES
+
+
+def full_tensors(load_dir: str | Path, tag: str | None = None, kind: str = "param") -> dict[str, torch.Tensor]:
+    """Every parameter's (or buffer's, kind "buffer") whole tensor of `kind`, by name.
+
+    kind "param" is fp32 for trained parameters (the masters), the stored
+    dtype for frozen ones; "optim.<key>" is the optimizer's state tensor.
+    """
+    path = resolve(load_dir, tag)
+    manifest = read_manifest(path)
+    with PieceReader(path, manifest) as reader:
+        return _whole(reader, path, manifest, kind)
+
+
+def _whole(reader: PieceReader, path: Path, manifest: dict, kind: str) -> dict[str, torch.Tensor]:
+    table = manifest["buffers"] if kind == "buffer" else manifest["params"]
+    out = {}
+    for name, entry in table.items():
+        if kind.startswith("optim.") and entry.get("group") is None:
+            continue  # frozen: no optimizer state
+        shape = entry["shape"]
+        numel = int(torch.Size(shape).numel())
+        why = reader.missing(kind, name, 0, numel)
+        if why is not None:
+            raise CheckpointError(f"{path}: {why}")
+        values = torch.empty(numel, dtype=_stored_dtype(kind, entry))
+        reader.read_into(kind, name, 0, values)
+        out[name] = values.view(shape)
+    return out
+
+
+def _stored_dtype(kind: str, entry: dict) -> torch.dtype:
+    """Masters and optimizer state are fp32; frozen parameters and buffers keep their own dtype."""
+    if kind == "buffer" or (kind == "param" and entry["group"] is None):
+        return getattr(torch, entry["dtype"])
+    return torch.float32
+
+
+def consolidate(load_dir: str | Path, tag: str | None = None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's full state dict (every key of `model.state_dict()`; tied keys are separate copies)."""
+    return _consolidate(resolve(load_dir, tag), dtype)[0]
+
+
+def _consolidate(path: Path, dtype: torch.dtype | None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(the full state dict, the manifest) of tag directory `path`: one manifest read, one pass over the files."""
+    manifest = read_manifest(path)
+    with PieceReader(path, manifest) as reader:
+        stored = _whole(reader, path, manifest, "param") | _whole(reader, path, manifest, "buffer")
+    out, used = {}, set()
+    for key, name in manifest["state_dict"].items():
+        tensor = stored[name]
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        out[key] = tensor.clone() if id(tensor) in used else tensor  # safetensors stores no aliases
+        used.add(id(tensor))
+    return out, manifest
+
+
+def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: torch.dtype | None = None) -> int:
+    """Write the consolidated state dict to a safetensors file; returns the number of tensors."""
+    path = resolve(load_dir, tag)
+    state, manifest = _consolidate(path, dtype)
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out),
+                  metadata={"source": str(path), "global_steps": str(manifest["global_steps"])})
+    except Exception as exc:  # safetensors reports I/O errors in its own error type
+        raise CheckpointError(f"cannot write {out} ({exc}); give a path in an existing, writable directory") from None
+    return len(state)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """`zeroshard consolidate CHECKPOINT OUT [--tag T] [--dtype D]`."""
+    parser = commands.add_parser(
+        "consolidate", help="join a sharded checkpoint into one safetensors state dict",
+        description="Join every rank's shard of a zeroshard checkpoint into one safetensors file keyed\n"
+                    "as the model's state_dict(): model.load_state_dict(safetensors.torch.load_file(OUT)).\n"
+                    "Runs in one process, on any machine; trained parameters come from the fp32 masters.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="a save directory (its 'latest' tag) or one tag's directory")
+    parser.add_argument("out", metavar="OUT", help="the .safetensors file to write")
+    parser.add_argument("--tag", default=None, help="the tag to read in CHECKPOINT (default: its 'latest')")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="cast floating-point tensors (default: fp32 masters, frozen ones as stored)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        count = write(args.checkpoint, args.out, args.tag, DTYPES.get(args.dtype))
+    except CheckpointError as error:
+        print(f"zeroshard consolidate: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {count} tensors to {args.out}")
+    return 0

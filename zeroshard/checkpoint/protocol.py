@@ -1,0 +1,60 @@
+"""What the checkpoint package needs of a trainer, and nothing more.
+
+The engine implements `Trainer`; the checkpoint code reads and writes a
+trainer only through it, so it never sees the engine's internals and the
+engine can change without breaking the format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn as nn
+
+from zeroshard.comm import Comm
+from zeroshard.config import Config
+from zeroshard.core.bucket import Bucket
+from zeroshard.core.flat import FlatParams
+from zeroshard.core.precision import LossScaler
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The step counters a checkpoint carries (micro-steps follow from them)."""
+
+    global_steps: int  # optimizer steps so far, skipped ones included
+    skipped_steps: int  # optimizer steps skipped (fp16 overflow)
+
+
+class Trainer(Protocol):
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None
+    scaler: LossScaler | None  # fp16's dynamic loss scale, None otherwise
+    comm: Comm
+    config: Config  # the stage and training dtype go into the manifest
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """Every trained flat buffer, with its master (this rank's shard, or whole at stage 0)."""
+
+    def frozen_flats(self) -> list[FlatParams]:
+        """Stage 3's sharded frozen parameters (this rank's `shard_data`); empty below stage 3."""
+
+    def param_names(self) -> dict[int, str]:
+        """id(parameter) -> its name in the module."""
+
+    def counters(self) -> Counters: ...
+
+    def restore_counters(self, counters: Counters) -> None: ...
+
+    def check_checkpoint_boundary(self, action: str) -> None:
+        """Raise `CheckpointError` unless a checkpoint can be taken or loaded now (the end of a window)."""
+
+    def release_gathered(self) -> None:
+        """Stage 3: release every gathered unit, since the shards under them are about to change."""
+
+    def params_from_masters(self) -> None:
+        """After the masters changed: cast them into the parameters and all-gather where replicated."""

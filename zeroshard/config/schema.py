@@ -1,0 +1,336 @@
+"""Typed training config, read from DeepSpeed-style JSON.
+
+`Config.load` is the entry point: it takes a dict, a path to a JSON file or a
+`Config`, and returns a frozen `Config` or raises `ConfigError` with one line
+per problem. Keys use DeepSpeed's JSON names. Nothing is silently ignored: an
+unknown key, a DeepSpeed key that zeroshard does not support yet, and a bad
+value are each an error naming the dotted key. Under `"strict": false` the
+DeepSpeed keys not supported yet are ignored instead, with one warning each.
+
+Loading runs in order: key check, `"auto"` values and batch sizes
+(config_auto.py, from the `ConfigFacts` that `initialize` passes), the
+`optimizer` and `scheduler` blocks (ds_blocks.py), then the typed fields.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from functools import partial
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+from zeroshard.config.auto import ConfigFacts, resolve_autos
+from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
+from zeroshard.config.values import PositiveInt, StrictBool
+from zeroshard.config.values import describe as _describe
+from zeroshard.config.values import invalid as _invalid
+from zeroshard.config.values import finite_number
+from zeroshard.config.values import non_negative_float as _non_negative_float
+from zeroshard.config.values import positive_int as _positive_int
+from zeroshard.config.blocks import OptimizerBlock, SchedulerBlock, parse_block
+from zeroshard.config.errors import ConfigError, ConfigWarning
+from zeroshard.config.keys import (
+    UNSUPPORTED_BF16_KEYS, UNSUPPORTED_FP16_KEYS, UNSUPPORTED_TOP_LEVEL_KEYS, UNSUPPORTED_ZERO_KEYS, key_problems, read_json,
+)
+
+__all__ = ["Bf16Config", "Config", "ConfigError", "ConfigFacts", "ConfigWarning", "Fp16Config", "ZeroConfig"]
+
+_SUPPORTED_STAGES = (0, 1, 2, 3)
+_COMMUNICATION_DTYPES = ("fp32", "bf16", "fp16")
+
+
+# ---- value checks: each raises "<requirement>; got <value as JSON>[ <note>]" ----
+
+def _optional_positive_int(value: Any) -> int | None:
+    return None if value is None else _positive_int(value)
+
+
+def _stage(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in _SUPPORTED_STAGES:
+        stages = ", ".join(str(stage) for stage in _SUPPORTED_STAGES)
+        raise _invalid(f"must be one of {stages}", value)
+    return value
+
+
+def _non_negative_int(value: Any) -> int:
+    """An int >= 0, or a whole float such as DeepSpeed's 1e5."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _invalid("must be an integer >= 0", value)
+    return value
+
+
+def _positive_seconds(value: Any) -> float:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number or not math.isfinite(value) or value <= 0:
+        raise _invalid("must be a number of seconds > 0", value)
+    return float(value)
+
+
+def _class_names(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise _invalid('must be a list of module class names such as ["Block"]', value)
+    return tuple(value)
+
+
+def _clip_norm(value: Any) -> float:
+    return _non_negative_float(value, " (0.0 turns clipping off)")
+
+
+def _zero_section(value: Any) -> Any:
+    if not isinstance(value, (dict, ZeroConfig)):
+        raise _invalid('must be a JSON object such as {"stage": 2}', value)
+    return value
+
+
+NonNegativeInt = Annotated[int, BeforeValidator(_non_negative_int)]
+
+
+def _precision_section(value: Any) -> Any:
+    if not isinstance(value, (dict, Bf16Config, Fp16Config)):
+        raise _invalid('must be a JSON object such as {"enabled": true}', value)
+    return value
+
+
+def _number(minimum: float, inclusive: bool, note: str = ""):
+    """A validator for a finite JSON number above `minimum` (or equal to it, if `inclusive`)."""
+    return partial(finite_number, minimum=minimum, inclusive=inclusive, meaning=note)
+
+
+def _communication_dtype(value: Any) -> str | None:
+    if value is not None and value not in _COMMUNICATION_DTYPES:
+        raise _invalid(f"must be one of {', '.join(map(json.dumps, _COMMUNICATION_DTYPES))} or null", value)
+    return value
+
+
+class ZeroConfig(BaseModel):
+    """The `zero_optimization` section: which model states are sharded, and how."""
+
+    model_config = _FROZEN_STRICT
+
+    stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_stage)] = Field(0, description=(
+        "ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
+        "2 = also shard gradients, 3 = also shard parameters (gathered per unit on demand). "
+        "DeepSpeed: zero_optimization.stage (default 0)."))
+    reduce_scatter: StrictBool = Field(True, description=(
+        "true: gradients are reduce-scattered (each rank receives only its shard); "
+        "false: all-reduce then slice, for comparison. "
+        "DeepSpeed: zero_optimization.reduce_scatter (default true)."))
+    # Not DeepSpeed's 5e8: at stage 2 a 5e8-element staging bucket would hold the
+    # whole gradient of any model under 500M parameters, undoing stage 2's saving.
+    reduce_bucket_size: PositiveInt = Field(25_000_000, description=(
+        "Gradient elements reduced per bucket, per rank (bytes = elements x dtype size). "
+        "DeepSpeed: zero_optimization.reduce_bucket_size (default 5e8)."))
+    # Not DeepSpeed's 5e8, for the same reason: the gather buffer would be a full
+    # replica of the parameters of most models.
+    allgather_bucket_size: PositiveInt = Field(25_000_000, description=(
+        "Parameter elements all-gathered per bucket after the step, per rank. "
+        "DeepSpeed: zero_optimization.allgather_bucket_size (default 5e8)."))
+    # DeepSpeed defaults to false for stages 1-2; we overlap because it is faster
+    # and the extra buffers are accounted in the memory report.
+    overlap_comm: StrictBool = Field(True, description=(
+        "true: bucket reductions run asynchronously during backward. "
+        "DeepSpeed: zero_optimization.overlap_comm (default false for stages 1-2)."))
+    stage3_wrap_classes: Annotated[tuple[str, ...], BeforeValidator(_class_names)] = Field((), description=(
+        "Stage 3: module class names whose instances each form a unit, gathered together "
+        "(e.g. [\"Block\"]); empty = by size (stage3_auto_wrap_min_params). Same as "
+        "initialize(..., wrap=[Block]). DeepSpeed: none (it gathers module by module)."))
+    stage3_auto_wrap_min_params: PositiveInt = Field(1_000_000, description=(
+        "Stage 3 without wrap classes: a module becomes a unit once it holds this many parameter "
+        "elements outside inner units. DeepSpeed: none (FSDP's size_based_auto_wrap_policy)."))
+    stage3_param_persistence_threshold: NonNegativeInt = Field(100_000, description=(
+        "Stage 3: parameters with fewer elements stay whole on every rank (gathered after each "
+        "step, like stage 2), saving many small gathers; 0 = shard every parameter. "
+        "DeepSpeed: zero_optimization.stage3_param_persistence_threshold (default 1e5)."))
+    stage3_max_live_parameters: PositiveInt = Field(1_000_000_000, description=(
+        "Stage 3: prefetching stops when it would bring the gathered elements over this number "
+        "(a unit that forward or backward needs now is always gathered). "
+        "DeepSpeed: zero_optimization.stage3_max_live_parameters (default 1e9)."))
+    stage3_prefetch_bucket_size: PositiveInt = Field(50_000_000, description=(
+        "Stage 3: the largest unit (elements) that is gathered ahead of its use. "
+        "DeepSpeed: zero_optimization.stage3_prefetch_bucket_size (default 5e7)."))
+
+
+class Bf16Config(BaseModel):
+    """The `bf16` section: train with bfloat16 parameters and fp32 master weights."""
+
+    model_config = _FROZEN_STRICT
+
+    enabled: StrictBool = Field(False, description=(
+        "true: parameters and gradients in forward/backward are bfloat16; the optimizer updates "
+        "fp32 master weights. DeepSpeed: bf16.enabled (default false)."))
+
+
+class Fp16Config(BaseModel):
+    """The `fp16` section: float16 parameters, fp32 master weights, loss scaling.
+
+    The defaults hold whichever keys are given (DeepSpeed switches to an
+    initial scale of 2^32 and hysteresis 1 when only `enabled` is given).
+    """
+
+    model_config = _FROZEN_STRICT
+
+    enabled: StrictBool = Field(False, description=(
+        "true: parameters and gradients in forward/backward are float16; the optimizer updates "
+        "fp32 master weights. DeepSpeed: fp16.enabled (default false)."))
+    loss_scale: Annotated[float, BeforeValidator(_number(0, True, " (0 = dynamic loss scaling)"))] = Field(
+        0.0, description=("Static loss scale (a multiplier); 0 = dynamic loss scaling. "
+                          "DeepSpeed: fp16.loss_scale (default 0)."))
+    initial_scale_power: Annotated[int, BeforeValidator(_non_negative_int)] = Field(16, description=(
+        "Dynamic scaling starts at a loss scale of 2^initial_scale_power. "
+        "DeepSpeed: fp16.initial_scale_power (default 16)."))
+    loss_scale_window: PositiveInt = Field(1000, description=(
+        "Optimizer steps without overflow before the dynamic loss scale doubles. "
+        "DeepSpeed: fp16.loss_scale_window (default 1000)."))
+    hysteresis: PositiveInt = Field(2, description=(
+        "Overflows (count) tolerated before the dynamic loss scale halves. "
+        "DeepSpeed: fp16.hysteresis (default 2)."))
+    consecutive_hysteresis: StrictBool = Field(False, description=(
+        "true: a step without overflow restores the full hysteresis; false: it is restored only "
+        "when the scale doubles. DeepSpeed: fp16.consecutive_hysteresis (default false)."))
+    min_loss_scale: Annotated[float, BeforeValidator(_number(0, False))] = Field(1.0, description=(
+        "The dynamic loss scale never goes below this; an overflow there stops training. "
+        "DeepSpeed: fp16.min_loss_scale (default 1)."))
+
+
+class Config(BaseModel):
+    """The whole training config. Build it with `Config.load`; it is immutable."""
+
+    model_config = _FROZEN_STRICT
+
+    train_micro_batch_size_per_gpu: Annotated[
+        int | None, BeforeValidator(_optional_positive_int)] = Field(None, description=(
+            "Samples per rank per forward/backward (micro-batch); null = not set. "
+            "DeepSpeed: train_micro_batch_size_per_gpu."))
+    train_batch_size: Annotated[
+        int | None, BeforeValidator(_optional_positive_int)] = Field(None, description=(
+            "Samples per optimizer step over all ranks = micro-batch x accumulation steps x ranks: "
+            "checked, or used to derive the one of the three left out; null = not set. "
+            "DeepSpeed: train_batch_size."))
+    gradient_accumulation_steps: PositiveInt = Field(1, description=(
+        "Micro-batches (count) accumulated before each optimizer step. "
+        "DeepSpeed: gradient_accumulation_steps (default 1)."))
+    gradient_clipping: Annotated[float, BeforeValidator(_clip_norm)] = Field(0.0, description=(
+        "Maximum global L2 norm of the gradients (unitless); 0.0 = no clipping. "
+        "DeepSpeed: gradient_clipping (default 0.0)."))
+    collective_timeout: Annotated[float, BeforeValidator(_positive_seconds)] = Field(1800.0, description=(
+        "Seconds a collective may wait for the other ranks before the engine stops with an error "
+        "that says which collective, unit and step each rank was at. DeepSpeed: none "
+        "(deepspeed.init_distributed(timeout=...), default 30 minutes)."))
+    zero_optimization: Annotated[ZeroConfig, BeforeValidator(_zero_section)] = Field(
+        default_factory=ZeroConfig,
+        description="ZeRO settings (see ZeroConfig). DeepSpeed: zero_optimization.")
+    optimizer: OptimizerBlock | None = Field(None, description=(
+        "Builds the optimizer when zeroshard.initialize is given none (an error if it is given "
+        "one too); null = none. DeepSpeed: optimizer."))
+    scheduler: SchedulerBlock | None = Field(None, description=(
+        "Builds the LR schedule on the optimizer, as engine.lr_scheduler, stepped at each "
+        "optimizer step; null = none. DeepSpeed: scheduler."))
+    strict: StrictBool = Field(True, description=(
+        "false: DeepSpeed keys zeroshard does not support yet are ignored with one warning each, "
+        "instead of being an error (unknown keys stay errors). DeepSpeed: none (zeroshard only)."))
+    bf16: Annotated[Bf16Config, BeforeValidator(_precision_section)] = Field(
+        default_factory=Bf16Config,
+        description="bfloat16 mixed precision (see Bf16Config). DeepSpeed: bf16 (default disabled).")
+    fp16: Annotated[Fp16Config, BeforeValidator(_precision_section)] = Field(
+        default_factory=Fp16Config,
+        description="float16 mixed precision with loss scaling (see Fp16Config). DeepSpeed: fp16 "
+                    "(default disabled).")
+    communication_data_type: Annotated[
+        Literal["fp32", "bf16", "fp16"] | None, BeforeValidator(_communication_dtype)] = Field(
+            None, description=(
+                "dtype of gradient reductions: \"fp32\", or the training dtype (\"bf16\" or \"fp16\"); "
+                "null = the training dtype. DeepSpeed: communication_data_type (default null)."))
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> Config:
+        if self.bf16.enabled and self.fp16.enabled:
+            raise PydanticCustomError("zeroshard", "bf16.enabled and fp16.enabled are both true; enable "
+                                      "one of them (bf16 needs no loss scaling where the hardware has it)")
+        wire = self.communication_data_type
+        if wire not in (None, "fp32", self.training_dtype):
+            raise PydanticCustomError(
+                "zeroshard", "communication_data_type \"{wire}\" needs {wire}.enabled: gradients are "
+                "reduced in fp32 or in the training dtype (here \"{training}\")",
+                {"wire": wire, "training": self.training_dtype})
+        return self
+
+    @property
+    def training_dtype(self) -> str:
+        """The dtype of parameters in forward and backward: "bf16", "fp16" or "fp32"."""
+        return "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage, `zero_optimization.stage`."""
+        return self.zero_optimization.stage
+
+    @classmethod
+    def load(cls, source: dict[str, Any] | str | Path | Config, facts: ConfigFacts | None = None) -> Config:
+        """Build a config from a dict, a path to a JSON file, or a `Config`.
+
+        `facts` (world size, parameter dtype) resolve `"auto"` values and the
+        batch sizes; `zeroshard.initialize` passes them. A `Config` without
+        facts is returned as is; with facts it is checked against them.
+        Raises `ConfigError` for an unreadable file, invalid JSON, unknown or
+        unsupported keys, or bad values; the message lists every problem.
+        """
+        if isinstance(source, Config):
+            if facts is None:
+                return source
+            raw, origin = source.to_dict(), "Config"
+        elif isinstance(source, (str, Path)):
+            raw, origin = read_json(Path(source)), f"file '{source}'"
+        elif isinstance(source, dict):
+            raw, origin = source, "dict"
+        else:
+            raise ConfigError("Config.load expects a dict, a path to a JSON file or a Config; "
+                              f"got {type(source).__name__}")
+        raw = copy.deepcopy(raw)  # strict=false and "auto" change it; the caller's dict stays as it was
+        problems = key_problems(raw, cls, _UNSUPPORTED_BY_SECTION)
+        if not problems:
+            raw, problems = resolve_autos(raw, facts or ConfigFacts())
+            raw, block_problems = _parse_blocks(raw)
+            problems += block_problems
+            try:
+                config = cls.model_validate(raw)
+            except ValidationError as error:
+                problems += [_describe(detail) for detail in error.errors()]
+            if not problems:
+                return config
+        lines = "\n".join(f"  - {problem}" for problem in problems)
+        raise ConfigError(f"invalid zeroshard config ({origin}):\n{lines}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective config with DeepSpeed key names, JSON-serialisable.
+
+        Every key is present, defaults included, so ranks can compare configs.
+        """
+        return self.model_dump(mode="json")
+
+# The DeepSpeed keys each section knows but zeroshard does not support yet.
+_UNSUPPORTED_BY_SECTION: dict[type[BaseModel], frozenset[str]] = {
+    Config: UNSUPPORTED_TOP_LEVEL_KEYS,
+    ZeroConfig: UNSUPPORTED_ZERO_KEYS,
+    Fp16Config: UNSUPPORTED_FP16_KEYS,
+    Bf16Config: UNSUPPORTED_BF16_KEYS,
+}
+
+
+def _parse_blocks(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """`raw` with the optimizer and scheduler blocks parsed (None where they have problems)."""
+    problems: list[str] = []
+    parsed = dict(raw)
+    for key in ("optimizer", "scheduler"):
+        if raw.get(key) is not None:
+            parsed[key], block_problems = parse_block(key, raw[key])
+            problems += block_problems
+    return parsed, problems

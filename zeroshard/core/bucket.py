@@ -1,0 +1,272 @@
+"""Bucket: one group of parameters whose gradients and values are communicated together.
+
+At stages 0-2 a unit is a size bucket of one optimizer param group; at stage
+3 it is one param group's parameters within a module unit (`module_unit.py`).
+What it holds depends on the stage's switches:
+
+- `shard_optimizer` (stage >= 1): the optimizer sees only this rank's shard of
+  the flat buffer (`master`), and the updated shards are all-gathered.
+- `shard_grads` (stage >= 2): only this rank's gradient shard persists; each
+  micro-step's full gradients are staged in a pooled buffer from the unit's
+  first gradient until its reduce-scatter lands.
+- `shard_params` (stage 3): only this rank's shard of the parameters persists
+  (`flat.shard_data`, which in fp32 is also the master); the full buffer is
+  gathered on demand around forward and backward.
+
+Its `Precision` says the rest: with 16-bit parameters the master is an fp32
+tensor of its own, gradients are reduced in the reduce dtype and summed over
+micro-steps in fp32; `master_grad` and `cast_master_to_params` are the two
+conversions around the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zeroshard.core.staging import StagingPool
+from zeroshard.comm import Comm, Pending, all_gather, all_reduce, reduce_scatter
+from zeroshard.core.flat import FlatParams
+from zeroshard.core.precision import Precision
+
+FP32 = Precision(torch.float32, torch.float32)
+
+
+@dataclass(frozen=True)
+class StageSwitches:
+    """The switches a ZeRO stage is made of (DESIGN.md section 3)."""
+
+    shard_optimizer: bool
+    shard_grads: bool
+    shard_params: bool = False
+
+    @classmethod
+    def for_stage(cls, stage: int) -> "StageSwitches":
+        return cls(stage >= 1, stage >= 2, stage >= 3)
+
+
+class Bucket:
+    """A bucket of parameters: flat values, gradient storage, and its collectives.
+
+    Gradient tensors, by role:
+    - `full_grad` (stages 0-1; 1-D, padded): every parameter's `.grad` is a view
+      of it, so autograd accumulates micro-steps in place;
+    - `staging` (stage 2; 1-D, padded, pooled): this micro-step's gradients,
+      alive from the unit's first gradient until its reduction lands;
+    - `grad_acc` (stages 0-1, 16-bit parameters only; 1-D, padded, fp32): the
+      sum of the window's micro-steps, when there are several, and the reduction
+      buffer when the reduce dtype is fp32;
+    - `grad_shard` (1-D, shard): this rank's reduced, averaged gradient (at
+      stage 0 the whole reduced buffer, at stage 1 a view of it); with 16-bit
+      parameters it is 16-bit for one micro-step per window (fp32 with several,
+      or with an fp32 reduction), and the optimizer sees it in fp32 (`master_grad`).
+
+    `master` (1-D) is what the optimizer updates: this rank's shard (stage >= 1)
+    or the whole buffer (stage 0). In fp32 it is the parameters' own storage;
+    with 16-bit parameters it is a separate fp32 tensor, cast into the
+    parameters after each step (`cast_master_to_params`).
+    """
+
+    def __init__(self, flat: FlatParams, switches: StageSwitches, use_reduce_scatter: bool, param_group: int,
+                 name: str = "", precision: Precision = FP32, accumulation: int = 1):
+        self.flat = flat
+        self.name = name  # for messages: "bucket 3", "unit 'blocks.1', param group 0"
+        self.switches = switches
+        self.use_reduce_scatter = use_reduce_scatter  # false: all-reduce + slice, for comparison
+        self.param_group = param_group  # index of the optimizer param group its parameters belong to
+        self.precision = precision
+        if switches.shard_params:
+            flat.keep_shard_only()
+        self.master = self._init_master()  # before the cast: from the model's own values
+        if flat.dtype != precision.param_dtype:
+            flat.cast_(precision.param_dtype)
+        self.full_grad: torch.Tensor | None = None
+        self.grad_acc: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None
+        # 16-bit gradients are summed in fp32 across micro-steps, and an fp32 reduction needs an fp32 buffer.
+        fp32_sum = precision.mixed and (accumulation > 1 or precision.reduce_dtype == precision.master_dtype)
+        if switches.shard_grads:
+            dtype = precision.master_dtype if fp32_sum else precision.reduce_dtype
+            self.grad_shard = torch.zeros(flat.shard_numel, dtype=dtype, device=flat.device)
+        else:
+            self.full_grad = torch.zeros(flat.padded_numel, dtype=flat.dtype, device=flat.device)
+            if fp32_sum:
+                self.grad_acc = torch.zeros(flat.padded_numel, dtype=precision.master_dtype, device=flat.device)
+            reduced = self.grad_acc if self._reduces_in(self.grad_acc) else self.full_grad
+            self.grad_shard = flat.shard(reduced) if switches.shard_optimizer else reduced
+        self._staged = [False] * len(flat.params)  # stage 2: slots of `staging` holding this micro-step
+        self._accumulated = False  # stage 2: grad_shard already holds part of this window
+
+    def _init_master(self) -> torch.Tensor:
+        """What the optimizer updates: in fp32 the parameters' own storage, no copy; else an fp32 copy."""
+        values = self._own_params()
+        if not self.precision.mixed:
+            return values
+        if values.dtype == self.precision.master_dtype and (values is self.flat.data or values is self.flat.shard_data):
+            return values  # stages 0 and 3 of an fp32 model: that fp32 buffer becomes the master, params get a 16-bit one
+        return values.to(self.precision.master_dtype, copy=True)
+
+    def _reduces_in(self, buffer: torch.Tensor | None) -> bool:
+        return buffer is not None and buffer.dtype == self.precision.reduce_dtype
+
+    @property
+    def params(self):
+        return self.flat.params
+
+    def attach_grads(self) -> None:
+        """Point each parameter's `.grad` at its view of `full_grad` (stages 0-1).
+
+        Re-attached before every backward in case the user set `.grad` to None.
+        """
+        if self.full_grad is None:
+            return
+        for p, view in zip(self.params, self.flat.views(self.full_grad)):
+            if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                p.grad = view
+
+    def stage_grad(self, index: int, pool: StagingPool) -> None:
+        """Copy parameter `index`'s fresh gradient into `staging` and free it (stage 2)."""
+        if self.staging is None:
+            self.staging = pool.acquire(self.flat.padded_numel, self.precision.reduce_dtype, self.flat.device)
+        p, slot = self.params[index], self.flat.slot(index, self.staging)
+        grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)  # Embedding(sparse=True)
+        if self._staged[index]:  # a second gradient before the unit launched (reentrant checkpointing)
+            slot.add_(grad)
+        else:
+            slot.copy_(grad)
+        self._staged[index] = True
+        p.grad = None
+
+    def reduce_grad(self, comm: Comm, pool: StagingPool, scale: float) -> Pending:
+        """Reduce this micro-step's gradients in the reduce dtype; afterwards `grad_shard` holds the running mean.
+
+        `scale` is 1 / (N x accumulation steps): applied once per reduction,
+        the sum over the window comes out as the mean over the global batch.
+        """
+        if self.switches.shard_grads:
+            return self._reduce_staged(comm, pool, scale)
+        buffer = self._reduce_input()
+        before, after = self.precision.reduce_factors(comm.world_size, scale)
+        if before != 1.0:
+            buffer.mul_(before)
+        if not self.switches.shard_optimizer:
+            return all_reduce(comm, buffer, what=self.name).then(lambda: buffer.mul_(after))
+        if self.use_reduce_scatter:
+            scratch = self._scratch(comm, pool)
+            pending = reduce_scatter(comm, self.grad_shard, buffer, scratch, what=self.name)
+            pending.then(lambda: self._release(pool, scratch))
+        else:
+            pending = all_reduce(comm, buffer, what=self.name)
+        return pending.then(lambda: self.grad_shard.mul_(after))
+
+    def _reduce_input(self) -> torch.Tensor:
+        """Stages 0-1: the window's local gradient sum, in the reduce dtype, in the buffer `grad_shard` views."""
+        if self.grad_acc is None:
+            return self.full_grad
+        self.grad_acc.add_(self.full_grad)
+        if self._reduces_in(self.grad_acc):
+            return self.grad_acc
+        self.full_grad.copy_(self.grad_acc)  # one rounding of the fp32 sum to the reduce dtype
+        return self.full_grad
+
+    def accumulate_micro_step(self) -> None:
+        """Stages 0-1, after a backward that does not reduce: add its 16-bit gradients to the fp32 sum."""
+        if self.grad_acc is not None and self.full_grad is not None:
+            self.grad_acc.add_(self.full_grad)
+            self.full_grad.zero_()
+
+    def _reduce_staged(self, comm: Comm, pool: StagingPool, scale: float) -> Pending:
+        staging = self._staging_with_zeros(pool)
+        before, after = self.precision.reduce_factors(comm.world_size, scale)
+        if before != 1.0:
+            staging.mul_(before)
+        direct = not self._accumulated and self.grad_shard.dtype == staging.dtype  # reduce into grad_shard
+        out = self.grad_shard if direct else pool.acquire(self.flat.shard_numel, staging.dtype, staging.device)
+        if self.use_reduce_scatter:
+            scratch = self._scratch(comm, pool)
+            pending = reduce_scatter(comm, out, staging, scratch, what=self.name)
+            pending.then(lambda: self._release(pool, scratch))
+        else:
+            pending = all_reduce(comm, staging, what=self.name).then(lambda: out.copy_(self.flat.shard(staging)))
+
+        def accumulate():
+            if direct:
+                out.mul_(after)
+            else:  # in grad_shard's dtype: fp32 when 16-bit gradients accumulate
+                self.grad_shard.add_(out, alpha=after)
+                pool.release(out)
+            pool.release(staging)
+
+        self.staging = None
+        self._accumulated = True
+        self._staged = [False] * len(self.params)
+        return pending.then(accumulate)
+
+    def _staging_with_zeros(self, pool: StagingPool) -> torch.Tensor:
+        """`staging`, with every slot no gradient reached (unused parameters) zeroed."""
+        if self.staging is None:
+            self.staging = pool.acquire(self.flat.padded_numel, self.precision.reduce_dtype, self.flat.device)
+        for i, staged in enumerate(self._staged):
+            if not staged:
+                self.flat.slot(i, self.staging).zero_()
+        self.flat.padding(self.staging).zero_()
+        return self.staging
+
+    def _scratch(self, comm: Comm, pool: StagingPool) -> torch.Tensor | None:
+        if comm.world_size == 1 or comm.algorithms.reduce_scatter != "all_to_all":
+            return None
+        return pool.acquire(self.flat.padded_numel, self.precision.reduce_dtype, self.flat.device)
+
+    @staticmethod
+    def _release(pool: StagingPool, scratch: torch.Tensor | None) -> None:
+        if scratch is not None:
+            pool.release(scratch)
+
+    @property
+    def gathers_after_step(self) -> bool:
+        """Whether the step's updated shards are all-gathered into replicated parameters (stages 1-2)."""
+        return self.switches.shard_optimizer and not self.switches.shard_params
+
+    def master_grad(self) -> torch.Tensor:
+        """`grad_shard` in the master's dtype, for the optimizer (a new tensor when gradients are 16-bit)."""
+        return self.grad_shard.to(self.master.dtype)
+
+    def cast_master_to_params(self) -> None:
+        """Write the updated master into this rank's part of the parameters (nothing to do in fp32)."""
+        own = self._own_params()
+        if own.data_ptr() != self.master.data_ptr():
+            with torch.no_grad():
+                own.copy_(self.master)
+
+    def take_params_into_master(self) -> None:
+        """After the parameters were edited outside training: start the master from them (16-bit:
+        the master takes their rounded values; in fp32 they are the master already)."""
+        own = self._own_params()
+        if own.data_ptr() != self.master.data_ptr():
+            with torch.no_grad():
+                self.master.copy_(own)
+
+    def _own_params(self) -> torch.Tensor:
+        """The parameters this rank's master updates: its shard (stage 3: the persistent one) or all."""
+        if self.switches.shard_params:
+            return self.flat.shard_data
+        return self.flat.shard(self.flat.data) if self.switches.shard_optimizer else self.flat.data
+
+    def gather_params(self, comm: Comm) -> Pending:
+        """All-gather the updated shards into the full flat buffer (stages 1-2)."""
+        return all_gather(comm, self.flat.data, what=self.name)
+
+    def zero_grad(self, pool: StagingPool) -> None:
+        """Start a new accumulation window (also after a failed backward)."""
+        if self.full_grad is not None:
+            self.full_grad.zero_()
+            if self.grad_acc is not None:
+                self.grad_acc.zero_()
+            return
+        self.grad_shard.zero_()
+        self._accumulated = False
+        self._staged = [False] * len(self.params)
+        if self.staging is not None:
+            pool.release(self.staging)
+            self.staging = None

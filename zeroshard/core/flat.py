@@ -1,0 +1,131 @@
+"""FlatParams: parameters flattened into one padded 1-D buffer.
+
+The buffer's length is padded up to a multiple of the world size N (fewer
+than N elements of padding), so that it splits into N equal shards; rank r
+owns elements [r * shard_numel, (r + 1) * shard_numel). Shard boundaries may
+cut through a parameter: the optimizers zeroshard accepts work element by
+element, so they cannot tell.
+
+At stage 3 the full buffer is not kept: `release_full()` gives its memory
+back (the storage shrinks to zero bytes) and points the parameters at empty
+tensors, so reading one outside forward shows an empty tensor instead of
+freed memory; `shard_data`, this rank's copy of its shard, is what persists.
+Because the storage object itself survives, tensors autograd saved during
+forward see the values again once the buffer is gathered back.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def give_memory(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    """Make a parameter on the meta device a real one backed by `tensor`, keeping its identity.
+
+    `.data` cannot move a tensor off the meta device; swapping keeps the
+    Parameter object that the optimizer and the modules already hold.
+    """
+    torch.utils.swap_tensors(param, nn.Parameter(tensor, requires_grad=param.requires_grad))
+
+
+class FlatParams:
+    """A list of parameters living as views of one padded 1-D buffer.
+
+    After construction every parameter's `.data` is a view into `self.data`,
+    so writing the buffer (an all-gather, a broadcast) writes the parameters.
+    """
+
+    def __init__(self, params: list[nn.Parameter], world_size: int, rank: int,
+                 device: torch.device | None = None):
+        """`device`: where the buffer lives, for parameters on the meta device (values left
+        uninitialised: the caller initialises them through the views)."""
+        if not params:
+            raise ValueError("FlatParams needs at least one parameter")
+        first = params[0]
+        for p in params:
+            if p.dtype != first.dtype or p.device != first.device:
+                raise ValueError("all parameters of one flat buffer must share dtype and device")
+        on_meta = first.device.type == "meta"
+        self.params = list(params)
+        self.shapes = [p.shape for p in params]
+        self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+        self.numel = sum(self.numels)  # elements, without padding
+        self.shard_numel = -(-self.numel // world_size)  # elements per rank
+        self.padded_numel = self.shard_numel * world_size
+        self.rank = rank
+        self.data = torch.zeros(self.padded_numel, dtype=first.dtype,
+                                device=device if on_meta else first.device)  # 1-D
+        with torch.no_grad():
+            for p, view in zip(self.params, self.views(self.data)):
+                if on_meta:
+                    give_memory(p, view)
+                else:
+                    view.copy_(p.data)
+                    p.data = view
+        self.shard_data: torch.Tensor | None = None  # stage 3: the persistent shard
+
+    # -- stage 3: the full buffer exists only while gathered --------------------
+
+    def keep_shard_only(self) -> None:
+        """Copy this rank's shard out of the full buffer, then release the full buffer."""
+        self.shard_data = self.shard(self.data).clone()
+        self.release_full()
+
+    def release_full(self) -> None:
+        self.data.untyped_storage().resize_(0)
+        empty = self.data.new_empty(0)
+        for p in self.params:
+            p.data = empty
+
+    def restore_full(self) -> None:
+        """Give the full buffer its memory back, this rank's shard in place (the rest undefined)."""
+        storage = self.data.untyped_storage()
+        storage.resize_(self.padded_numel * self.data.element_size())
+        # Autograd saved views of this buffer in forward; refilling it is not an in-place
+        # edit of their values, so their version counter must not move.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.data):
+            self.shard(self.data).copy_(self.shard_data)
+        for p, view in zip(self.params, self.views(self.data)):
+            p.data = view
+
+    def cast_(self, dtype: torch.dtype) -> None:
+        """Hold the parameters in `dtype`: a new buffer (the old one is dropped), parameters re-pointed."""
+        if self.shard_data is not None:  # stage 3: the shard persists, the full buffer stays released
+            self.shard_data = self.shard_data.to(dtype)
+            self.data = torch.empty(self.padded_numel, dtype=dtype, device=self.device)
+            self.release_full()
+            return
+        self.data = self.data.to(dtype)
+        with torch.no_grad():
+            for p, view in zip(self.params, self.views(self.data)):
+                p.data = view
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a padded 1-D `buffer`, one per parameter, in the parameters' shapes."""
+        return [
+            buffer[off : off + n].view(shape)
+            for off, n, shape in zip(self.offsets, self.numels, self.shapes)
+        ]
+
+    def slot(self, index: int, buffer: torch.Tensor) -> torch.Tensor:
+        """The 1-D range of `buffer` that belongs to parameter `index`."""
+        return buffer[self.offsets[index] : self.offsets[index] + self.numels[index]]
+
+    def shard(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a padded 1-D `buffer` (a view)."""
+        lo = self.rank * self.shard_numel
+        return buffer[lo : lo + self.shard_numel]
+
+    def padding(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The padding tail of `buffer`; it is kept at zero."""
+        return buffer[self.numel :]

@@ -1,0 +1,53 @@
+"""What `engine.memory_stats()` reports: bytes of model states held by this rank.
+
+Counted from the tensors themselves, each storage once: parameter storage
+shared with the fp32 master shard (fp32 training) counts under `params` only.
+At stage 3 `params` is the persistent shards plus whatever is gathered now.
+With 16-bit parameters the fp32 master is a storage of its own, and the fp32
+sum of several micro-steps' gradients counts under `grads`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from zeroshard.core.staging import StagingPool
+from zeroshard.core.flat import FlatParams
+from zeroshard.core.optim import state_tensors
+from zeroshard.core.bucket import Bucket
+
+
+def _storage_bytes(tensors, seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def model_state_bytes(
+    model: nn.Module, buckets: list[Bucket], optimizer: torch.optim.Optimizer, pool: StagingPool,
+    frozen: list[FlatParams] = (),
+) -> dict[str, int]:
+    """Bytes per kind of model state this rank holds; `staging` is the pooled communication staging memory.
+
+    `frozen`: stage 3's flat buffers of parameters that do not require grad.
+    `buffers` is the old name of `staging`, kept as an alias for one release.
+    """
+    seen: set[int] = set()
+    flats = [b.flat for b in buckets] + list(frozen)
+    params = _storage_bytes([f.data for f in flats] + [f.shard_data for f in flats]
+                            + [p.data for p in model.parameters()], seen)
+    grads = _storage_bytes([b.grad_shard for b in buckets] + [b.full_grad for b in buckets]
+                           + [b.grad_acc for b in buckets] + [p.grad for p in model.parameters()], seen)
+    master = _storage_bytes([b.master for b in buckets], seen)
+    opt = _storage_bytes(state_tensors(optimizer), seen)
+    staging = _storage_bytes(pool.tensors(), seen)
+    return {"params": params, "grads": grads, "master": master, "optimizer": opt, "staging": staging,
+            "buffers": staging}

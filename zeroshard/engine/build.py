@@ -1,0 +1,158 @@
+"""Building an engine's parts: buckets or stage-3 units, staging memory, the reducer and hooks.
+
+Everything here runs once, in `Engine.__init__`, on every rank in the same
+order: parameters are flattened, broadcast from rank 0 and sharded; the
+user's optimizer is pointed at the master shards; hooks are installed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zeroshard.comm import Comm, CommRecorder, broadcast, ensure_process_group
+from zeroshard.config import Config
+from zeroshard.core.bucket import Bucket, StageSwitches
+from zeroshard.core.bucketing import bucket_params
+from zeroshard.core.flat import FlatParams
+from zeroshard.core.optim import shard_optimizer
+from zeroshard.core.precision import Precision
+from zeroshard.core.reducer import GradReducer
+from zeroshard.core.staging import StagingPool
+from zeroshard.engine.agreement import check_ranks_agree
+from zeroshard.engine.validate import check_device_matches_group, check_model, device_of, mark_wrapped, trainable_groups
+from zeroshard.stage3.gathered import Placement, place
+from zeroshard.stage3.materialize import Materializer, check_materializable, default_device, on_meta
+from zeroshard.stage3.schedule import GatherSchedule
+from zeroshard.stage3.unit import Unit, build_units
+from zeroshard.stage3.wrapping import plan_units, unit_modules
+
+# Devices whose torch optimizers have fused kernels for Adam, AdamW and SGD.
+_FUSED_DEVICES = {"cpu", "cuda"}
+
+
+@dataclass
+class Parts:
+    """What an engine is made of, built once."""
+
+    comm: Comm
+    device: torch.device
+    precision: Precision
+    switches: StageSwitches
+    names: dict[int, str]  # id(parameter) -> its name in the model, for messages and checkpoints
+    buckets: list[Bucket]  # every trained flat buffer; at stage 3 the buckets of all units
+    units: list[Unit]  # stage 3's module units; empty below stage 3
+    schedule: GatherSchedule | None  # stage 3's gathers; None below stage 3
+    pool: StagingPool
+    reducer: GradReducer
+
+
+def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, group: dist.ProcessGroup | None,
+          init: Callable[[nn.Module], None] | None, on_grad: Callable[[int, int], None]) -> Parts:
+    """Check the inputs, join the group, and build the parts; `on_grad(target, param)` is the gradient hook."""
+    check_materializable(model, init, config.stage)
+    device = default_device() if on_meta(model) else device_of(model)
+    precision = Precision.from_config(config)
+    check_model(model, precision.param_dtype)
+    group = group or ensure_process_group(device, timedelta(seconds=config.collective_timeout))
+    check_device_matches_group(device, group)
+    if device.type == "cuda":  # NCCL's object collectives run on the current device
+        torch.cuda.set_device(device)
+    comm = Comm.create(group, CommRecorder(), config.collective_timeout)
+    # Ranks running different units would make gloo abort on a message size: check first.
+    comm.check_order = config.stage == 3 and dist.get_backend(group) == "gloo"
+    switches = StageSwitches.for_stage(config.stage)
+    groups = trainable_groups(model, optimizer)  # before any change: a failure leaves all as it was
+    check_ranks_agree(comm, model, optimizer, config.to_dict())
+    mark_wrapped(model)
+    names = {id(p): name for name, p in model.named_parameters()}
+    units, schedule = [], None
+    if switches.shard_params:
+        units, schedule = _build_units(model, groups, config, comm, precision, Materializer(init, device)
+                                       if on_meta(model) else None)
+        buckets = [b for unit in units for b in unit.buckets]
+    else:
+        buckets = _build_buckets(model, groups, config, comm, precision, switches)
+    if precision.mixed:  # frozen parameters and buffers; the buckets' parameters already are
+        model.to(precision.param_dtype)
+    # Stage 3 stages each bucket of a unit at once, small ones (biases, norms) too:
+    # blocks of exactly the size asked for, reused by the next unit of the same shape.
+    pool = StagingPool(block_numel=0 if schedule else max((b.flat.padded_numel for b in buckets), default=0))
+    shard_optimizer(optimizer, [[b for b in buckets if b.param_group == i] for i in range(len(groups))],
+                    fuse=device.type in _FUSED_DEVICES)
+    reducer = _build_reducer(buckets, units, schedule, comm, pool, config.zero_optimization.overlap_comm, names)
+    for t, target in enumerate(reducer.targets):
+        for i, p in enumerate(target.params):
+            p.register_post_accumulate_grad_hook(lambda _p, t=t, i=i: on_grad(t, i))
+    _place_params(model, comm, buckets, units, schedule)
+    return Parts(comm, device, precision, switches, names, buckets, units, schedule, pool, reducer)
+
+
+def _build_buckets(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, comm: Comm,
+                   precision: Precision, switches: StageSwitches) -> list[Bucket]:
+    """Stages 0-2: size buckets in backward order, started from rank 0's values."""
+    zero = config.zero_optimization
+    buckets = bucket_params(model, groups, min(zero.reduce_bucket_size, zero.allgather_bucket_size))
+    flats = [FlatParams(b.params, comm.world_size, comm.rank) for b in buckets]
+    broadcast_from_rank0(comm, model, flats)  # in the model's dtype: masters start from these values
+    return [Bucket(flat, switches, zero.reduce_scatter, b.group, f"bucket {i}", precision,
+                   config.gradient_accumulation_steps) for i, (flat, b) in enumerate(zip(flats, buckets))]
+
+
+def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, comm: Comm,
+                 precision: Precision, materialize: Materializer | None) -> tuple[list[Unit], GatherSchedule]:
+    """Stage 3: plan the units, then flatten, broadcast and shard them one by one."""
+    zero = config.zero_optimization
+    plans = plan_units(model, unit_modules(model, zero.stage3_wrap_classes, zero.stage3_auto_wrap_min_params))
+    units = build_units(plans, groups, comm, zero.stage3_param_persistence_threshold, materialize, precision,
+                        config.gradient_accumulation_steps, zero.reduce_scatter)
+    if materialize:  # modules that hold buffers but no parameters
+        materialize([m for m in model.modules() if any(b.is_meta for b in m.buffers(recurse=False))], [])
+    # The units' flat buffers were broadcast before sharding, one by one.
+    broadcast_from_rank0(comm, model, [], [f for u in units for f in u.flats])
+    schedule = GatherSchedule(units, comm, zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size)
+    schedule.install(model)
+    return units, schedule
+
+
+def _build_reducer(buckets: list[Bucket], units: list[Unit], schedule: GatherSchedule | None, comm: Comm,
+                   pool: StagingPool, overlap: bool, names: dict[int, str]) -> GradReducer:
+    if schedule is None:
+        return GradReducer(buckets, comm, pool, overlap, names)
+    # Stage 3 reduces per unit, as soon as one is ready, and releases its parameters.
+    reduced = [i for i, unit in enumerate(units) if unit.params]
+    return GradReducer([units[i] for i in reduced], comm, pool, overlap, names,
+                       ordered=False, on_launch=lambda k: schedule.on_reduced(reduced[k]))
+
+
+def broadcast_from_rank0(comm: Comm, model: nn.Module, flats: list[FlatParams],
+                         broadcast_already: list[FlatParams] = ()) -> None:
+    """Start every rank from rank 0's values: `flats`, the parameters in no flat buffer, module buffers."""
+    in_flats = {id(p) for f in [*flats, *broadcast_already] for p in f.params}
+    others = [p.data for p in model.parameters() if id(p) not in in_flats]
+    with torch.no_grad():
+        for tensor in [f.data for f in flats] + others:
+            broadcast(comm, tensor, src=0)
+    broadcast_buffers(comm, model)
+
+
+def broadcast_buffers(comm: Comm, model: nn.Module) -> None:
+    """Keep module buffers (BatchNorm statistics, say) equal to rank 0's, as DDP does each forward."""
+    if comm.world_size > 1:
+        with torch.no_grad():
+            for buffer in model.buffers():
+                broadcast(comm, buffer, src=0)
+
+
+def _place_params(model: nn.Module, comm: Comm, buckets: list[Bucket], units: list[Unit],
+                  schedule: GatherSchedule | None) -> None:
+    """Tell each parameter where it lives, for `zeroshard.gathered_parameters`."""
+    unit_of = {id(p): i for i, unit in enumerate(units) for f in unit.gathered_flats for p in f.params}
+    owner_of = {id(p): b for b in buckets for p in b.params}
+    for p in model.parameters():
+        place(p, Placement(comm, owner_of.get(id(p)), schedule, unit_of.get(id(p))))

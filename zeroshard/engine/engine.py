@@ -1,0 +1,336 @@
+"""Engine: wraps the model and optimizer; forward, backward and step for ZeRO stages 0-3.
+
+Precision follows the config. In fp32 the parameters are their own master
+copy. With `bf16` or `fp16` enabled, the parameters the optimizer trains are
+cast to 16 bits (frozen parameters and floating-point buffers too, as
+DeepSpeed does), floating-point inputs are cast to that dtype (outputs are
+returned as the model produces them), and each rank's optimizer updates an
+fp32 master (its shard at stage >= 1) created from the model's original
+values. Gradients are reduced in `communication_data_type` and summed over
+micro-steps in fp32. A step is: fp16 overflow check (one all-reduce of a
+flag), unscale, clip, optimizer step on the fp32 master, cast to 16 bits,
+all-gather (stages 1-2).
+
+fp16 scales the loss in `backward`; a step whose gradients hold inf or nan
+on any rank is skipped on every rank (weights and optimizer state untouched,
+gradients dropped, `global_steps` and `skipped_steps` advance, the loss scale
+is lowered as DeepSpeed's dynamic scaler does) and logged with the step and
+the new scale; `engine.global_grad_norm` is then inf.
+
+The engine implements the checkpoint package's `Trainer` protocol; the
+state machine of one micro-step is in `state.py`, construction in `build.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zeroshard import checkpoint
+from zeroshard.checkpoint import CheckpointError, Counters
+from zeroshard.comm import CollectiveError, OpStats, wait_all
+from zeroshard.config import Config
+from zeroshard.core.flat import FlatParams
+from zeroshard.core.grad_norm import any_nonfinite, clip_grad_norm_
+from zeroshard.core.memory import model_state_bytes
+from zeroshard.core.precision import LossScaler, cast_inputs
+from zeroshard.engine.build import broadcast_buffers, build
+from zeroshard.engine.state import EngineStateError, TrainingState
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    """The training loop's handle: `loss = engine(*batch)`, `engine.backward(loss)`, `engine.step()`."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
+                 group: dist.ProcessGroup | None = None, init: Callable[[nn.Module], None] | None = None):
+        self.module, self.optimizer, self.config = model, optimizer, config
+        self.num_params = sum(p.numel() for p in model.parameters())  # as built; stage 3 empties them
+        self.micro_steps = 0  # backward passes so far
+        self.global_steps = 0  # optimizer steps so far
+        self.global_grad_norm: float | None = None  # of the last step when clipping is on; inf if skipped
+        self.skipped_steps = 0  # optimizer steps skipped for fp16 overflow
+        self.scaler = LossScaler(config.fp16) if config.fp16.enabled else None
+        self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # from the config's block
+        self.state = TrainingState.IDLE
+        self._failure: str | None = None  # why the engine is FAILED
+        parts = build(model, optimizer, config, group, init, self._on_grad)
+        self.comm, self.precision, self.switches = parts.comm, parts.precision, parts.switches
+        self._device, self._names, self.pool, self.reducer = parts.device, parts.names, parts.pool, parts.reducer
+        self.buckets, self.units, self.schedule = parts.buckets, parts.units, parts.schedule
+        if self.comm.rank == 0:
+            log.info("zeroshard stage %d on %d ranks: %d buckets, %d elements", config.stage,
+                     self.comm.world_size, len(self.buckets), sum(b.flat.numel for b in self.buckets))
+
+    def _on_grad(self, target: int, param: int) -> None:
+        if self.state is not TrainingState.BACKWARD:
+            raise EngineStateError(
+                "a gradient was accumulated outside engine.backward(loss); call "
+                "engine.backward(loss) instead of loss.backward() so zeroshard can reduce it"
+            )
+        self.reducer.on_grad(target, param)
+
+    # -- training loop ------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        self._check_usable()
+        self.comm.trace.begin(self.micro_steps)
+        if self.precision.mixed:
+            args, kwargs = cast_inputs(args, self.precision.param_dtype), cast_inputs(kwargs, self.precision.param_dtype)
+        resume, self.state = self.state, TrainingState.FORWARD
+        try:
+            broadcast_buffers(self.comm, self.module)
+            return self.module(*args, **kwargs)
+        except CollectiveError as exc:  # a stage-3 gather failed: ranks are out of step
+            self._fail(f"a collective failed in forward ({exc})")
+            raise
+        finally:
+            if self.state is TrainingState.FORWARD:
+                self.state = resume
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        """Samples per rank per micro-step, as configured (None if the config leaves it out)."""
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int | None:
+        """Samples per optimizer step over all ranks: micro-batch x accumulation steps x N."""
+        micro = self.config.train_micro_batch_size_per_gpu
+        return None if micro is None else micro * self.gradient_accumulation_steps * self.comm.world_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step is the last of its accumulation window."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate `loss` (this rank's mean over its micro-batch) and reduce as the stage says.
+
+        Stages 0 and 1 communicate only in the last micro-step of the window;
+        stage 2 reduce-scatters in every micro-step, so full gradients never
+        outlive one backward. With fp16 the loss is multiplied by the loss
+        scale first (in fp32).
+        """
+        self._check_usable()
+        if self.state is TrainingState.STEP_DUE:
+            raise EngineStateError("engine.backward() was called twice without engine.step() in between; "
+                                   "call engine.step() after every backward, as DeepSpeed does")
+        reduce_now = self.is_gradient_accumulation_boundary() or self.switches.shard_grads
+        self.reducer.begin(reduce_now, 1.0 / (self.comm.world_size * self.gradient_accumulation_steps))
+        if self.schedule is not None:
+            self.schedule.begin_backward()
+        if self.scaler is not None:
+            loss = loss.float() * self.scaler.scale
+        self.state = TrainingState.BACKWARD
+        try:
+            loss.backward()
+            self.reducer.finish()
+        except BaseException as exc:
+            self._fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
+            raise
+        if self.schedule is not None:
+            self.schedule.end_backward()
+        if not reduce_now:
+            for bucket in self.buckets:
+                bucket.accumulate_micro_step()
+        self.state = TrainingState.STEP_DUE
+
+    def _fail(self, why: str) -> None:
+        """Drop this window's partial gradients; the engine refuses to go on (ranks may be out of step)."""
+        self.state, self._failure = TrainingState.FAILED, why
+        try:
+            self.reducer.abandon()
+        except CollectiveError:  # the stuck collective itself: nothing more to learn from it
+            pass
+        for bucket in self.buckets:
+            bucket.zero_grad(self.pool)
+        if self.schedule is not None:
+            self.schedule.forget()
+
+    def _check_usable(self) -> None:
+        if self.state is TrainingState.FAILED:
+            raise EngineStateError(f"this engine cannot continue: {self._failure}. Its collectives may be out "
+                                   "of step with the other ranks; restart the job (from a checkpoint)")
+        for bucket in self.buckets:
+            if bucket.switches.shard_params:  # its parameters are empty between uses
+                continue
+            if bucket.params[0].data_ptr() != bucket.flat.data.data_ptr():
+                raise EngineStateError(
+                    f"parameter '{self._names[id(bucket.params[0])]}' no longer lives in zeroshard's flat "
+                    "buffer (model.to(), .half() or .cuda() after initialize replaces parameters); move and "
+                    "cast the model before zeroshard.initialize")
+
+    def step(self) -> None:
+        """End a micro-step; at the accumulation boundary unscale, clip, update and all-gather.
+
+        fp16: if any rank's gradients overflowed, the step is skipped on every rank.
+        """
+        self._check_usable()
+        if self.state is not TrainingState.STEP_DUE:
+            raise EngineStateError("engine.step() was called without engine.backward(loss) since the last step")
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self.state = TrainingState.STEP if boundary else TrainingState.IDLE
+        if not boundary:
+            return
+        if self.scaler is not None and any_nonfinite([b.grad_shard for b in self.buckets], self.comm, self._device):
+            self._skip_step()
+        else:
+            self._optimizer_step()
+        self.state = TrainingState.IDLE
+
+    def _optimizer_step(self) -> None:
+        # fp32 gradients for the optimizer: new tensors, freed after the step, when gradients are 16-bit.
+        grads = [bucket.master_grad() for bucket in self.buckets]
+        if self.loss_scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+        if self.config.gradient_clipping > 0:
+            self.global_grad_norm = clip_grad_norm_(grads, self.config.gradient_clipping, self.comm,
+                                                    self.switches.shard_optimizer)
+        # The optimizer sees gradients only during its step, so the user's optimizer.zero_grad()
+        # between micro-steps cannot touch the window's accumulating gradients.
+        for bucket, grad in zip(self.buckets, grads):
+            bucket.master.grad = grad
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        for bucket in self.buckets:
+            bucket.master.grad = None
+        self.params_from_masters()
+        self._end_step(overflow=False)
+
+    def _end_step(self, overflow: bool) -> None:
+        for bucket in self.buckets:
+            bucket.zero_grad(self.pool)
+        step = self.global_steps
+        self.global_steps += 1
+        if self.scaler is not None:
+            self.scaler.update(overflow, step)
+
+    def _skip_step(self) -> None:
+        """fp16 overflow: drop this window's gradients, leave weights and optimizer state as they are."""
+        step, old_scale = self.global_steps, self.loss_scale
+        self.skipped_steps += 1
+        self.global_grad_norm = math.inf
+        self._end_step(overflow=True)
+        if self.comm.rank == 0:
+            log.warning("fp16 gradients overflowed at step %d: step skipped, loss scale %g -> %g",
+                        step, old_scale, self.loss_scale)
+
+    # -- checkpoints --------------------------------------------------------
+
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> Path:
+        """Write a sharded checkpoint to `save_dir/tag` (default tag `global_step<N>`) and point
+        `save_dir/latest` at it (unless `save_latest` is false); returns the tag's directory. Every rank must
+        call it, at an accumulation boundary. `client_state`: your own plain data (tensors, numbers, strings,
+        lists, dicts), given back by `load_checkpoint`; rank 0's is the one stored.
+        See `zeroshard/checkpoint/saving.py`."""
+        return checkpoint.save(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[Path, dict]:
+        """Load a checkpoint written by any world size, stage or dtype; returns (its directory, client_state).
+
+        `tag` None: the one `load_dir/latest` names (or `load_dir` itself if it is a tag's directory).
+        The flags are keyword-only: DeepSpeed's third positional argument is `load_module_strict`.
+        As DeepSpeed's: `load_optimizer_states=False` keeps this engine's optimizer state,
+        `load_lr_scheduler_states=False` its LR scheduler; `load_module_only=True` loads the
+        weights alone (no counters, loss scale, optimizer or scheduler), to fine-tune from them.
+        Every rank must call it; on error every rank raises `CheckpointError` and the engine is
+        unchanged.
+        """
+        return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only)
+
+    # The checkpoint package's `Trainer` protocol.
+
+    def frozen_flats(self) -> list[FlatParams]:
+        return [f for unit in self.units for f in unit.frozen]
+
+    def param_names(self) -> dict[int, str]:
+        return self._names
+
+    def counters(self) -> Counters:
+        return Counters(self.global_steps, self.skipped_steps)
+
+    def restore_counters(self, counters: Counters) -> None:
+        self.global_steps, self.skipped_steps = counters.global_steps, counters.skipped_steps
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps
+
+    def check_checkpoint_boundary(self, action: str) -> None:
+        self._check_usable()  # a failed engine's ranks may be out of step: restart, then load
+        pending = self.state is TrainingState.STEP_DUE
+        if pending and self.gradient_accumulation_steps == 1:
+            raise CheckpointError(f"{action} between engine.backward() and engine.step(): the gradients of that "
+                                  "backward are not part of a checkpoint. Call it after engine.step()")
+        if pending or self.micro_steps % self.gradient_accumulation_steps:
+            raise CheckpointError(
+                f"{action} at micro-step {self.micro_steps}, inside an accumulation window of "
+                f"{self.gradient_accumulation_steps}: the window's partial gradients are not part of a "
+                "checkpoint. Call it after the engine.step() that ends the window "
+                "(engine.is_gradient_accumulation_boundary() was true before that step)")
+
+    def release_gathered(self) -> None:
+        if self.schedule is not None:
+            self.schedule.release_all()
+
+    def params_from_masters(self) -> None:
+        for bucket in self.buckets:
+            bucket.cast_master_to_params()
+        wait_all([bucket.gather_params(self.comm) for bucket in self.buckets if bucket.gathers_after_step])
+
+    # -- reports ------------------------------------------------------------
+
+    def comm_stats(self) -> dict[str, OpStats]:
+        """Per logical collective: calls, bytes (logical full buffer), blocked seconds, algorithms."""
+        return self.comm.recorder.snapshot()
+
+    def memory_stats(self) -> dict[str, int]:
+        """Bytes of model states this rank holds: params, grads, master, optimizer, staging."""
+        return model_state_bytes(self.module, self.buckets, self.optimizer, self.pool, self.frozen_flats())
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The complete model state dict (full tensors, copies): on every rank, or on rank 0 only.
+
+        At stage 3 every rank must call it: the units are gathered one at a time.
+        """
+        keep = not rank0_only or self.comm.rank == 0
+        if self.schedule is None:
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items()} if keep else {}
+        state = self.module.state_dict(keep_vars=True)
+        keys_of: dict[int, list[str]] = {}
+        for key, tensor in state.items():
+            keys_of.setdefault(id(tensor), []).append(key)
+        full: dict[str, torch.Tensor] = {}
+        for i, unit in enumerate(self.units):
+            self.schedule.need(i)
+            for p in (p for flat in unit.gathered_flats for p in flat.params):
+                for key in keys_of.get(id(p), []) if keep else []:
+                    full[key] = p.detach().clone()
+            self.schedule.release(i)
+        if not keep:
+            return {}
+        return {key: full[key] if key in full else tensor.detach().clone() for key, tensor in state.items()}

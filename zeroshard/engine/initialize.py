@@ -1,0 +1,55 @@
+"""`zeroshard.initialize`: the config and optimizer from what the user passes, then the engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from zeroshard.config import Config, ConfigError
+from zeroshard.config.build import choose_optimizer, config_facts, schedule_for
+from zeroshard.engine.engine import Engine
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: Config | dict | str | Path | None = None,
+    group: dist.ProcessGroup | None = None,
+    wrap: list[type[nn.Module]] | None = None,
+    init: Callable[[nn.Module], None] | None = None,
+) -> Engine:
+    """Wrap `model` and `optimizer` for ZeRO training on `group` (default: the world).
+
+    The default process group is initialized from torchrun's environment if
+    it is not yet. Rank 0's parameter values are broadcast to every rank.
+    `wrap` (stage 3): module classes whose instances each form a unit, as
+    the config key `zero_optimization.stage3_wrap_classes`.
+    `init` (stage 3, a model built under `torch.device("meta")`): `init(module)`
+    initialises the parameters a module holds directly; the model is
+    materialised unit by unit on this rank's device, keeping only shards.
+    Without `optimizer`, the config's "optimizer" block builds one; its
+    "scheduler" block builds `engine.lr_scheduler`, stepped by `engine.step()`
+    after each optimizer step, as DeepSpeed does.
+    """
+    config = Config.load(config if config is not None else {}, config_facts(model, group))
+    if wrap:
+        config = _with_wrap_classes(config, wrap)
+    engine = Engine(model, choose_optimizer(model, optimizer, config), config, group, init)
+    engine.lr_scheduler = schedule_for(config, engine.optimizer)
+    return engine
+
+
+def _with_wrap_classes(config: Config, wrap: list[type[nn.Module]]) -> Config:
+    zero = config.zero_optimization
+    names = tuple(cls.__name__ for cls in wrap)
+    if zero.stage != 3:
+        raise ConfigError(f"wrap={list(names)} chooses stage 3's units, but the config's "
+                          f"zero_optimization.stage is {zero.stage}; set it to 3 or drop wrap")
+    if zero.stage3_wrap_classes and zero.stage3_wrap_classes != names:
+        raise ConfigError(f"wrap={list(names)} and zero_optimization.stage3_wrap_classes="
+                          f"{list(zero.stage3_wrap_classes)} disagree; give the units in one place")
+    return config.model_copy(update={"zero_optimization": zero.model_copy(update={"stage3_wrap_classes": names})})

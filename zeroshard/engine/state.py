@@ -1,0 +1,27 @@
+"""The engine's training state: where one micro-step stands, as an explicit state machine.
+
+    IDLE --engine(...)--> FORWARD --> back to where it was (IDLE or STEP_DUE)
+    IDLE --engine.backward--> BACKWARD --> STEP_DUE --engine.step--> STEP --> IDLE
+    any --a failed backward or forward collective--> FAILED (final: restart from a checkpoint)
+
+A forward may run in STEP_DUE too (evaluating between backward and step).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+from zeroshard.errors import ZeroshardError
+
+
+class TrainingState(Enum):
+    IDLE = "idle"  # between micro-steps
+    FORWARD = "forward"  # inside engine(...)
+    BACKWARD = "backward"  # inside engine.backward(loss)
+    STEP_DUE = "step due"  # a backward has run: engine.step() comes next
+    STEP = "step"  # inside engine.step() at an accumulation boundary
+    FAILED = "failed"  # ranks may be out of step; the engine refuses to continue
+
+
+class EngineStateError(ZeroshardError, RuntimeError):
+    """A call that the training state does not allow (backward twice, step without backward, a failed engine)."""

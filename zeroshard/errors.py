@@ -1,0 +1,8 @@
+"""The root of zeroshard's documented errors: `except zeroshard.ZeroshardError` catches each of them.
+
+A leaf module, so that every layer (the config at the bottom too) can derive from it.
+"""
+
+
+class ZeroshardError(Exception):
+    """An error zeroshard raises on purpose; its message names the cause and the fix."""

@@ -1,5 +1,0 @@
-"""Models of the built-in demo. They are plain PyTorch and know nothing of sharding."""
-
-from zeroshard.models.gpt import GPT, GPTConfig, PRESETS
-
-__all__ = ["GPT", "GPTConfig", "PRESETS"]

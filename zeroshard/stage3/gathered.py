@@ -1,0 +1,71 @@
+"""`gathered_parameters`: full parameters outside forward (inspection, EMA, initialisation).
+
+At stage 3 a parameter is an empty tensor between uses; inside the context
+its unit is gathered. Every rank must enter the context with the same
+parameters, in the same order, since entering gathers. With
+`modifier_rank=r`, rank r's edits made inside the context are kept on exit
+on every rank (broadcast, then each rank keeps its shard); with None, edits
+are dropped at stage 3 (the shards were not touched) and stay local to the
+rank at stages 0-2. Kept edits reach the optimizer's master too: with 16-bit
+parameters the master of an edited unit restarts from their rounded values.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+import torch.nn as nn
+
+from zeroshard.comm import Comm, broadcast
+
+_PLACEMENT = "_zeroshard_placement"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an engine keeps a parameter: its comm, its flat buffer's unit if it trains, and at
+    stage 3 its module unit in the schedule."""
+
+    comm: Comm
+    owner: object | None = None  # the Bucket whose master it has, if it trains
+    schedule: object | None = None  # GatherSchedule
+    unit: int | None = None
+
+
+def place(param: nn.Parameter, placement: Placement) -> None:
+    setattr(param, _PLACEMENT, placement)
+
+
+@contextmanager
+def gathered_parameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_rank: int | None = None
+                        ) -> Iterator[None]:
+    """Make `params` whole for the duration of the block (a no-op for parameters already whole)."""
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    placements = [getattr(p, _PLACEMENT, None) for p in params]
+    units = list(dict.fromkeys((pl.schedule, pl.unit) for pl in placements if pl and pl.unit is not None))
+    for schedule, i in units:
+        schedule.need(i)
+    try:
+        yield
+        if modifier_rank is not None:
+            _keep_edits(params, placements, units, modifier_rank)
+    finally:
+        for schedule, i in units:
+            schedule.release(i)
+
+
+def _keep_edits(params, placements, units, src: int) -> None:
+    with torch.no_grad():
+        for schedule, i in units:
+            unit = schedule.units[i]
+            for flat in unit.gathered_flats:
+                broadcast(schedule.comm, flat.data, src=src)
+            unit.scatter_edits()
+        replicated = [(p, pl) for p, pl in zip(params, placements) if pl is not None and pl.unit is None]
+        for p, pl in replicated:  # every rank takes rank src's values
+            broadcast(pl.comm, p.data, src=src)
+        for owner in {id(pl.owner): pl.owner for _, pl in replicated if pl.owner is not None}.values():
+            owner.take_params_into_master()

@@ -1,0 +1,159 @@
+"""GatherSchedule: when each stage-3 unit is gathered, prefetched and released.
+
+- forward: a unit is gathered in its module's forward pre-hook and released
+  in its forward hook; the unit that followed it on the first training step
+  is prefetched meanwhile;
+- backward: a hook on the unit's outputs gathers it again before its
+  backward runs (prefetching the unit that followed it in the first
+  backward), and it is released once its gradients are reduced;
+- recomputation under activation checkpointing happens inside backward and
+  releases nothing: the unit is needed for the backward that follows.
+
+Every rank must gather the same units in the same order. Prefetching follows
+the order recorded on the first step, so ranks that run the same control flow
+prefetch alike. A unit is prefetched only if it has at most
+`max_prefetch_numel` elements and the gathered elements stay within
+`max_live_numel`; a gather that forward or backward needs now always proceeds.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from zeroshard.comm import Comm
+from zeroshard.stage3.unit import Unit, UnitState
+
+
+class Pass(Enum):
+    """Which pass the hooks run in: a forward pre-hook inside backward is a recomputation."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class GatherSchedule:
+    def __init__(self, units: list[Unit], comm: Comm, max_live_numel: int, max_prefetch_numel: int):
+        self.units, self.comm = units, comm
+        self.max_live_numel = max_live_numel
+        self.max_prefetch_numel = max_prefetch_numel
+        self.phase = Pass.FORWARD
+        self._next_forward: dict[int, int] | None = None  # from the first step: unit -> the unit after it
+        self._next_backward: dict[int, int] | None = None
+        self._forward_seen: list[int] = []
+        self._backward_seen: list[int] = []
+
+    def install(self, model: nn.Module) -> None:
+        for i, unit in enumerate(self.units):
+            unit.module.register_forward_pre_hook(partial(self._pre_forward, i))
+            unit.module.register_forward_hook(partial(self._post_forward, i))
+        # After every unit's own hook: a forward's prefetches that were never used are let go.
+        model.register_forward_hook(self._after_model_forward)
+
+    # -- hooks ---------------------------------------------------------------
+
+    def _pre_forward(self, i: int, module, args) -> None:
+        self.need(i)
+        if self.phase is Pass.BACKWARD:  # recomputation (activation checkpointing)
+            self._note_backward(i)
+            return
+        if self._next_forward is None:
+            self._forward_seen.append(i)
+        self._prefetch_after(i, self._next_forward)
+
+    def _post_forward(self, i: int, module, args, output) -> None:
+        if self.phase is Pass.BACKWARD:
+            return
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(partial(self._pre_backward, i))
+        self.release(i)
+
+    def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
+        if self.units[i].state is not UnitState.REDUCED:
+            self.need(i)
+            self._note_backward(i)
+
+    def _after_model_forward(self, module, args, output) -> None:
+        if self.phase is Pass.FORWARD:
+            self.release_all()
+
+    def _note_backward(self, i: int) -> None:
+        if self._next_backward is None and i not in self._backward_seen:
+            self._backward_seen.append(i)
+        self._prefetch_after(i, self._next_backward)
+
+    # -- gathering -----------------------------------------------------------
+
+    def need(self, i: int) -> None:
+        """Make unit `i`'s parameters whole now: wait for its gather, starting it if needed."""
+        unit = self.units[i]
+        if unit.whole:
+            return
+        if unit.state is not UnitState.GATHERING:
+            unit.start_gather(self.comm)
+        unit.wait_gather()
+
+    def _prefetch_after(self, i: int, following: dict[int, int] | None) -> None:
+        if following is None or i not in following:
+            return
+        unit = self.units[following[i]]
+        if unit.state is not UnitState.SHARDED:
+            return
+        numel = unit.gathered_numel
+        if numel <= self.max_prefetch_numel and self.live_numel() + numel <= self.max_live_numel:
+            unit.start_gather(self.comm)
+
+    def live_numel(self) -> int:
+        """Elements of the units gathered or being gathered now."""
+        return sum(u.gathered_numel for u in self.units if u.whole or u.state is UnitState.GATHERING)
+
+    def release(self, i: int) -> None:
+        self.units[i].release()  # a prefetch never used lands first
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            if unit.state is not UnitState.SHARDED:
+                unit.release()
+
+    def forget(self) -> None:
+        """After a failure: drop every gather, landed or not, without waiting for the other ranks."""
+        for unit in self.units:
+            unit.forget()
+        self.phase = Pass.FORWARD
+
+    # -- backward bookkeeping --------------------------------------------------
+
+    def begin_backward(self) -> None:
+        self.phase = Pass.BACKWARD
+
+    def on_reduced(self, i: int) -> None:
+        """Unit `i`'s gradients are on their way: its backward is over, its parameters can go.
+
+        Every op that used a trainable parameter has produced its gradient by
+        now; a frozen parameter may still be needed by an op whose input
+        gradient is pending, so a unit holding frozen ones waits for the end.
+        """
+        self.units[i].mark_reduced()
+
+    def end_backward(self) -> None:
+        """After every backward (or a failed one): release what is left; after the first, fix the prefetch order."""
+        self.phase = Pass.FORWARD
+        self.release_all()
+        if self._next_backward is None and self._backward_seen:
+            self._next_forward = _following(self._forward_seen)
+            self._next_backward = _following(self._backward_seen)
+
+
+def _following(order: list[int]) -> dict[int, int]:
+    """Unit -> the unit that followed its first appearance in `order`."""
+    following: dict[int, int] = {}
+    for a, b in zip(order, order[1:]):
+        if a != b:
+            following.setdefault(a, b)
+    return following

@@ -1,0 +1,172 @@
+"""Unit: a module's parameters at stage 3, gathered together and reduced together.
+
+A unit is made of buckets, one `Bucket` per optimizer param group and
+persistence (a flat buffer holds one group: the optimizer steps one master
+tensor per group):
+
+- sharded buckets hold only this rank's shard between uses and are gathered
+  around the module's forward and backward;
+- persistent buckets (parameters under `stage3_param_persistence_threshold`
+  elements, DeepSpeed's rule) stay whole on every rank, as at stage 2;
+- frozen flats hold sharded parameters that do not require grad (the frozen
+  base of a LoRA model): gathered with the unit, never reduced or stepped.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+import torch.nn as nn
+
+from zeroshard.core.staging import StagingPool
+from zeroshard.comm import Comm, PendingGroup, all_gather, broadcast
+from zeroshard.core.flat import FlatParams
+from zeroshard.stage3.materialize import Materializer
+from zeroshard.core.precision import Precision
+from zeroshard.core.bucket import FP32, Bucket, StageSwitches
+from zeroshard.stage3.wrapping import UnitPlan
+
+
+class UnitState(Enum):
+    """Where a unit's gathered parameters are within a step (`GatherSchedule` moves it)."""
+
+    SHARDED = "sharded"  # only this rank's shard is held
+    GATHERING = "gathering"  # an all-gather is in flight (a prefetch, or a need not yet waited for)
+    GATHERED = "gathered"  # whole: forward or backward may use it
+    REDUCED = "reduced"  # its gradients are launched in this backward; released unless it holds frozen ones
+
+
+class Unit:
+    """One unit module's buckets, with the interface `GradReducer` drives, and its gather state."""
+
+    def __init__(self, name: str, module: nn.Module, buckets: list[Bucket], frozen: list[FlatParams]):
+        self.name, self.module = name, module
+        self.buckets = buckets
+        self.frozen = frozen
+        # What is gathered on demand; persistent buckets are always whole.
+        self.gathered_flats = [b.flat for b in buckets if b.switches.shard_params] + frozen
+        self.gathered_numel = sum(f.padded_numel for f in self.gathered_flats)
+        self.switches = StageSwitches.for_stage(3)
+        self.flats = [b.flat for b in buckets] + frozen
+        self.params = [p for b in buckets for p in b.params]  # trainable, as the reducer indexes them
+        self._where = [(bi, pi) for bi, b in enumerate(buckets) for pi in range(len(b.params))]
+        self.state = UnitState.SHARDED
+        self._gather: PendingGroup | None = None  # in flight while GATHERING
+
+    @property
+    def whole(self) -> bool:
+        """Whether the gathered parameters are usable now (a reduced unit with frozen ones stays whole)."""
+        return self.state is UnitState.GATHERED or (self.state is UnitState.REDUCED and bool(self.frozen))
+
+    def start_gather(self, comm: Comm) -> None:
+        """SHARDED (or REDUCED) -> GATHERING: all-gather every sharded flat buffer into its full buffer."""
+        if self.state is UnitState.GATHERING or self.whole:
+            raise RuntimeError(f"unit '{self.name}' is {self.state.value}: it cannot start another gather")
+        for flat in self.gathered_flats:
+            flat.restore_full()
+        self._gather = PendingGroup([all_gather(comm, flat.data, what=f"unit '{self.name}'")
+                                     for flat in self.gathered_flats])
+        self.state = UnitState.GATHERING
+
+    def wait_gather(self) -> None:
+        """GATHERING -> GATHERED."""
+        if self._gather is not None:
+            gather, self._gather = self._gather, None
+            gather.wait()
+        self.state = UnitState.GATHERED
+
+    def mark_reduced(self) -> None:
+        """Its gradients are launched: release it now, unless frozen parameters may still be read."""
+        if not self.frozen:
+            self.release()
+        self.state = UnitState.REDUCED
+
+    def release(self) -> None:
+        """Any state -> SHARDED; a gather still in flight lands first (every rank launched it)."""
+        self.wait_gather()
+        for flat in self.gathered_flats:
+            flat.release_full()
+        self.state = UnitState.SHARDED
+
+    def forget(self) -> None:
+        """After a failure: back to SHARDED without waiting for a gather the other ranks may never join."""
+        self._gather = None
+        for flat in self.gathered_flats:
+            flat.release_full()
+        self.state = UnitState.SHARDED
+
+    def scatter_edits(self) -> None:
+        """Keep edits made to the gathered parameters: copy each rank's shard back, into the master too."""
+        with torch.no_grad():
+            for flat in self.gathered_flats:
+                flat.shard_data.copy_(flat.shard(flat.data))
+        for bucket in self.buckets:
+            bucket.take_params_into_master()
+
+    # -- the reducer's interface ---------------------------------------------
+
+    def attach_grads(self) -> None:
+        """Gradients are staged per micro-step at stage 3; nothing persists on `.grad`."""
+
+    def stage_grad(self, index: int, pool: StagingPool) -> None:
+        bucket, param_index = self._where[index]
+        self.buckets[bucket].stage_grad(param_index, pool)
+
+    def reduce_grad(self, comm: Comm, pool: StagingPool, scale: float) -> PendingGroup:
+        return PendingGroup([b.reduce_grad(comm, pool, scale) for b in self.buckets])
+
+
+def build_units(
+    plans: list[UnitPlan], groups: list[list[nn.Parameter]], comm: Comm, persistence_threshold: int,
+    materialize: Materializer | None = None, precision: Precision = FP32, accumulation: int = 1,
+    use_reduce_scatter: bool = True,
+) -> list[Unit]:
+    """Flatten each planned unit's parameters, start them from rank 0's values, and shard them.
+
+    Units are built one after another, so at most one unit's full buffer
+    exists beside the model's original parameters; for a model on the meta
+    device, `materialize` initialises each unit in its buffer, so no rank
+    ever holds more than one unit of the full model.
+    """
+    group_of = {id(p): g for g, params in enumerate(groups) for p in params}
+    device = materialize.device if materialize else None
+    units = []
+    for plan in plans:
+        parts: list[tuple[int | None, bool, FlatParams]] = []  # (param group or None if frozen, persistent, flat)
+        for g in [*range(len(groups)), None]:
+            mine = [p for p in plan.params if group_of.get(id(p)) == g]
+            for dtype in dict.fromkeys(p.dtype for p in mine):
+                for persistent in (False, True):
+                    params = [p for p in mine if p.dtype == dtype
+                              and (p.numel() < persistence_threshold) == persistent]
+                    if params and not (g is None and persistent):  # small frozen ones stay as they are
+                        parts.append((g, persistent, FlatParams(params, comm.world_size, comm.rank, device)))
+        if materialize:
+            materialize(plan.owners, plan.params)
+        units.append(_shard_parts(plan.name, plan.module, parts, comm, precision, accumulation, use_reduce_scatter))
+    return units
+
+
+def _shard_parts(name: str, module: nn.Module, parts, comm: Comm, precision: Precision,
+                 accumulation: int, use_reduce_scatter: bool) -> Unit:
+    """Broadcast rank 0's values of each flat buffer, then keep only what this rank holds.
+
+    In the model's dtype: fp32 masters start from the model's own values, and
+    the parameters are cast to the training dtype after.
+    """
+    buckets, frozen = [], []
+    for g, persistent, flat in parts:
+        with torch.no_grad():
+            broadcast(comm, flat.data, src=0)
+        if g is None:
+            flat.keep_shard_only()
+            if flat.dtype != precision.param_dtype:
+                flat.cast_(precision.param_dtype)
+            frozen.append(flat)
+        else:
+            switches = StageSwitches.for_stage(2 if persistent else 3)
+            kind = "persistent parameters" if persistent else "param group"
+            buckets.append(Bucket(flat, switches, use_reduce_scatter, g, f"unit '{name}', {kind} {g}", precision,
+                                  accumulation))
+    return Unit(name, module, buckets, frozen)
