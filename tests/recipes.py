@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
 from zeroshard.app import data
 from zeroshard.app.models import GPT, PRESETS
-from zeroshard.core.precision import DTYPES
+from zeroshard.dtypes import DTYPES
 
 GPT_CFG = PRESETS["tiny"]
 ADAMW1 = {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}  # the one-group AdamW
@@ -173,14 +174,41 @@ def train_reference_mixed(case: Case, world: int, steps: int) -> tuple[list[floa
     return losses, flat_weights(master)
 
 
-def run_zeroshard(rank: int, world: int, device, case: Case, steps: int, skip: tuple[int, ...] = ()):
-    """One rank's zeroshard run over the steps not in `skip`: (engine, mean loss over its micro-steps per step)."""
+ModelSpec = torch.nn.Module | Callable[[], torch.nn.Module] | None
+OptimizerSpec = str | Callable[[torch.nn.Module], torch.optim.Optimizer | None] | None
+
+
+def make_engine_with_schedule(case: Case = Case(), *, model: ModelSpec = None, optimizer: OptimizerSpec = None,
+                              config: dict | None = None, seed: int = 0, device: str | torch.device = "cpu"):
+    """`zeroshard.initialize` on a model and an optimizer: (engine, the case's LR schedule or None).
+
+    `model`: a module, a function that builds one (after `torch.manual_seed(seed)`), or None for
+    `make_model(seed, device, case.freeze, case.variant)`. `optimizer`: a `make_optimizer` kind, a
+    function of the model (returning None: the config's "optimizer" block), or None for
+    `case.optimizer`. The schedule is built on the optimizer before `initialize`. `config`: the
+    whole config, or None for `case.config()`.
+    """
     import zeroshard
 
-    model = make_model(device=device, freeze=case.freeze, variant=case.variant)
-    opt = make_optimizer(case.optimizer, model)
+    if model is None:
+        model = make_model(seed=seed, device=device, freeze=case.freeze, variant=case.variant)
+    elif not isinstance(model, torch.nn.Module):
+        torch.manual_seed(seed)
+        model = model()
+    kind = case.optimizer if optimizer is None else optimizer
+    opt = make_optimizer(kind, model) if isinstance(kind, str) else kind(model)
     schedule = make_schedule(case, opt)
-    engine = zeroshard.initialize(model, opt, case.config())
+    return zeroshard.initialize(model, opt, case.config() if config is None else config), schedule
+
+
+def make_engine(case: Case = Case(), **kwargs):
+    """The engine of `make_engine_with_schedule` (same arguments), for tests that step no schedule."""
+    return make_engine_with_schedule(case, **kwargs)[0]
+
+
+def run_zeroshard(rank: int, world: int, device, case: Case, steps: int, skip: tuple[int, ...] = ()):
+    """One rank's zeroshard run over the steps not in `skip`: (engine, mean loss over its micro-steps per step)."""
+    engine, schedule = make_engine_with_schedule(case, device=device)
     return engine, train_steps(engine, schedule, case, world, rank, device, [s for s in range(steps) if s not in skip])
 
 

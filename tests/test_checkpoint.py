@@ -22,20 +22,14 @@ from safetensors.torch import load_file
 import zeroshard
 from tests.distributed import run_ranks
 from tests.recipes import (
-    Case, flat_weights, make_model, make_optimizer, make_schedule, relative_error, train_reference, train_steps,
+    Case, flat_weights, make_engine, make_engine_with_schedule, make_model, relative_error, train_reference,
+    train_steps,
 )
 from zeroshard.checkpoint.consolidate import consolidate, full_tensors
 
 STEPS, SAVE_AT = 6, 3
 # fp16 from 2^18: the first steps overflow and are skipped, so the loss scale has a history to keep.
 FP16_OVERFLOWING = {"fp16": {"enabled": True, "initial_scale_power": 18, "hysteresis": 1}}
-
-
-def _engine(device, case: Case, seed: int = 0, extra: dict | None = None):
-    model = make_model(seed=seed, device=device, freeze=case.freeze)
-    opt = make_optimizer(case.optimizer, model)
-    schedule = make_schedule(case, opt)
-    return zeroshard.initialize(model, opt, case.config() | (extra or {})), schedule
 
 
 def _weights(engine) -> torch.Tensor:
@@ -71,7 +65,7 @@ RESUMED = [
 def _uninterrupted(rank, world, device, root):
     out = []
     for case, extra in RESUMED:
-        engine, schedule = _engine(device, case, extra=extra)
+        engine, schedule = make_engine_with_schedule(case, config=case.config() | (extra or {}), device=device)
         losses = train_steps(engine, schedule, case, world, rank, device, range(SAVE_AT))
         at_save = _counters(engine)
         losses += train_steps(engine, schedule, case, world, rank, device, range(SAVE_AT, STEPS))
@@ -81,7 +75,7 @@ def _uninterrupted(rank, world, device, root):
 
 def _stop_at_save(rank, world, device, root):
     for i, (case, extra) in enumerate(RESUMED):
-        engine, schedule = _engine(device, case, extra=extra)
+        engine, schedule = make_engine_with_schedule(case, config=case.config() | (extra or {}), device=device)
         train_steps(engine, schedule, case, world, rank, device, range(SAVE_AT))
         _save(engine, schedule, Path(root) / str(i))
 
@@ -89,7 +83,8 @@ def _stop_at_save(rank, world, device, root):
 def _resume(rank, world, device, root):
     out = []
     for i, (case, extra) in enumerate(RESUMED):
-        engine, schedule = _engine(device, case, seed=7, extra=extra)  # other initial weights: the load replaces them
+        # seed 7: other initial weights, the load replaces them
+        engine, schedule = make_engine_with_schedule(case, config=case.config() | (extra or {}), seed=7, device=device)
         _load(engine, schedule, Path(root) / str(i))
         at_load = _counters(engine)
         losses = train_steps(engine, schedule, case, world, rank, device, range(SAVE_AT, STEPS))
@@ -124,14 +119,14 @@ READERS = [  # (world, case): the same global batch of 8 rows
 
 
 def _write(rank, world, device, root, case):
-    engine, schedule = _engine(device, case)
+    engine, schedule = make_engine_with_schedule(case, device=device)
     train_steps(engine, schedule, case, world, rank, device, range(SAVE_AT))
     _save(engine, schedule, Path(root) / "written")
     return _weights(engine)
 
 
 def _read(rank, world, device, root, case, name):
-    engine, schedule = _engine(device, case, seed=7)
+    engine, schedule = make_engine_with_schedule(case, seed=7, device=device)
     _load(engine, schedule, Path(root) / "written")
     loaded = _weights(engine)
     _save(engine, schedule, Path(root) / name)  # what this layout holds, to compare with what was written
@@ -188,14 +183,14 @@ def test_consolidated_state_dict_loads_into_the_plain_model(written, tmp_path):
 
 def _write_bf16(rank, world, device, root):
     case = Case(stage=2, optimizer="adamw1_slow", dtype="bf16")
-    engine, _ = _engine(device, case)
+    engine = make_engine(case, device=device)
     train_steps(engine, None, case, world, rank, device, range(2))
     engine.save_checkpoint(Path(root) / "bf16")
 
 
 def _read_bf16(rank, world, device, root):
     case = Case(stage=3, optimizer="adamw1_slow", dtype="bf16")
-    engine, _ = _engine(device, case, seed=7)
+    engine = make_engine(case, seed=7, device=device)
     engine.load_checkpoint(Path(root) / "bf16")
     engine.save_checkpoint(Path(root) / "bf16_stage3")
     return engine.full_state_dict()
@@ -213,8 +208,7 @@ def test_bf16_masters_survive_a_change_of_stage_and_dtype(tmp_path):
     assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in masters.values()), \
         "the masters must hold more than bf16 precision for this test to mean anything"
     # An fp32 job reads the masters as its weights, exactly.
-    model = make_model(seed=7)
-    engine = zeroshard.initialize(model, make_optimizer("adamw1_slow", model), {})
+    engine = make_engine(optimizer="adamw1_slow", config={}, seed=7)
     engine.load_checkpoint(tmp_path / "bf16")
     full = engine.full_state_dict()
     assert all(torch.equal(full[name], master) for name, master in masters.items())

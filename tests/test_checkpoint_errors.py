@@ -23,9 +23,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-import zeroshard
 from tests.distributed import run_ranks
-from tests.recipes import GPT_CFG, Case, loss_of, make_model, make_optimizer, micro_batch
+from tests.recipes import GPT_CFG, Case, loss_of, make_engine, make_model, micro_batch
 from zeroshard import CheckpointError, consolidate
 from zeroshard.app.cli import main as cli_main
 from zeroshard.app.models import GPT
@@ -47,12 +46,6 @@ class GPTWithExtra(GPT):
 
     def forward(self, idx, targets=None):
         return super().forward(idx, targets) + 0 * self.extra.sum()
-
-
-def engine(model: torch.nn.Module | None = None, optimizer="adamw", case: Case = CASE, device="cpu"):
-    model = model if model is not None else make_model(device=device)
-    opt = optimizer(model) if callable(optimizer) else make_optimizer(optimizer, model)
-    return zeroshard.initialize(model, opt, case.config())
 
 
 def train_step(e, step: int = 0, case: Case = CASE, rank: int = 0, world: int = 1, device="cpu") -> None:
@@ -114,7 +107,7 @@ def assert_equal_weights(a: dict, b: dict) -> None:
 def saved(tmp_path_factory):
     """A checkpoint of the tiny GPT after one AdamW step (two param groups): (save_dir, its weights)."""
     save_dir = tmp_path_factory.mktemp("saved") / "ckpt"
-    e = engine()
+    e = make_engine(CASE)
     train_step(e)
     e.save_checkpoint(save_dir, client_state={"note": "saved"})
     return save_dir, e.full_state_dict()
@@ -139,7 +132,7 @@ RANK0 = "rank_00000.safetensors"
 def test_load_into_a_gpt_of_another_width(saved, stage):
     model = GPT(dataclasses.replace(GPT_CFG, n_embd=48))
     mine = {k: list(v.shape) for k, v in model.state_dict().items()}  # stage 3 leaves the model's own empty
-    message = load_fails(engine(model, case=Case(stage=stage)), saved[0],
+    message = load_fails(make_engine(Case(stage=stage), model=model), saved[0],
                          r"^the checkpoint was written for another model: shape in checkpoint vs model \(\d+\): ")
     listed = re.findall(r"'([\w.]+)' \[([\d, ]+)\] vs \[([\d, ]+)\]", message)
     count = len(list(model.parameters()))  # every parameter differs (the tied head once)
@@ -154,17 +147,17 @@ def test_load_into_a_gpt_of_another_width(saved, stage):
 
 def test_load_into_a_model_with_an_extra_parameter(saved):
     torch.manual_seed(0)
-    message = load_fails(engine(GPTWithExtra(GPT_CFG)), saved[0],
+    message = load_fails(make_engine(CASE, model=GPTWithExtra(GPT_CFG)), saved[0],
                          r"^the checkpoint was written for another model: missing from the checkpoint \(1\): extra\. ")
     assert message.endswith(WRONG_MODEL_FIX)
 
 
 def test_load_into_a_model_without_a_saved_parameter(tmp_path):
     torch.manual_seed(0)
-    writer = engine(GPTWithExtra(GPT_CFG))
+    writer = make_engine(CASE, model=GPTWithExtra(GPT_CFG))
     train_step(writer)
     writer.save_checkpoint(tmp_path)
-    message = load_fails(engine(), tmp_path,
+    message = load_fails(make_engine(CASE), tmp_path,
                          r"^the checkpoint was written for another model: not in this model \(1\): extra\. ")
     assert message.endswith(WRONG_MODEL_FIX)
 
@@ -237,7 +230,7 @@ def _garbled_state(tag_dir: Path) -> str:
                                     _garbled_header, _garbled_state])
 def test_damaged_checkpoint(ckpt, damage):
     match = damage(ckpt / TAG)
-    load_fails(engine(), ckpt, match)
+    load_fails(make_engine(CASE), ckpt, match)
 
 
 @pytest.mark.parametrize("damage", [_truncate, _delete, _bad_json, _other_version, _garbled_header])
@@ -262,27 +255,27 @@ def _drop_pieces(tag_dir: Path, kind: str, name: str) -> None:
 def test_missing_weight_pieces(ckpt):
     _drop_pieces(ckpt / TAG, "param", "wte.weight")
     why = "the checkpoint has no param for elements 0..2079 of 'wte.weight'"
-    load_fails(engine(), ckpt, rf"^{why}: the checkpoint is incomplete or damaged; load an earlier tag$")
-    load_fails(engine(), ckpt, rf"^{why}:", load_optimizer_states=False)
+    load_fails(make_engine(CASE), ckpt, rf"^{why}: the checkpoint is incomplete or damaged; load an earlier tag$")
+    load_fails(make_engine(CASE), ckpt, rf"^{why}:", load_optimizer_states=False)
     with pytest.raises(CheckpointError, match=rf"^{re.escape(str(ckpt / TAG))}: {why}$"):
         consolidate.consolidate(ckpt)
 
 
 def test_missing_frozen_parameter_rank_0_writes_whole(tmp_path):
-    writer = engine(make_model(freeze=True))
+    writer = make_engine(CASE, model=make_model(freeze=True))
     train_step(writer)
     writer.save_checkpoint(tmp_path)
     _drop_pieces(tmp_path / TAG, "param", "wpe.weight")  # frozen: replicated, written by rank 0 alone
-    load_fails(engine(make_model(freeze=True)), tmp_path,
+    load_fails(make_engine(CASE, model=make_model(freeze=True)), tmp_path,
                r"^the checkpoint has no param for elements 0\.\.1023 of 'wpe\.weight': the checkpoint is "
                r"incomplete or damaged; load an earlier tag$")
 
 
 def test_missing_optimizer_pieces_still_load_weights_only(ckpt, saved):
     _drop_pieces(ckpt / TAG, "optim.exp_avg", "wte.weight")
-    load_fails(engine(), ckpt, r"^the checkpoint has no optim\.exp_avg for elements 0\.\.2079 of 'wte\.weight': "
+    load_fails(make_engine(CASE), ckpt, r"^the checkpoint has no optim\.exp_avg for elements 0\.\.2079 of 'wte\.weight': "
                                r"the checkpoint is incomplete or damaged; load an earlier tag$")
-    e = engine()
+    e = make_engine(CASE)
     e.load_checkpoint(ckpt, load_optimizer_states=False)
     assert_equal_weights(e.full_state_dict(), saved[1])
 
@@ -335,30 +328,30 @@ def _a_file(root: Path) -> tuple[Path, str]:
 @pytest.mark.parametrize("layout", [_deepspeed, _distcp, _state_dict_file, _empty, _nonexistent, _a_file])
 def test_not_a_zeroshard_checkpoint(tmp_path, layout):
     load_dir, match = layout(tmp_path)
-    load_fails(engine(), load_dir, match)
+    load_fails(make_engine(CASE), load_dir, match)
     with pytest.raises(CheckpointError, match=match):
         consolidate.consolidate(load_dir)
 
 
 def test_deepspeed_tag_named_explicitly(tmp_path):
     _, match = _deepspeed(tmp_path)
-    load_fails(engine(), tmp_path, match, tag="global_step10")
+    load_fails(make_engine(CASE), tmp_path, match, tag="global_step10")
 
 
 # -- tags ------------------------------------------------------------------------------------
 
 
 def test_unknown_tag_lists_the_tags_present(ckpt):
-    e = engine()
+    e = make_engine(CASE)
     train_step(e)
     e.save_checkpoint(ckpt, tag="best")
-    load_fails(engine(), ckpt, rf"^{re.escape(str(ckpt))} has no checkpoint 'global_step7'; it has: best, {TAG}$",
+    load_fails(make_engine(CASE), ckpt, rf"^{re.escape(str(ckpt))} has no checkpoint 'global_step7'; it has: best, {TAG}$",
                tag="global_step7")
 
 
 def test_latest_naming_a_missing_tag(ckpt):
     shutil.rmtree(ckpt / TAG)  # `latest` still names it
-    load_fails(engine(), ckpt, rf"^{re.escape(str(ckpt / 'latest'))} names '{TAG}', which is not in "
+    load_fails(make_engine(CASE), ckpt, rf"^{re.escape(str(ckpt / 'latest'))} names '{TAG}', which is not in "
                                rf"{re.escape(str(ckpt))}; pass tag= \(or the tag's directory\) to load another one$")
 
 
@@ -366,7 +359,7 @@ def test_save_dir_without_latest_lists_its_tags(ckpt):
     # A save whose process died between renaming the tag and writing `latest`, or a copy without it:
     # the directory holds zeroshard checkpoints, not "a plain state dict".
     (ckpt / "latest").unlink()
-    message = load_fails(engine(), ckpt, rf"^{re.escape(str(ckpt))} ")
+    message = load_fails(make_engine(CASE), ckpt, rf"^{re.escape(str(ckpt))} ")
     assert TAG in message and "tag=" in message, message
     assert "plain state dict" not in message, message
 
@@ -376,8 +369,8 @@ BAD_TAG = "checkpoint tag '{}' must be a plain directory name (no path separator
 
 @pytest.mark.parametrize("tag", ["a/b", "../global_step1", "..", ".hidden"])
 def test_tag_that_is_not_a_plain_name(ckpt, tag):
-    load_fails(engine(), ckpt, f"^{re.escape(BAD_TAG.format(tag))}$", tag=tag)
-    e = engine()
+    load_fails(make_engine(CASE), ckpt, f"^{re.escape(BAD_TAG.format(tag))}$", tag=tag)
+    e = make_engine(CASE)
     train_step(e)
     before = sorted(p.relative_to(ckpt) for p in ckpt.rglob("*"))
     with pytest.raises(CheckpointError, match=f"^{re.escape(BAD_TAG.format(tag))}$"):
@@ -421,7 +414,7 @@ def _module_class_instance():
     (_module_class_instance, "settings", "Settings"),
 ], ids=["lambda", "local_class", "argparse_namespace", "module_class"])
 def test_client_state_that_is_not_plain_data_writes_nothing(ckpt, client_state, key, names):
-    e = engine()
+    e = make_engine(CASE)
     e.load_checkpoint(ckpt)
     train_step(e, 1)  # global step 2: the save would write a new tag global_step2
     before = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
@@ -445,7 +438,7 @@ def test_client_state_that_is_not_plain_data_writes_nothing(ckpt, client_state, 
 
 
 def test_save_dir_that_is_a_file(tmp_path):
-    e = engine()
+    e = make_engine(CASE)
     train_step(e)
     file = tmp_path / "ckpt"
     file.write_text("not a directory")
@@ -468,7 +461,7 @@ def test_save_dir_that_is_a_file(tmp_path):
 def test_failed_write_keeps_the_earlier_checkpoint(ckpt, saved, monkeypatch, target, error, match):
     from zeroshard.checkpoint import saving as checkpoint
 
-    e = engine()
+    e = make_engine(CASE)
     e.load_checkpoint(ckpt)
     train_step(e, 1)
 
@@ -482,7 +475,7 @@ def test_failed_write_keeps_the_earlier_checkpoint(ckpt, saved, monkeypatch, tar
         e.save_checkpoint(ckpt)
     assert (ckpt / "latest").read_text() == TAG + "\n"
     assert not (ckpt / "global_step2").exists()
-    reader = engine()
+    reader = make_engine(CASE)
     reader.load_checkpoint(ckpt)
     assert_equal_weights(reader.full_state_dict(), saved[1])
     monkeypatch.undo()  # the disk has room again: the next save replaces the leftover partial directory
@@ -501,7 +494,7 @@ def window_error(action: str, micro: int) -> str:
 
 def test_save_and_load_inside_an_accumulation_window(tmp_path, saved):
     case = Case(stage=2, accumulation=2)
-    e, twin = engine(case=case), engine(case=case)
+    e, twin = make_engine(case), make_engine(case)
     for each in (e, twin):
         x, y = micro_batch(0, case, 1, 0, 0)
         each.backward(loss_of(each, x, y))
@@ -541,7 +534,7 @@ def _swapped_groups(model):
                        r"checkpoint was saved, so its optimizer state and settings do not carry over")),
 ], ids=["sgd", "one_group", "swapped_groups"])
 def test_another_optimizer_loads_weights_only(saved, optimizer, match):
-    e = engine(optimizer=optimizer)
+    e = make_engine(CASE, optimizer=optimizer)
     load_fails(e, saved[0], match + re.escape(OPTIMIZER_FIX) + "$")
     _, state, groups, counters = snapshot(e)
     path, client_state = e.load_checkpoint(saved[0], load_module_only=True)
@@ -554,10 +547,10 @@ def test_another_optimizer_loads_weights_only(saved, optimizer, match):
 
 
 def test_parameter_frozen_when_saved(tmp_path):
-    writer = engine(make_model(freeze=True))
+    writer = make_engine(CASE, model=make_model(freeze=True))
     train_step(writer)
     writer.save_checkpoint(tmp_path)
-    e = engine()
+    e = make_engine(CASE)
     load_fails(e, tmp_path, r"^parameter 'wpe\.weight' is in param group 0 here but was frozen when the checkpoint "
                             r"was saved, so its optimizer state and settings do not carry over" +
                re.escape(OPTIMIZER_FIX) + "$")
@@ -570,7 +563,7 @@ def test_parameter_frozen_when_saved(tmp_path):
 
 def _two_ranks(rank, world, device, save_dir, empty_dir):
     """Save at 2 ranks; then two failing loads, each caught: (message, weights unchanged) per load."""
-    e = engine(device=device)
+    e = make_engine(CASE, device=device)
     train_step(e, rank=rank, world=world, device=device)
     e.save_checkpoint(save_dir)
     results = {}
@@ -582,7 +575,7 @@ def _two_ranks(rank, world, device, save_dir, empty_dir):
         results["one_rank"] = str(exc)
     results["one_rank_unchanged"] = all(torch.equal(v, e.full_state_dict()[k]) for k, v in before.items())
     torch.manual_seed(0)
-    other = engine(GPT(dataclasses.replace(GPT_CFG, n_embd=48)).to(device))
+    other = make_engine(CASE, model=GPT(dataclasses.replace(GPT_CFG, n_embd=48)).to(device))
     before = other.full_state_dict()
     try:
         other.load_checkpoint(save_dir)
@@ -655,7 +648,7 @@ def test_cli_train_resume_checked_before_launching(tmp_path, monkeypatch, capsys
 def test_resume_of_a_checkpoint_the_demo_did_not_write(saved):
     from zeroshard.app.train import UsageError, _resume
 
-    e = engine()
+    e = make_engine(CASE)
     schedule = torch.optim.lr_scheduler.LambdaLR(e.optimizer, lambda step: 1.0)
     with pytest.raises(UsageError, match=(
             rf"^{re.escape(str(saved[0] / TAG))} was not written by the demo \(`zeroshard train --save-every`\), "
@@ -683,5 +676,5 @@ def test_rank_file_that_does_not_say_what_it_holds(ckpt):
     save_file(load_file(file), str(file))  # the same tensors, no metadata
     manifest = json.loads((ckpt / TAG / "manifest.json").read_text())
     _edit_manifest(ckpt / TAG, files=manifest["files"] | {RANK0: file.stat().st_size})
-    load_fails(engine(), ckpt, rf"^checkpoint file {re.escape(str(file))} does not say what it holds \(KeyError: "
+    load_fails(make_engine(CASE), ckpt, rf"^checkpoint file {re.escape(str(file))} does not say what it holds \(KeyError: "
                                r"'runs'\); it is damaged or not a zeroshard rank file: restore it or load an earlier tag$")

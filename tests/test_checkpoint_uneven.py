@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import zeroshard
 from tests.distributed import run_ranks
+from tests.recipes import make_engine
 from zeroshard.checkpoint.consolidate import consolidate, full_tensors
 from zeroshard.core.optim import OptimizerError
 
@@ -38,12 +39,12 @@ def _config(stage: int, world: int) -> dict:
     return {"train_micro_batch_size_per_gpu": 6 // world, "zero_optimization": zero}
 
 
-def _engine(seed: int, stage: int, world: int, optimizer: str = "adagrad"):
-    torch.manual_seed(seed)
-    model = Tiny()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.Adagrad(params, lr=0.1) if optimizer == "adagrad" else torch.optim.AdamW(params, lr=1e-2)
-    return zeroshard.initialize(model, opt, _config(stage, world))
+def _trained(model: nn.Module) -> list[nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+_OPTIMIZERS = {"adagrad": lambda model: torch.optim.Adagrad(_trained(model), lr=0.1),
+               "adamw": lambda model: torch.optim.AdamW(_trained(model), lr=1e-2)}
 
 
 def _train(engine, rank: int, world: int, steps) -> list[float]:
@@ -60,7 +61,7 @@ def _train(engine, rank: int, world: int, steps) -> list[float]:
 
 def test_adagrad_is_accepted_and_trains_as_torch():
     """Adagrad builds `sum` and `step` in its constructor: a fresh one was refused as 'already has state'."""
-    engine = _engine(0, 0, 1)
+    engine = make_engine(model=Tiny, optimizer=_OPTIMIZERS["adagrad"], config=_config(0, 1), seed=0)
     torch.manual_seed(0)
     model = Tiny()
     opt = torch.optim.Adagrad([p for p in model.parameters() if p.requires_grad], lr=0.1)
@@ -77,7 +78,7 @@ def test_adagrad_is_accepted_and_trains_as_torch():
 
 
 def _write(rank, world, device, root, stage, optimizer, steps):
-    engine = _engine(0, stage, world, optimizer)
+    engine = make_engine(model=Tiny, optimizer=_OPTIMIZERS[optimizer], config=_config(stage, world), seed=0)
     _train(engine, rank, world, range(steps))
     engine.save_checkpoint(root)
     full = engine.full_state_dict()
@@ -85,7 +86,7 @@ def _write(rank, world, device, root, stage, optimizer, steps):
 
 
 def _read(rank, world, device, root, stage, optimizer, steps):
-    engine = _engine(7, stage, world, optimizer)
+    engine = make_engine(model=Tiny, optimizer=_OPTIMIZERS[optimizer], config=_config(stage, world), seed=7)
     _train(engine, rank, world, range(3))  # trained: the load replaces all of it
     engine.load_checkpoint(root)
     full = engine.full_state_dict()

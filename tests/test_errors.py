@@ -7,7 +7,7 @@ import torch
 
 import zeroshard
 from tests.distributed import RankFailure, run_ranks
-from tests.recipes import GPT_CFG, Case, make_model, micro_batch
+from tests.recipes import GPT_CFG, Case, make_engine, make_model, micro_batch
 from zeroshard.app.models import GPT
 
 
@@ -116,8 +116,7 @@ def _misuse(rank, world, device):
         return None
 
     def engine():
-        model = make_model()
-        return zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), {})
+        return make_engine(optimizer=lambda model: torch.optim.AdamW(model.parameters()), config={})
 
     def batch():
         return micro_batch(0, Case(), 1, 0, 0)

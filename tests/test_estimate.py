@@ -8,8 +8,9 @@ import pytest
 
 from zeroshard import estimate
 from zeroshard.app.cli import main
+from zeroshard.app.cli_estimate import count_preset
 from zeroshard.app.models import GPT, PRESETS
-from zeroshard.estimate.param_count import count_params, hf_count
+from zeroshard.estimate.param_count import hf_count
 
 
 def _estimate_json(capsys, *flags: str) -> dict:
@@ -115,7 +116,7 @@ def test_model_flag_reads_a_config_file(tmp_path, capsys):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_counts_match_the_built_model(name):
     model = GPT(PRESETS[name])
-    counted = count_params(name)
+    counted = count_preset(name)
     assert counted.numel == model.num_params()
     assert counted.largest_unit == sum(p.numel() for p in model.blocks[0].parameters())
 

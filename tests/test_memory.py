@@ -4,7 +4,7 @@ fp32 with AdamW, per rank (DESIGN.md section 1 in fp32 terms): params 4 Psi;
 grads 4 Psi, or 4 Psi / N at stage 2; master 0 (fp32 parameters are their
 own master); optimizer 8 Psi / N, or 8 Psi at stage 0. At stage 3 params
 are 4 Psi / N too (only the shards persist). Sizes are of the padded flat
-buffers; the optimizer adds one 4-byte step counter per unit.
+staging memory; the optimizer adds one 4-byte step counter per unit.
 """
 
 import gc
@@ -72,8 +72,8 @@ def test_memory_stats_match_formula_and_storage(world):
         # units (modules): one being staged, one in flight with its scratch, and blocks of
         # other sizes (the root unit's) that best-fit reuse may leave idle.
         blocks = {0: 0, 1: 1, 2: 1 + 1 + 2, 3: 4}[stage]
-        assert stats["buffers"] <= blocks * 4 * largest
-        assert (stats["buffers"] > 0) == (stage >= 2 or (stage == 1 and world > 1))
+        assert stats["staging"] <= blocks * 4 * largest
+        assert (stats["staging"] > 0) == (stage >= 2 or (stage == 1 and world > 1))
         if held is not None:
             assert held == sum(stats.values()), f"stage {stage}: held {held} vs reported {stats}"
 

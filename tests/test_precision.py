@@ -254,8 +254,12 @@ def test_a_bf16_model_is_accepted_as_is():
     rank1_shards = results(2)[1]["bf16_model"][1]
     assert set(dtypes) == {torch.bfloat16} and steps == 1
     masters = torch.cat([torch.cat(pair) for pair in zip(shards, rank1_shards)])
-    # Units hold parameters in reverse order, padded: compare as sorted multisets of values.
-    assert torch.equal(masters[masters != 0].sort().values, values[values != 0].sort().values)
+    # At the default bucket size one bucket holds every parameter, in reverse registration order
+    # (backward's), then zero padding to a multiple of N: element by element, each one's exact value.
+    expected = torch.cat(values.split([p.numel() for p in make_model().parameters()])[::-1])
+    assert len(shards) == 1 and masters.numel() == -(-expected.numel() // 2) * 2
+    assert torch.equal(masters[:expected.numel()], expected)
+    assert not masters[expected.numel():].any()
 
 
 def test_inputs_are_cast_where_floating_point():

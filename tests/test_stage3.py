@@ -8,14 +8,7 @@ same model run whole in one process.
 import torch
 
 from tests.distributed import run_ranks
-from tests.recipes import Case, make_model, make_optimizer, micro_batch
-
-
-def _engine(device, stage=3):
-    import zeroshard
-
-    model = make_model(device=device)
-    return model, zeroshard.initialize(model, make_optimizer("adamw", model), Case(stage=stage).config())
+from tests.recipes import Case, make_engine, make_model, make_optimizer, micro_batch
 
 
 def _gathered(rank, world, device):
@@ -23,7 +16,8 @@ def _gathered(rank, world, device):
 
     out = {}
     for stage in (3, 2):
-        model, engine = _engine(device, stage)
+        engine = make_engine(Case(stage=stage), device=device)
+        model = engine.module
         weight = model.blocks[0].mlp[0].weight
         full = engine.full_state_dict()["blocks.0.mlp.0.weight"]
         out[stage, "outside"] = weight.numel()
@@ -53,7 +47,7 @@ def test_gathered_parameters_and_modifier_rank():
 
 
 def _generate(rank, world, device):
-    model, engine = _engine(device)
+    engine = make_engine(Case(stage=3), device=device)
     reference = make_model(device=device)
     engine.eval()
     idx = torch.zeros(1, 1, dtype=torch.long, device=device)

@@ -3,17 +3,19 @@
 from zeroshard import consolidate
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.comm import CollectiveError
+from zeroshard.comm.group import LaunchError
 from zeroshard.config import Config, ConfigError
 from zeroshard.core.optim import OptimizerError
 from zeroshard.core.precision import LossScaleError
+from zeroshard.core.reducer import GradientError
 from zeroshard.engine import Engine, EngineStateError, initialize
 from zeroshard.engine.agreement import RankMismatchError
-from zeroshard.errors import ZeroshardError
+from zeroshard.errors import ModelError, ZeroshardError
 from zeroshard.stage3.gathered import gathered_parameters
 from zeroshard.version import __version__
 
 __all__ = [
-    "CheckpointError", "CollectiveError", "Config", "ConfigError", "Engine", "EngineStateError", "LossScaleError",
-    "OptimizerError", "RankMismatchError", "ZeroshardError", "__version__", "consolidate", "gathered_parameters",
-    "initialize",
+    "CheckpointError", "CollectiveError", "Config", "ConfigError", "Engine", "EngineStateError", "GradientError",
+    "LaunchError", "LossScaleError", "ModelError", "OptimizerError", "RankMismatchError", "ZeroshardError",
+    "__version__", "consolidate", "gathered_parameters", "initialize",
 ]

@@ -6,3 +6,7 @@ A leaf module, so that every layer (the config at the bottom too) can derive fro
 
 class ZeroshardError(Exception):
     """An error zeroshard raises on purpose; its message names the cause and the fix."""
+
+
+class ModelError(ZeroshardError, ValueError):
+    """A model that zeroshard cannot train as given (devices, dtypes, shared storage, meta device, units)."""

@@ -16,10 +16,13 @@ import warnings
 from pathlib import Path
 
 from zeroshard.app import cli_estimate, compare
-from zeroshard.checkpoint import consolidate
+from zeroshard.app.flags import add_command, add_dtype, add_nproc, positive_int
 from zeroshard.app.models import PRESETS
-from zeroshard.config import ConfigError
-from zeroshard.app.train import add_arguments, engine_config, positive_int, to_argv
+from zeroshard.app.train import add_arguments, engine_config, to_argv
+from zeroshard.checkpoint import CheckpointError
+from zeroshard.checkpoint.consolidate import write
+from zeroshard.config import Config, ConfigError, ConfigFacts
+from zeroshard.dtypes import DTYPES
 
 EXAMPLES = """\
 examples:
@@ -43,18 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run `zeroshard COMMAND --help` for a command's flags.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    train = commands.add_parser(
-        "train", help="train the demo GPT on N local ranks and compare memory and traffic with the formulas",
+    train = add_command(
+        commands, "train", help="train the demo GPT on N local ranks and compare memory and traffic with the formulas",
         description="Train a small character-level GPT with ZeRO on N ranks (gloo on CPU, NCCL on\n"
                     "GPU, one GPU per rank). Rank 0 shows progress, a generated sample, and tables\n"
                     "of the measured per-rank memory and per-step communication next to the ZeRO\n"
                     "paper's formulas.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    train.set_defaults(command_parser=train)  # so flag errors print `zeroshard train`'s usage
+        epilog=EXAMPLES)
     launch = train.add_argument_group("launch (torchrun)")
-    launch.add_argument("--nproc", type=positive_int, default=2, metavar="N",
-                        help="ranks (processes) on this node (default: %(default)s)")
+    add_nproc(launch, 2, "ranks (processes) on this node")
     launch.add_argument("--nnodes", type=positive_int, default=1, metavar="NODES",
                         help="nodes; with more than one, run the same command on each node "
                              "and give --rdzv-endpoint (default: %(default)s)")
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_estimate.add_parser(commands)
     compare.add_parser(commands)
     add_config_command(commands)
-    consolidate.add_parser(commands)
+    add_consolidate_command(commands)
     return parser
 
 
@@ -72,11 +72,10 @@ def add_config_command(commands: argparse._SubParsersAction) -> None:
     """`zeroshard config check FILE [--world-size N]`."""
     config = commands.add_parser("config", help="work with DeepSpeed-style JSON config files")
     actions = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    check = actions.add_parser(
-        "check", help="validate a config file and print the effective configuration",
+    check = add_command(
+        actions, "check", help="validate a config file and print the effective configuration",
         description="Validate a DeepSpeed-style JSON config and print the effective configuration\n"
-                    "(JSON, every key with its default and each \"auto\" resolved), or the error.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+                    "(JSON, every key with its default and each \"auto\" resolved), or the error.")
     check.add_argument("file", metavar="FILE", help="path to the JSON config")
     check.add_argument("--world-size", type=positive_int, default=None, metavar="N",
                        help="ranks, to derive and check the batch sizes (default: unknown)")
@@ -84,8 +83,6 @@ def add_config_command(commands: argparse._SubParsersAction) -> None:
 
 def run_config_check(args: argparse.Namespace) -> int:
     """Print the effective config as JSON (stdout), or the error (stderr); returns the exit status."""
-    from zeroshard.config import Config, ConfigError, ConfigFacts
-
     try:
         with warnings.catch_warnings(record=True) as ignored:  # "strict": false: one per ignored key
             warnings.simplefilter("always")
@@ -96,6 +93,31 @@ def run_config_check(args: argparse.Namespace) -> int:
     for warning in ignored:
         print(f"zeroshard config check: warning: {warning.message}", file=sys.stderr)
     print(json.dumps(config.to_dict(), indent=2))
+    return 0
+
+
+def add_consolidate_command(commands: argparse._SubParsersAction) -> None:
+    """`zeroshard consolidate CHECKPOINT OUT [--tag T] [--dtype D]`."""
+    parser = add_command(
+        commands, "consolidate", help="join a sharded checkpoint into one safetensors state dict",
+        description="Join every rank's shard of a zeroshard checkpoint into one safetensors file keyed\n"
+                    "as the model's state_dict(): model.load_state_dict(safetensors.torch.load_file(OUT)).\n"
+                    "Runs in one process, on any machine; trained parameters come from the fp32 masters.")
+    parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="a save directory (its 'latest' tag) or one tag's directory")
+    parser.add_argument("out", metavar="OUT", help="the .safetensors file to write")
+    parser.add_argument("--tag", default=None, help="the tag to read in CHECKPOINT (default: its 'latest')")
+    add_dtype(parser, None, "cast floating-point tensors (default: fp32 masters, frozen ones as stored)")
+
+
+def run_consolidate(args: argparse.Namespace) -> int:
+    """Write the consolidated safetensors file, or print the error (stderr); returns the exit status."""
+    try:
+        count = write(args.checkpoint, args.out, args.tag, DTYPES.get(args.dtype))
+    except CheckpointError as error:
+        print(f"zeroshard consolidate: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {count} tensors to {args.out}")
     return 0
 
 
@@ -149,12 +171,17 @@ def _check_config(args: argparse.Namespace) -> None:
 
 def _check_resume(args: argparse.Namespace) -> None:
     """Reject a --resume path that holds no readable checkpoint, before launching the ranks."""
-    from zeroshard.checkpoint.files import CheckpointError, read_manifest, resolve
+    from zeroshard.checkpoint.files import read_manifest, resolve
 
     try:
         read_manifest(resolve(args.resume, None))
     except CheckpointError as error:
         args.command_parser.error(f"argument --resume: {error}")
+
+
+# The commands besides train; argparse has checked that `args.command` is one of them.
+_RUN = {"estimate": cli_estimate.run, "compare": compare.run, "config": run_config_check,
+        "consolidate": run_consolidate}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,16 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume is not None:
             _check_resume(args)
         return run_train(args)
-    if args.command == "estimate":
-        return cli_estimate.run(args)
-    if args.command == "compare":
-        return compare.run(args)
-    if args.command == "config":
-        return run_config_check(args)
-    if args.command == "consolidate":
-        return consolidate.run(args)
-    parser.error(f"unknown command '{args.command}'")  # unreachable: argparse checks choices
-    return 2
+    return _RUN[args.command](args)
 
 
 if __name__ == "__main__":

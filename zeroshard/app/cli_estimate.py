@@ -1,8 +1,9 @@
 """`zeroshard estimate`: model-state memory and communication per ZeRO stage, without a GPU.
 
 The figures come from `zeroshard.estimate.summarize`; this module reads the
-flags, counts Ψ from a model when asked (`zeroshard.estimate.param_count`), and
-prints either that object as JSON or a table.
+flags, counts Ψ when given a model (a demo preset, built on the meta device, or
+a Hugging Face config.json, by `zeroshard.estimate.param_count`), and prints
+either that object as JSON or a table.
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from pathlib import Path
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from zeroshard import estimate
-from zeroshard.estimate.param_count import count_params
-from zeroshard.app.train import positive_int
+from zeroshard.app.flags import add_command, add_dtype, positive_int
+from zeroshard.app.models import GPT, PRESETS
+from zeroshard.estimate.param_count import ParamCount, count_config_file
 
 EXAMPLES = """\
 examples:
@@ -51,16 +55,37 @@ def memory_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
+def count_preset(name: str) -> ParamCount:
+    """Ψ and one block of the demo GPT preset `name`, built on the meta device (nothing allocated)."""
+    with torch.device("meta"):
+        model = GPT(PRESETS[name])
+    block = sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0
+    return ParamCount(name, sum(p.numel() for p in model.parameters()), block)  # the tied head counts once
+
+
+def count_model(name_or_path: str) -> ParamCount:
+    """Ψ of a preset name (`zeroshard.app.models.PRESETS`), else of a Hugging Face `config.json` file.
+
+    Raises ValueError naming the cause: neither a preset nor a file, or what
+    `count_config_file` finds wrong with the file.
+    """
+    if name_or_path in PRESETS:
+        return count_preset(name_or_path)
+    if not Path(name_or_path).is_file():
+        raise ValueError(f"'{name_or_path}' is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
+                         "config.json file; give one of those, or the count itself with --params")
+    return count_config_file(name_or_path)
+
+
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Register `zeroshard estimate` and its flags."""
-    parser = commands.add_parser(
-        "estimate", help="model-state memory and communication per GPU for ZeRO stages 0-3",
+    parser = add_command(
+        commands, "estimate", help="model-state memory and communication per GPU for ZeRO stages 0-3",
         description="Per-GPU model-state memory (the ZeRO paper's formulas, decimal GB), bytes\n"
                     "communicated per optimizer step, the cross-node volume with and without ZeRO++,\n"
                     "and the largest model that fits a GPU, for stages 0-3. Activations, buffers and\n"
                     "fragmentation come on top.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.set_defaults(command_parser=parser)
+        epilog=EXAMPLES)
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=count, metavar="Ψ", help="parameter count, e.g. 7.5e9 or 7B")
     model.add_argument("--model", metavar="NAME_OR_CONFIG",
@@ -71,9 +96,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="GPUs (ranks) in all")
     parser.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="G",
                         help="GPUs per node (default: 8, or --gpus if fewer)")
-    parser.add_argument("--dtype", choices=sorted(estimate.DTYPE_BYTES), default="bf16",
-                        help="training dtype: 16-bit params and grads with an fp32 master copy, or "
-                             "fp32 throughout (default: %(default)s)")
+    add_dtype(parser, "bf16", "training dtype: 16-bit params and grads with an fp32 master copy, or "
+                              "fp32 throughout (default: %(default)s)")
     parser.add_argument("--optimizer-bytes", type=positive_int, default=None, metavar="K",
                         help="optimizer-state bytes per parameter, master copy included (default: "
                              "Adam's, 12 with bf16/fp16, 8 with fp32)")
@@ -88,7 +112,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     name, largest_unit = None, args.largest_unit
     if args.model is not None:
         try:
-            counted = count_params(args.model)
+            counted = count_model(args.model)
         except ValueError as error:
             args.command_parser.error(f"argument --model: {error}")
         name, args.params = counted.name, counted.numel

@@ -20,9 +20,8 @@ from rich.table import Table
 
 from zeroshard import estimate
 from zeroshard.app.cli_estimate import human_bytes
-from zeroshard.app.models import PRESETS
+from zeroshard.app.flags import add_command, add_data, add_micro_batch, add_model, add_nproc, add_steps, as_argv
 from zeroshard.app.plots import COLLECTIVES, STATES, compare_chart
-from zeroshard.app.train import positive_int
 
 
 @dataclass(frozen=True)
@@ -42,27 +41,22 @@ RUNS = (
     Run("2-allreduce", "stage 2 AR", ("--stage", "2", "--reduce-scatter", "false")),
     Run("3", "stage 3", ("--stage", "3")),
 )
+_TRAIN_FLAGS = ("nproc", "steps", "model", "micro_batch", "data")  # passed on to each run's `zeroshard train`
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Register `zeroshard compare` and its flags."""
-    parser = commands.add_parser(
-        "compare", help="run the demo at every stage and put measured memory and traffic beside the estimate",
+    parser = add_command(
+        commands, "compare", help="run the demo at every stage and put measured memory and traffic beside the estimate",
         description="Run the demo once per ZeRO stage (and with all-reduce instead of reduce-scatter)\n"
                     "on N local ranks, then print each run's measured per-rank model-state memory\n"
-                    "and bytes per collective beside the ZeRO formulas, and draw both as a PNG.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.set_defaults(command_parser=parser)
-    parser.add_argument("--nproc", type=positive_int, default=4, metavar="N",
-                        help="ranks (processes) per run (default: %(default)s)")
-    parser.add_argument("--steps", type=positive_int, default=20, help="optimizer steps per run (default: %(default)s)")
-    parser.add_argument("--model", choices=sorted(PRESETS), default="demo",
-                        help="GPT size preset (default: %(default)s)")
-    parser.add_argument("--micro-batch", type=positive_int, default=8, metavar="ROWS",
-                        help="sequences per rank per step; memory and traffic do not depend on it "
-                             "(default: %(default)s)")
-    parser.add_argument("--data", metavar="FILE", default=None,
-                        help="UTF-8 text file to train on (default: the King James Bible)")
+                    "and bytes per collective beside the ZeRO formulas, and draw both as a PNG.")
+    add_nproc(parser, 4, "ranks (processes) per run")
+    add_steps(parser, 20, "optimizer steps per run")
+    add_model(parser)
+    add_micro_batch(parser, 8, "sequences per rank per step; memory and traffic do not depend on it "
+                               "(default: %(default)s)")
+    add_data(parser)
     parser.add_argument("--runs", nargs="+", choices=[run.key for run in RUNS], default=[run.key for run in RUNS],
                         metavar="RUN", help=f"which runs, of {', '.join(run.key for run in RUNS)} (default: all)")
     parser.add_argument("--out", metavar="DIR", default="zeroshard-compare",
@@ -93,10 +87,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
 
 def _launch(demo: Run, args: argparse.Namespace, report_dir: Path) -> dict | None:
     """`zeroshard train` for one run; its report.json, or None (its output printed) if it failed."""
-    cmd = [sys.executable, "-m", "zeroshard.app.cli", "train", "--nproc", str(args.nproc),
-           "--steps", str(args.steps), "--model", args.model, "--micro-batch", str(args.micro_batch),
+    cmd = [sys.executable, "-m", "zeroshard.app.cli", "train", *as_argv(args, _TRAIN_FLAGS, paths=("data",)),
            "--report", str(report_dir), *demo.flags]
-    cmd += ["--data", args.data] if args.data else []
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         print(done.stdout + done.stderr, file=sys.stderr)
@@ -111,7 +103,7 @@ def _row(demo: Run, report: dict) -> dict:
     return {
         "name": demo.name, "stage": report["config"]["zero_optimization"]["stage"],
         "psi_padded": report["psi_padded"],
-        "memory": {k: memory[0][k] for k in STATES}, "buffers": memory[0]["buffers"],
+        "memory": {k: memory[0][k] for k in STATES}, "staging": memory[0]["staging"],
         "memory_estimate": report["estimate"]["memory"],
         "memory_ok": all(rank[k] == v for rank in memory for k, v in report["estimate"]["memory"].items()),
         "comm": {op: comm[0][op]["bytes"] for op in COLLECTIVES},
@@ -138,15 +130,15 @@ def memory_table(rows: list[dict], world: int) -> Table:
     """Model-state bytes per rank, measured (rank 0) and estimated, one row per run."""
     table = Table(title=f"Model states per rank, {world} ranks", title_justify="left", show_edge=False,
                   caption="measured: rank 0's memory_stats(); ok: every rank equals the estimate to the "
-                          "byte; buffers: communication staging, outside the formula; AR: "
+                          "byte; staging: communication staging memory, outside the formula; AR: "
                           "--reduce-scatter false; exact bytes in compare.json", caption_justify="left")
     states = [k for k in STATES if any(row["memory"][k] for row in rows)]  # master is 0 in fp32
-    for column in ("run", *states, "total", "estimate", "buffers", "ok"):
+    for column in ("run", *states, "total", "estimate", "staging", "ok"):
         table.add_column(column, justify="left" if column in ("run", "ok") else "right", no_wrap=True)
     for row in rows:
         table.add_row(row["name"], *(human_bytes(row["memory"][k]) for k in states),
                       human_bytes(sum(row["memory"].values())), human_bytes(sum(row["memory_estimate"].values())),
-                      human_bytes(row["buffers"]), _ok(row["memory_ok"]))
+                      human_bytes(row["staging"]), _ok(row["memory_ok"]))
     return table
 
 

@@ -52,7 +52,7 @@ def memory_chart(path: Path, memory_stats: list[dict[str, int]], formula: dict[s
     """Model-state bytes of every rank, stacked by state, beside the formula's total."""
     fig = Figure(figsize=(8, 4.5), dpi=_DPI, layout="constrained")
     ax = fig.add_subplot()
-    parts = [k for k in STATES + ("buffers",) if any(stats[k] for stats in memory_stats)]  # fp32: no master
+    parts = [k for k in STATES + ("staging",) if any(stats[k] for stats in memory_stats)]  # fp32: no master
     colors = _colors(parts)
     for rank, stats in enumerate(memory_stats):
         _stacked(ax, rank, {k: stats[k] / MB for k in parts}, colors, 0.6)

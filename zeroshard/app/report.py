@@ -25,7 +25,7 @@ def formulas(psi: int, world: int, args: argparse.Namespace, engine: zeroshard.E
     The demo clips gradients, hence the norm's all-reduce at stages 1-3.
     """
     memory = estimate.model_state_bytes(psi, world, args.stage, **_bytes_per_element(engine, args),
-                                        optimizer_scalar_bytes=_STEP_COUNTER_BYTES * len(engine.units))
+                                        optimizer_scalar_bytes=_STEP_COUNTER_BYTES * len(engine.buckets))
     comm = estimate.comm_bytes_per_step(
         psi, args.stage, elem_bytes=engine.precision.param_dtype.itemsize, reduce_scatter=args.reduce_scatter,
         accumulation=args.accumulation, clipping=True, reduce_bytes=engine.precision.reduce_dtype.itemsize,
@@ -40,7 +40,7 @@ def _bytes_per_element(engine: zeroshard.Engine, args: argparse.Namespace) -> di
 
 
 def _padded_psi(engine: zeroshard.Engine) -> int:
-    return sum(u.flat.padded_numel for u in engine.units)  # padded: what the ranks really split
+    return sum(u.flat.padded_numel for u in engine.buckets)  # padded: what the ranks really split
 
 
 def _tokens_per_step(engine: zeroshard.Engine, args: argparse.Namespace) -> int:
@@ -60,7 +60,7 @@ def report_figures(engine: zeroshard.Engine, args: argparse.Namespace, config: z
     return {
         "config": config.to_dict(), "world_size": world, "backend": dist.get_backend(),
         "model": args.model, "params": engine.num_params, "psi_padded": psi,
-        "units": len(engine.units), "steps": args.steps, "first_step": result.first_step, "tokens_per_step": tokens,
+        "buckets": len(engine.buckets), "steps": args.steps, "first_step": result.first_step, "tokens_per_step": tokens,
         "losses": result.losses, "lr": result.lrs, "step_seconds": result.step_seconds,
         "tokens_per_second": [tokens / s for s in result.step_seconds],
         "memory_stats": [m for m, _ in everyone],
@@ -82,8 +82,8 @@ def print_report(console: Console, engine: zeroshard.Engine, args: argparse.Name
     console.print(f"loss [bold]{result.losses[0]:.3f}[/] (first step) -> [bold]{result.losses[-1]:.3f}[/] "
                   f"(last step)")
     console.print(f"median step {median:.3f} s, {tokens / median:,.0f} tokens/s")
-    console.print(f"Ψ = {psi:,} elements in {len(engine.units)} flat buffers "
-                  f"({sum(u.flat.numel for u in engine.units):,} parameters + padding)")
+    console.print(f"Ψ = {psi:,} elements in {len(engine.buckets)} buckets "
+                  f"({sum(u.flat.numel for u in engine.buckets):,} parameters + padding)")
     console.print(Text("sample: ") + Text(result.sample, style="italic"))  # Text: no markup in the sample
     memory, comm = formulas(psi, world, args, engine)
     console.print(_memory_table(memory, world, engine, args, result.memory, everyone))
@@ -101,23 +101,23 @@ def _match(ok: bool) -> str:
 def _memory_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, args: argparse.Namespace,
                   measured: dict[str, int], everyone: list) -> Table:
     """Per-rank model-state bytes: rank 0's `memory_stats()` next to `estimate.model_state_bytes`."""
-    stage, units, config = args.stage, len(engine.units), engine.config
+    stage, buckets, config = args.stage, len(engine.buckets), engine.config
     per = _bytes_per_element(engine, args)
     shard = "Ψ" if stage == 0 else "Ψ/N"
     how = {"params": f"{per['param_bytes']}Ψ" + ("/N" if stage == 3 else ""),
            "grads": f"{per['grad_bytes']}Ψ/N" if stage >= 2 else f"{per['grad_bytes']}Ψ",
            "master": f"{per['master_bytes']}{shard}" if per["master_bytes"] else "0: the fp32 params",
-           "optimizer": f"8{shard} + 4·{units}"}
+           "optimizer": f"8{shard} + 4·{buckets}"}
     table = Table(title=f"Model states per rank (bytes, {config.training_dtype})", title_justify="left",
                   show_edge=False, caption=f"N = {world} ranks; optimizer: AdamW's two moments and a 4-byte "
-                  f"step counter per optimizer tensor ({units})", caption_justify="left")
+                  f"step counter per optimizer tensor ({buckets})", caption_justify="left")
     for name in ("state", "measured", "formula", "expression", "ok"):
         numeric = name in ("measured", "formula")
         table.add_column(name, justify="right" if numeric else "left", no_wrap=name != "expression")
     for key, expected in formula.items():
         ok = all(memory[key] == expected for memory, _ in everyone)
         table.add_row(key, f"{measured[key]:,}", f"{expected:,}", how[key], _match(ok))
-    table.add_row("buffers", f"{measured['buffers']:,}", "-", "comm staging", "")
+    table.add_row("staging", f"{measured['staging']:,}", "-", "communication staging", "")
     return table
 
 

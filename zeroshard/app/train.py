@@ -29,6 +29,9 @@ import zeroshard
 from zeroshard.app.report import print_report, report_figures
 from zeroshard.app.run_log import StepLog, write_report
 from zeroshard.app.data import CharCorpus, load_text, micro_batch
+from zeroshard.app.flags import (
+    add_data, add_dtype, add_micro_batch, add_model, add_steps, as_argv, positive_float, positive_int, true_or_false,
+)
 from zeroshard.app.models import GPT, PRESETS
 
 log = logging.getLogger(__name__)
@@ -36,28 +39,6 @@ log = logging.getLogger(__name__)
 
 class UsageError(ValueError):
     """Flags that cannot work together (not a bug): reported in one line, without a traceback."""
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got '{text}'") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,15 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stage", type=int, choices=(0, 1, 2, 3), default=None,
                         help="ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
                              "2 = also shard gradients, 3 = also shard parameters (default: 2, or the config's)")
-    # 200 steps: under a minute on two idle CPU cores; the loss falls from 4.2 to about 2.3.
-    parser.add_argument("--steps", type=positive_int, default=200,
-                        help="optimizer steps (default: %(default)s)")
-    parser.add_argument("--data", metavar="FILE", default=None,
-                        help="UTF-8 text file to train on (default: the King James Bible)")
-    parser.add_argument("--model", choices=sorted(PRESETS), default="demo",
-                        help="GPT size preset (default: %(default)s)")
-    parser.add_argument("--micro-batch", type=positive_int, default=None, metavar="ROWS",
-                        help="sequences per rank per micro-step (default: 16, or the config's)")
+    add_steps(parser, 200)  # under a minute on two idle CPU cores; the loss falls from 4.2 to about 2.3
+    add_data(parser)
+    add_model(parser)
+    add_micro_batch(parser, None, "sequences per rank per micro-step (default: 16, or the config's)")
     parser.add_argument("--accumulation", type=positive_int, default=None, metavar="STEPS",
                         help="micro-steps accumulated per optimizer step (default: 1, or the config's)")
     parser.add_argument("--bucket-size", type=positive_int, default=None, metavar="ELEMENTS",
@@ -104,16 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="continue from a checkpoint: a --save-dir (its latest) or one step's directory; "
                              "any --nproc and --stage can read it. --steps counts from the first step and lays "
                              "out the LR schedule: give the first run's to reproduce it")
-    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
-                        help="training dtype: bf16 or fp16 train 16-bit parameters with fp32 master weights "
-                             "(fp16 with dynamic loss scaling) (default: fp32, or the config's)")
-
-
-def true_or_false(text: str) -> bool:
-    """argparse type: `true` or `false`, as in JSON configs."""
-    if text.lower() not in ("true", "false"):
-        raise argparse.ArgumentTypeError(f"expected true or false, got '{text}'")
-    return text.lower() == "true"
+    add_dtype(parser, None, "training dtype: bf16 or fp16 train 16-bit parameters with fp32 master weights "
+                            "(fp16 with dynamic loss scaling) (default: fp32, or the config's)")
 
 
 _PATH_FLAGS = ("config", "data", "report", "log_csv", "save_dir", "resume")  # made absolute: workers may start elsewhere
@@ -121,18 +89,9 @@ _PATH_FLAGS = ("config", "data", "report", "log_csv", "save_dir", "resume")  # m
 
 def to_argv(args: argparse.Namespace) -> list[str]:
     """The training flags of `args` as a command line for `python -m zeroshard.app.train`."""
-    argv = []
     flags = argparse.ArgumentParser(add_help=False)
     add_arguments(flags)
-    for name in vars(flags.parse_args([])):  # every training flag, as add_arguments declares them
-        value = getattr(args, name)
-        if value is None:
-            continue
-        if name in _PATH_FLAGS:
-            value = os.path.abspath(value)
-        text = str(value).lower() if isinstance(value, bool) else repr(value) if name == "lr" else str(value)
-        argv += ["--" + name.replace("_", "-"), text]
-    return argv
+    return as_argv(args, vars(flags.parse_args([])), _PATH_FLAGS)  # every flag add_arguments declares
 
 
 # The demo's settings where neither --config nor a flag gives one.
@@ -346,7 +305,6 @@ def _prompt(corpus: CharCorpus) -> str:
     return corpus.decode(corpus.ids[:12])
 
 
-@torch.no_grad()
 @torch.no_grad()
 def generate(model: GPT, corpus: CharCorpus, prompt: str, length: int, seed: int,
              temperature: float = 0.8) -> str:

@@ -6,13 +6,12 @@ every rank's pieces into whole tensors, keyed as the model's own
 `model.load_state_dict(safetensors.torch.load_file(path))`. Trained
 parameters come from the fp32 masters; `dtype` casts floating-point
 values. `full_tensors` gives any stored kind by parameter name (the
-optimizer's `optim.exp_avg`, say).
+optimizer's `optim.exp_avg`, say). The command itself is the app's
+(zeroshard/app/cli.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from zeroshard.checkpoint.files import (
     read_manifest,
     resolve,
 )
-from zeroshard.core.precision import DTYPES
+from zeroshard.dtypes import MASTER_DTYPE, from_torch_name
 
 
 def full_tensors(load_dir: str | Path, tag: str | None = None, kind: str = "param") -> dict[str, torch.Tensor]:
@@ -59,8 +58,8 @@ def _whole(reader: PieceReader, path: Path, manifest: dict, kind: str) -> dict[s
 def _stored_dtype(kind: str, entry: dict) -> torch.dtype:
     """Masters and optimizer state are fp32; frozen parameters and buffers keep their own dtype."""
     if kind == "buffer" or (kind == "param" and entry["group"] is None):
-        return getattr(torch, entry["dtype"])
-    return torch.float32
+        return from_torch_name(entry["dtype"])
+    return MASTER_DTYPE
 
 
 def consolidate(load_dir: str | Path, tag: str | None = None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -93,29 +92,3 @@ def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: 
     except Exception as exc:  # safetensors reports I/O errors in its own error type
         raise CheckpointError(f"cannot write {out} ({exc}); give a path in an existing, writable directory") from None
     return len(state)
-
-
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    """`zeroshard consolidate CHECKPOINT OUT [--tag T] [--dtype D]`."""
-    parser = commands.add_parser(
-        "consolidate", help="join a sharded checkpoint into one safetensors state dict",
-        description="Join every rank's shard of a zeroshard checkpoint into one safetensors file keyed\n"
-                    "as the model's state_dict(): model.load_state_dict(safetensors.torch.load_file(OUT)).\n"
-                    "Runs in one process, on any machine; trained parameters come from the fp32 masters.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", metavar="CHECKPOINT",
-                        help="a save directory (its 'latest' tag) or one tag's directory")
-    parser.add_argument("out", metavar="OUT", help="the .safetensors file to write")
-    parser.add_argument("--tag", default=None, help="the tag to read in CHECKPOINT (default: its 'latest')")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="cast floating-point tensors (default: fp32 masters, frozen ones as stored)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        count = write(args.checkpoint, args.out, args.tag, DTYPES.get(args.dtype))
-    except CheckpointError as error:
-        print(f"zeroshard consolidate: {error}", file=sys.stderr)
-        return 1
-    print(f"wrote {count} tensors to {args.out}")
-    return 0

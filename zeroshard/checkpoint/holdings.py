@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.bucket import Bucket
+from zeroshard.dtypes import torch_name
 
 
 @dataclass(frozen=True)
@@ -100,18 +101,15 @@ class Holdings:
         table = {}
         for t in self.trained:
             for name, shape in zip(t.held.names, t.bucket.flat.shapes):
-                table[name] = {"shape": list(shape), "dtype": _dtype(t.bucket.flat.dtype),
+                table[name] = {"shape": list(shape), "dtype": torch_name(t.bucket.flat.dtype),
                                "group": t.bucket.param_group}
         for flat, span in self.frozen:
             for name, shape in zip(span.names, flat.shapes):
-                table[name] = {"shape": list(shape), "dtype": _dtype(flat.dtype), "group": None}
+                table[name] = {"shape": list(shape), "dtype": torch_name(flat.dtype), "group": None}
         for name, p in self.whole:
-            table[name] = {"shape": list(p.shape), "dtype": _dtype(p.dtype), "group": None}
+            table[name] = {"shape": list(p.shape), "dtype": torch_name(p.dtype), "group": None}
         return {name: table[name] for name in self.order}
 
     def buffer_table(self) -> dict[str, dict]:
-        return {name: {"shape": list(b.shape), "dtype": _dtype(b.dtype)} for name, b in self.buffers}
+        return {name: {"shape": list(b.shape), "dtype": torch_name(b.dtype)} for name, b in self.buffers}
 
-
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")

@@ -29,6 +29,8 @@ class Counters:
 
 
 class Trainer(Protocol):
+    """A trainer as a checkpoint sees it: its modules and optimizer, where its shards are, its counters."""
+
     module: nn.Module
     optimizer: torch.optim.Optimizer
     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None

@@ -168,7 +168,7 @@ def _serialized_state(trainer: Trainer, held: Holdings, client_state: dict | Non
             scalars[name] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in values.items()}
     state = {
         "global_steps": trainer.counters().global_steps,
-        "skipped_steps": trainer.skipped_steps,
+        "skipped_steps": trainer.counters().skipped_steps,
         "loss_scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
         "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],

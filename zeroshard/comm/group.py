@@ -9,9 +9,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zeroshard.errors import ZeroshardError
+
 log = logging.getLogger(__name__)
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class LaunchError(ZeroshardError, RuntimeError):
+    """The process group cannot be formed from the environment (an incomplete torchrun launch)."""
 
 
 def backend_for(device: torch.device) -> str:
@@ -34,7 +40,7 @@ def ensure_process_group(device: torch.device, timeout: timedelta | None = None)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     elif len(present) < len(_TORCHRUN_VARS):
         missing = [v for v in _TORCHRUN_VARS if v not in os.environ]
-        raise RuntimeError(
+        raise LaunchError(
             f"the torchrun environment is incomplete: {', '.join(missing)} not set; "
             "launch with `torchrun --nproc-per-node N script.py` or call "
             "torch.distributed.init_process_group yourself before zeroshard.initialize"

@@ -19,6 +19,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from zeroshard.dtypes import DTYPES, torch_name
+
 AUTO = "auto"
 
 
@@ -27,7 +29,7 @@ class ConfigFacts:
     """What `initialize` knows when it loads the config; None where it is not known."""
 
     world_size: int | None = None  # ranks in the data-parallel group
-    param_dtype: str | None = None  # the trainable parameters' dtype: "float32", "bfloat16", "float16"
+    param_dtype: str | None = None  # the trainable parameters' dtype, torch's name: "float32", "bfloat16", ...
     hidden_size: int | None = None  # the model's hidden size, for size autos that scale with it
 
 
@@ -47,12 +49,12 @@ def _warmup_max_lr(raw: dict, facts: ConfigFacts) -> Any:
     return None  # null = the optimizer's lr, read when the schedule is built (given or from the block)
 
 
-def _precision_enabled(dtype: str) -> Resolver:
+def _precision_enabled(section: str) -> Resolver:
     """`bf16.enabled` / `fp16.enabled`: whether the model was built in that dtype."""
     def resolve(raw: dict, facts: ConfigFacts) -> Any:
         if facts.param_dtype is None:
             raise AutoError("put true or false (from the model's dtype, which is not known here)")
-        return facts.param_dtype == dtype
+        return facts.param_dtype == torch_name(DTYPES[section])
     return resolve
 
 
@@ -75,8 +77,8 @@ AUTO_RESOLVERS: dict[str, Resolver] = {
     "zero_optimization.stage3_prefetch_bucket_size": _use_default,
     "zero_optimization.stage3_param_persistence_threshold": _use_default,
     # Mixed precision follows the dtype the model was built in (Hugging Face: its --bf16/--fp16).
-    "bf16.enabled": _precision_enabled("bfloat16"),
-    "fp16.enabled": _precision_enabled("float16"),
+    "bf16.enabled": _precision_enabled("bf16"),
+    "fp16.enabled": _precision_enabled("fp16"),
     "optimizer.params.*": _use_default,  # lr, betas, eps, weight_decay, ...: the type's defaults
     "scheduler.params.warmup_max_lr": _warmup_max_lr,
     "scheduler.params.total_num_steps": _total_num_steps,

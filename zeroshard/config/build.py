@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from zeroshard.config.schema import Config, ConfigError, ConfigFacts
 from zeroshard.config.blocks import build_optimizer, build_scheduler
+from zeroshard.dtypes import torch_name
 
 
 def config_facts(model: nn.Module, group: dist.ProcessGroup | None) -> ConfigFacts:
@@ -19,7 +20,7 @@ def config_facts(model: nn.Module, group: dist.ProcessGroup | None) -> ConfigFac
     else:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))  # what ensure_process_group will join
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
-    dtype = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None
+    dtype = torch_name(dtypes.pop()) if len(dtypes) == 1 else None
     return ConfigFacts(world_size=world_size, param_dtype=dtype)
 
 

@@ -15,20 +15,17 @@ Loading runs in order: key check, `"auto"` values and batch sizes
 from __future__ import annotations
 
 import copy
-import difflib
 from functools import partial
 import json
-import math
-import warnings
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal
 
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from zeroshard.config.auto import ConfigFacts, resolve_autos
 from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
-from zeroshard.config.values import PositiveInt, StrictBool
+from zeroshard.config.values import NonNegativeInt, PositiveInt, StrictBool
 from zeroshard.config.values import describe as _describe
 from zeroshard.config.values import invalid as _invalid
 from zeroshard.config.values import finite_number
@@ -39,11 +36,11 @@ from zeroshard.config.errors import ConfigError, ConfigWarning
 from zeroshard.config.keys import (
     UNSUPPORTED_BF16_KEYS, UNSUPPORTED_FP16_KEYS, UNSUPPORTED_TOP_LEVEL_KEYS, UNSUPPORTED_ZERO_KEYS, key_problems, read_json,
 )
+from zeroshard.dtypes import TRAINING_DTYPES, TrainingDtype
 
 __all__ = ["Bf16Config", "Config", "ConfigError", "ConfigFacts", "ConfigWarning", "Fp16Config", "ZeroConfig"]
 
 _SUPPORTED_STAGES = (0, 1, 2, 3)
-_COMMUNICATION_DTYPES = ("fp32", "bf16", "fp16")
 
 
 # ---- value checks: each raises "<requirement>; got <value as JSON>[ <note>]" ----
@@ -59,20 +56,8 @@ def _stage(value: Any) -> int:
     return value
 
 
-def _non_negative_int(value: Any) -> int:
-    """An int >= 0, or a whole float such as DeepSpeed's 1e5."""
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _invalid("must be an integer >= 0", value)
-    return value
-
-
 def _positive_seconds(value: Any) -> float:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not is_number or not math.isfinite(value) or value <= 0:
-        raise _invalid("must be a number of seconds > 0", value)
-    return float(value)
+    return finite_number(value, 0, False, noun="a number of seconds")
 
 
 def _class_names(value: Any) -> tuple[str, ...]:
@@ -85,19 +70,13 @@ def _clip_norm(value: Any) -> float:
     return _non_negative_float(value, " (0.0 turns clipping off)")
 
 
-def _zero_section(value: Any) -> Any:
-    if not isinstance(value, (dict, ZeroConfig)):
-        raise _invalid('must be a JSON object such as {"stage": 2}', value)
-    return value
-
-
-NonNegativeInt = Annotated[int, BeforeValidator(_non_negative_int)]
-
-
-def _precision_section(value: Any) -> Any:
-    if not isinstance(value, (dict, Bf16Config, Fp16Config)):
-        raise _invalid('must be a JSON object such as {"enabled": true}', value)
-    return value
+def _section(model: type[BaseModel], example: str) -> Callable[[Any], Any]:
+    """A validator for a section: a JSON object (or the section's `model` itself), else "such as `example`"."""
+    def check(value: Any) -> Any:
+        if not isinstance(value, (dict, model)):
+            raise _invalid(f"must be a JSON object such as {example}", value)
+        return value
+    return check
 
 
 def _number(minimum: float, inclusive: bool, note: str = ""):
@@ -106,8 +85,8 @@ def _number(minimum: float, inclusive: bool, note: str = ""):
 
 
 def _communication_dtype(value: Any) -> str | None:
-    if value is not None and value not in _COMMUNICATION_DTYPES:
-        raise _invalid(f"must be one of {', '.join(map(json.dumps, _COMMUNICATION_DTYPES))} or null", value)
+    if value is not None and value not in TRAINING_DTYPES:
+        raise _invalid(f"must be one of {', '.join(map(json.dumps, TRAINING_DTYPES))} or null", value)
     return value
 
 
@@ -184,7 +163,7 @@ class Fp16Config(BaseModel):
     loss_scale: Annotated[float, BeforeValidator(_number(0, True, " (0 = dynamic loss scaling)"))] = Field(
         0.0, description=("Static loss scale (a multiplier); 0 = dynamic loss scaling. "
                           "DeepSpeed: fp16.loss_scale (default 0)."))
-    initial_scale_power: Annotated[int, BeforeValidator(_non_negative_int)] = Field(16, description=(
+    initial_scale_power: NonNegativeInt = Field(16, description=(
         "Dynamic scaling starts at a loss scale of 2^initial_scale_power. "
         "DeepSpeed: fp16.initial_scale_power (default 16)."))
     loss_scale_window: PositiveInt = Field(1000, description=(
@@ -225,7 +204,7 @@ class Config(BaseModel):
         "Seconds a collective may wait for the other ranks before the engine stops with an error "
         "that says which collective, unit and step each rank was at. DeepSpeed: none "
         "(deepspeed.init_distributed(timeout=...), default 30 minutes)."))
-    zero_optimization: Annotated[ZeroConfig, BeforeValidator(_zero_section)] = Field(
+    zero_optimization: Annotated[ZeroConfig, BeforeValidator(_section(ZeroConfig, '{"stage": 2}'))] = Field(
         default_factory=ZeroConfig,
         description="ZeRO settings (see ZeroConfig). DeepSpeed: zero_optimization.")
     optimizer: OptimizerBlock | None = Field(None, description=(
@@ -237,15 +216,15 @@ class Config(BaseModel):
     strict: StrictBool = Field(True, description=(
         "false: DeepSpeed keys zeroshard does not support yet are ignored with one warning each, "
         "instead of being an error (unknown keys stay errors). DeepSpeed: none (zeroshard only)."))
-    bf16: Annotated[Bf16Config, BeforeValidator(_precision_section)] = Field(
+    bf16: Annotated[Bf16Config, BeforeValidator(_section(Bf16Config, '{"enabled": true}'))] = Field(
         default_factory=Bf16Config,
         description="bfloat16 mixed precision (see Bf16Config). DeepSpeed: bf16 (default disabled).")
-    fp16: Annotated[Fp16Config, BeforeValidator(_precision_section)] = Field(
+    fp16: Annotated[Fp16Config, BeforeValidator(_section(Fp16Config, '{"enabled": true}'))] = Field(
         default_factory=Fp16Config,
         description="float16 mixed precision with loss scaling (see Fp16Config). DeepSpeed: fp16 "
                     "(default disabled).")
     communication_data_type: Annotated[
-        Literal["fp32", "bf16", "fp16"] | None, BeforeValidator(_communication_dtype)] = Field(
+        TrainingDtype | None, BeforeValidator(_communication_dtype)] = Field(
             None, description=(
                 "dtype of gradient reductions: \"fp32\", or the training dtype (\"bf16\" or \"fp16\"); "
                 "null = the training dtype. DeepSpeed: communication_data_type (default null)."))
@@ -264,7 +243,7 @@ class Config(BaseModel):
         return self
 
     @property
-    def training_dtype(self) -> str:
+    def training_dtype(self) -> TrainingDtype:
         """The dtype of parameters in forward and backward: "bf16", "fp16" or "fp32"."""
         return "bf16" if self.bf16.enabled else "fp16" if self.fp16.enabled else "fp32"
 

@@ -1,7 +1,7 @@
-"""Value checks shared by the config sections (config.py, ds_blocks.py).
+"""Value checks shared by the config sections (schema.py, blocks.py).
 
 Each check raises a pydantic custom error whose message reads
-"<requirement>; got <value as JSON>[ <note>]"; `config._describe` puts the
+"<requirement>; got <value as JSON>[ <note>]"; `describe` puts the
 dotted key in front.
 """
 
@@ -33,17 +33,30 @@ def show(value: Any) -> str:
         return repr(value)
 
 
-def positive_int(value: Any) -> int:
-    """Accept an int > 0, or a whole float such as DeepSpeed's 5e8."""
+def integer(value: Any, minimum: int, requirement: str, float_note: str = "") -> int:
+    """An int >= `minimum`, or a whole float such as DeepSpeed's 5e8; `requirement` starts the message.
+
+    A float that is not whole gets `float_note` after the value, where one is given.
+    """
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    elif isinstance(value, float):
-        raise invalid("must be a positive integer", value,
-                      " (a float is accepted only when it is a whole number, such as 5e8)")
+    elif isinstance(value, float) and float_note:
+        raise invalid(requirement, value, float_note)
     # bool is a subclass of int, but `true` is not a count.
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise invalid("must be a positive integer", value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise invalid(requirement, value)
     return value
+
+
+def positive_int(value: Any) -> int:
+    """Accept an int > 0, or a whole float such as DeepSpeed's 5e8."""
+    return integer(value, 1, "must be a positive integer",
+                   " (a float is accepted only when it is a whole number, such as 5e8)")
+
+
+def non_negative_int(value: Any) -> int:
+    """An int >= 0, or a whole float such as DeepSpeed's 1e5."""
+    return integer(value, 0, "must be an integer >= 0")
 
 
 def strict_bool(value: Any) -> bool:
@@ -53,12 +66,15 @@ def strict_bool(value: Any) -> bool:
     return value
 
 
-def finite_number(value: Any, minimum: float, inclusive: bool, meaning: str = "") -> float:
-    """A finite number above `minimum` (or equal to it, if `inclusive`), stored as a float;
-    `meaning` follows the requirement in the message."""
+def finite_number(value: Any, minimum: float, inclusive: bool, meaning: str = "",
+                  noun: str = "a finite number") -> float:
+    """A finite number above `minimum` (or equal to it, if `inclusive`), stored as a float.
+
+    The message reads "must be <noun> > <minimum><meaning>".
+    """
     is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not is_number or not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
-        raise invalid(f"must be a finite number {'>=' if inclusive else '>'} {minimum:g}{meaning}", value)
+        raise invalid(f"must be {noun} {'>=' if inclusive else '>'} {minimum:g}{meaning}", value)
     return float(value)
 
 
@@ -68,6 +84,7 @@ def non_negative_float(value: Any, meaning: str = "") -> float:
 
 
 PositiveInt = Annotated[int, BeforeValidator(positive_int)]
+NonNegativeInt = Annotated[int, BeforeValidator(non_negative_int)]
 StrictBool = Annotated[bool, BeforeValidator(strict_bool)]
 NonNegativeFloat = Annotated[float, BeforeValidator(non_negative_float)]
 

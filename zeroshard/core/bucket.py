@@ -1,13 +1,13 @@
 """Bucket: one group of parameters whose gradients and values are communicated together.
 
-At stages 0-2 a unit is a size bucket of one optimizer param group; at stage
-3 it is one param group's parameters within a module unit (`module_unit.py`).
+At stages 0-2 a bucket is a size bucket of one optimizer param group; at
+stage 3 it is one param group's parameters within a unit (`stage3/unit.py`).
 What it holds depends on the stage's switches:
 
 - `shard_optimizer` (stage >= 1): the optimizer sees only this rank's shard of
   the flat buffer (`master`), and the updated shards are all-gathered.
 - `shard_grads` (stage >= 2): only this rank's gradient shard persists; each
-  micro-step's full gradients are staged in a pooled buffer from the unit's
+  micro-step's full gradients are staged in pooled staging memory from the bucket's
   first gradient until its reduce-scatter lands.
 - `shard_params` (stage 3): only this rank's shard of the parameters persists
   (`flat.shard_data`, which in fp32 is also the master); the full buffer is
@@ -53,7 +53,7 @@ class Bucket:
     - `full_grad` (stages 0-1; 1-D, padded): every parameter's `.grad` is a view
       of it, so autograd accumulates micro-steps in place;
     - `staging` (stage 2; 1-D, padded, pooled): this micro-step's gradients,
-      alive from the unit's first gradient until its reduction lands;
+      alive from the bucket's first gradient until its reduction lands;
     - `grad_acc` (stages 0-1, 16-bit parameters only; 1-D, padded, fp32): the
       sum of the window's micro-steps, when there are several, and the reduction
       buffer when the reduce dtype is fp32;
@@ -131,7 +131,7 @@ class Bucket:
             self.staging = pool.acquire(self.flat.padded_numel, self.precision.reduce_dtype, self.flat.device)
         p, slot = self.params[index], self.flat.slot(index, self.staging)
         grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)  # Embedding(sparse=True)
-        if self._staged[index]:  # a second gradient before the unit launched (reentrant checkpointing)
+        if self._staged[index]:  # a second gradient before the bucket launched (reentrant checkpointing)
             slot.add_(grad)
         else:
             slot.copy_(grad)

@@ -1,4 +1,4 @@
-"""Which parameters form which unit at stages 0-2: size buckets in backward order."""
+"""Which parameters form which bucket at stages 0-2: size buckets in backward order."""
 
 from __future__ import annotations
 

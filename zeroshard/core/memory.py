@@ -9,6 +9,8 @@ sum of several micro-steps' gradients counts under `grads`.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -16,6 +18,18 @@ from zeroshard.core.staging import StagingPool
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.optim import state_tensors
 from zeroshard.core.bucket import Bucket
+
+
+class MemoryStats(dict):
+    """Bytes per kind of model state. Reading the old key `buffers` still gives `staging`, with a
+    DeprecationWarning, for one release; it is not a key of its own, so summing the values stays right."""
+
+    def __missing__(self, key: str) -> int:
+        if key == "buffers":
+            warnings.warn("memory_stats()['buffers'] is now memory_stats()['staging'] (communication staging "
+                          "memory); the old key goes away in the next release", DeprecationWarning, stacklevel=2)
+            return self["staging"]
+        raise KeyError(key)
 
 
 def _storage_bytes(tensors, seen: set[int]) -> int:
@@ -34,11 +48,10 @@ def _storage_bytes(tensors, seen: set[int]) -> int:
 def model_state_bytes(
     model: nn.Module, buckets: list[Bucket], optimizer: torch.optim.Optimizer, pool: StagingPool,
     frozen: list[FlatParams] = (),
-) -> dict[str, int]:
+) -> MemoryStats:
     """Bytes per kind of model state this rank holds; `staging` is the pooled communication staging memory.
 
     `frozen`: stage 3's flat buffers of parameters that do not require grad.
-    `buffers` is the old name of `staging`, kept as an alias for one release.
     """
     seen: set[int] = set()
     flats = [b.flat for b in buckets] + list(frozen)
@@ -49,5 +62,4 @@ def model_state_bytes(
     master = _storage_bytes([b.master for b in buckets], seen)
     opt = _storage_bytes(state_tensors(optimizer), seen)
     staging = _storage_bytes(pool.tensors(), seen)
-    return {"params": params, "grads": grads, "master": master, "optimizer": opt, "staging": staging,
-            "buffers": staging}
+    return MemoryStats(params=params, grads=grads, master=master, optimizer=opt, staging=staging)

@@ -1,8 +1,8 @@
-"""The user's torch optimizer, run over the units' master tensors instead of the parameters.
+"""The user's torch optimizer, run over the buckets' master tensors instead of the parameters.
 
 The optimizer object is kept (LR schedulers already attached to it keep
 working); only each param group's "params" list is replaced by the master
-tensors (this rank's shards at stage >= 1) of the units built from that group.
+tensors (this rank's shards at stage >= 1) of the buckets built from that group.
 That is sound only for optimizers that work element by element, so each
 param group's optimizer is probed first.
 """
@@ -102,16 +102,16 @@ def is_fresh(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def shard_optimizer(
-    optimizer: torch.optim.Optimizer, units_of_group: list[list[Bucket]], fuse: bool
+    optimizer: torch.optim.Optimizer, buckets_of_group: list[list[Bucket]], fuse: bool
 ) -> None:
-    """Point each param group at its units' master tensors.
+    """Point each param group at its buckets' master tensors.
 
     `fuse`: switch groups left at `fused=None` to torch's fused kernel where the
     class has one (same math, one kernel over few large tensors).
     """
     built_state = bool(optimizer.state)  # by the constructor (Adagrad): the masters need theirs
-    for group, units in zip(optimizer.param_groups, units_of_group):
-        group["params"] = [unit.master for unit in units]
+    for group, buckets in zip(optimizer.param_groups, buckets_of_group):
+        group["params"] = [bucket.master for bucket in buckets]
         if fuse and "fused" in optimizer.defaults and group.get("fused") is None:
             group["fused"] = True
             if group.get("foreach"):

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.config.schema import Config, Fp16Config
+from zeroshard.dtypes import DTYPES, MASTER_DTYPE
 from zeroshard.errors import ZeroshardError
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# DTYPES is zeroshard.dtypes' table, named here too for the code that imported it from this module.
+__all__ = ["DTYPES", "LossScaleError", "LossScaler", "Precision", "cast_inputs"]
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class Precision:
 
     param_dtype: torch.dtype  # parameters, activations and gradients in forward/backward
     reduce_dtype: torch.dtype  # gradients on the wire
-    master_dtype: torch.dtype = torch.float32  # what the optimizer updates, and its state
+    master_dtype: torch.dtype = MASTER_DTYPE  # what the optimizer updates, and its state
 
     @classmethod
     def from_config(cls, config: Config) -> "Precision":

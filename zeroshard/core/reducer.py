@@ -23,8 +23,13 @@ import torch.nn as nn
 from zeroshard.core.staging import StagingPool
 from zeroshard.comm import Comm, Pending, wait_all
 from zeroshard.core.bucket import StageSwitches
+from zeroshard.errors import ZeroshardError
 
 log = logging.getLogger(__name__)
+
+
+class GradientError(ZeroshardError, RuntimeError):
+    """A gradient that arrives when it can no longer be reduced (after its bucket or unit was launched)."""
 
 # One reduction in flight overlaps the next unit's backward (double buffering);
 # more would only hold more staging and scratch buffers, and on CPU they
@@ -78,9 +83,9 @@ class GradReducer:
         """A parameter's gradient for this backward is complete (autograd hook)."""
         target = self.targets[target_index]
         if (target_index, param_index) in self._seen and self._launched[target_index]:
-            raise RuntimeError(
-                f"parameter '{self.names[id(target.params[param_index])]}' received a second gradient in one backward after its bucket was "
-                "already reduced (reentrant activation checkpointing does this); use "
+            raise GradientError(
+                f"parameter '{self.names[id(target.params[param_index])]}' received a second gradient in one backward "
+                "after its bucket was already reduced (reentrant activation checkpointing does this); use "
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
             )
         if target.switches.shard_grads:

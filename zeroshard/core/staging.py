@@ -12,11 +12,12 @@ import torch
 
 
 class StagingPool:
-    """Hands out 1-D tensors from reusable blocks of at least the largest unit's size."""
+    """Hands out 1-D tensors from reusable blocks (of at least `block_numel` elements each)."""
 
     def __init__(self, block_numel: int = 0) -> None:
-        # Every block is at least the largest request expected (the largest unit), so any
-        # free block serves any request and the pool holds one block per buffer in use.
+        # Stages 0-2: every block is at least the largest request (the largest bucket), so any
+        # free block serves any request and the pool holds one block per buffer in use. Stage 3
+        # passes 0: blocks of exactly the size asked for, reused by the next unit of the same shape.
         self.block_numel = block_numel
         self._free: list[torch.Tensor] = []
         self._all: list[torch.Tensor] = []

@@ -194,10 +194,15 @@ class Engine:
         self.state = TrainingState.STEP if boundary else TrainingState.IDLE
         if not boundary:
             return
-        if self.scaler is not None and any_nonfinite([b.grad_shard for b in self.buckets], self.comm, self._device):
-            self._skip_step()
-        else:
-            self._optimizer_step()
+        try:
+            if self.scaler is not None and any_nonfinite([b.grad_shard for b in self.buckets], self.comm,
+                                                         self._device):
+                self._skip_step()
+            else:
+                self._optimizer_step()
+        except BaseException as exc:  # a partial update, or a collective some ranks did not finish
+            self._fail(f"the optimizer step failed on this rank ({type(exc).__name__}: {exc})")
+            raise
         self.state = TrainingState.IDLE
 
     def _optimizer_step(self) -> None:

@@ -1,8 +1,10 @@
 """The engine's training state: where one micro-step stands, as an explicit state machine.
 
     IDLE --engine(...)--> FORWARD --> back to where it was (IDLE or STEP_DUE)
-    IDLE --engine.backward--> BACKWARD --> STEP_DUE --engine.step--> STEP --> IDLE
-    any --a failed backward or forward collective--> FAILED (final: restart from a checkpoint)
+    IDLE --engine.backward--> BACKWARD --> STEP_DUE --engine.step--> IDLE         (inside a window)
+                                           STEP_DUE --engine.step--> STEP --> IDLE (at its boundary)
+    BACKWARD or STEP --an exception--> FAILED; FORWARD --a failed collective--> FAILED
+    FAILED is final: ranks may be out of step, so the job restarts (from a checkpoint).
 
 A forward may run in STEP_DUE too (evaluating between backward and step).
 """
@@ -24,4 +26,5 @@ class TrainingState(Enum):
 
 
 class EngineStateError(ZeroshardError, RuntimeError):
-    """A call that the training state does not allow (backward twice, step without backward, a failed engine)."""
+    """A call that the training state does not allow: backward twice, step without backward, a gradient
+    outside engine.backward, any call on a failed engine, or parameters replaced after initialize."""

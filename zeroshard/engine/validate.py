@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zeroshard.core.optim import OptimizerError, check_elementwise, is_fresh
+from zeroshard.errors import ModelError
 
 _WRAPPED = "_zeroshard_wrapped"  # set on a module once an engine owns its parameters
 
@@ -19,9 +20,9 @@ def device_of(model: nn.Module) -> torch.device:
     """The one device all of the model's parameters are on."""
     devices = {p.device for p in model.parameters()}
     if not devices:
-        raise ValueError("the model has no parameters; zeroshard shards parameters and their states")
+        raise ModelError("the model has no parameters; zeroshard shards parameters and their states")
     if len(devices) > 1:
-        raise ValueError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
+        raise ModelError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); "
                          "move the model to one device (model.to(device)) before zeroshard.initialize")
     return devices.pop()
 
@@ -29,17 +30,17 @@ def device_of(model: nn.Module) -> torch.device:
 def check_device_matches_group(device: torch.device, group: dist.ProcessGroup) -> None:
     backend = dist.get_backend(group)
     if device.type == "cuda" and backend != "nccl":
-        raise ValueError(f"the model is on {device} but the process group's backend is {backend}; "
+        raise ModelError(f"the model is on {device} but the process group's backend is {backend}; "
                          "use NCCL for CUDA models (init_process_group('nccl'), or let zeroshard start it)")
     if device.type == "cpu" and backend == "nccl":
-        raise ValueError("the model is on the CPU but the process group's backend is nccl; "
+        raise ModelError("the model is on the CPU but the process group's backend is nccl; "
                          "move the model to this rank's GPU (model.to(f'cuda:{local_rank}')) or use gloo")
 
 
 def check_model(model: nn.Module, param_dtype: torch.dtype = torch.float32) -> None:
     """Trainable parameters in fp32 or `param_dtype`, each with storage of its own, in no other engine."""
     if getattr(model, _WRAPPED, False):
-        raise ValueError("this model is already wrapped by a zeroshard engine; build a fresh model "
+        raise ModelError("this model is already wrapped by a zeroshard engine; build a fresh model "
                          "(and optimizer) for a new engine")
     allowed = {torch.float32, param_dtype}
     wrong = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype not in allowed]
@@ -47,12 +48,12 @@ def check_model(model: nn.Module, param_dtype: torch.dtype = torch.float32) -> N
         names = f"{[n for n, _ in wrong[:3]]}{' ...' if len(wrong) > 3 else ''}"
         dtype = str(wrong[0][1]).removeprefix("torch.")
         if param_dtype == torch.float32:
-            raise ValueError(f"parameters {names} are {dtype} and are not float32, but the config trains "
+            raise ModelError(f"parameters {names} are {dtype} and are not float32, but the config trains "
                              "in fp32: keep the model in fp32 (model.float()), or enable mixed precision in "
                              'the config ("bf16": {"enabled": true} or "fp16": {"enabled": true})')
         name = str(param_dtype).removeprefix("torch.")
         section = "bf16" if param_dtype == torch.bfloat16 else "fp16"
-        raise ValueError(f"parameters {names} are {dtype} but the config enables {section} ({name}): build "
+        raise ModelError(f"parameters {names} are {dtype} but the config enables {section} ({name}): build "
                          f"the model in float32 (zeroshard casts it to {name}) or in {name}, or enable the "
                          "config section that matches the model's dtype")
     owners: dict[int, str] = {}
@@ -61,7 +62,7 @@ def check_model(model: nn.Module, param_dtype: torch.dtype = torch.float32) -> N
             continue
         ptr = p.untyped_storage().data_ptr()
         if ptr in owners:
-            raise ValueError(f"parameters '{owners[ptr]}' and '{name}' share storage but are different "
+            raise ModelError(f"parameters '{owners[ptr]}' and '{name}' share storage but are different "
                              "Parameter objects; flattening would untie them. Tie them as one Parameter "
                              "(b.weight = a.weight) or give each its own storage")
         owners[ptr] = name

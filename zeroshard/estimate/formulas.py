@@ -13,12 +13,21 @@ from __future__ import annotations
 
 import math
 
+from zeroshard.dtypes import BYTES, DTYPES, MASTER_DTYPE, TRAINING_DTYPES
+
 STAGES = (0, 1, 2, 3)  # the formulas; which stages the engine runs is the engine's business
 
 # Ring algorithms: bytes each rank sends (and receives) per logical byte.
 # all-reduce = reduce-scatter + all-gather, hence twice the factor.
 _RING_STEPS = {"reduce_scatter": 1, "all_gather": 1, "all_to_all": 1, "all_reduce": 2}
-_SCALAR_BYTES = 4  # the squared gradient norm and fp16's overflow flag are fp32 scalars
+_FP32_BYTES = BYTES["fp32"]
+_SCALAR_BYTES = _FP32_BYTES  # the squared gradient norm and fp16's overflow flag are fp32 scalars
+_ADAM_BYTES = 2 * _FP32_BYTES  # Adam's two moments, fp32 whatever the training dtype
+
+# Bytes per element of (parameters, gradients, fp32 master weights) per training dtype: 16-bit
+# training keeps an fp32 master copy; fp32 parameters are their own master copy.
+DTYPE_BYTES = {name: (BYTES[name], BYTES[name], 0 if DTYPES[name] == MASTER_DTYPE else MASTER_DTYPE.itemsize)
+               for name in TRAINING_DTYPES}
 
 
 def _check(numel: int, world_size: int, stage: int) -> None:
@@ -79,11 +88,10 @@ def state_bytes_per_element(training: str = "fp32", communication: str | None = 
     micro-steps (or an fp32 reduction) adds 4 bytes per element to the 16-bit
     gradients at stages 0-1, and replaces them (4 instead of 2) at stage 2.
     """
-    if training == "fp32":
-        return {"param_bytes": 4, "grad_bytes": 4, "master_bytes": 0, "optimizer_bytes": 8}
-    fp32_sum = accumulation > 1 or communication == "fp32"
-    grads = (4 if stage >= 2 else 2 + 4) if fp32_sum else 2
-    return {"param_bytes": 2, "grad_bytes": grads, "master_bytes": 4, "optimizer_bytes": 8}
+    param, grads, master = DTYPE_BYTES[_dtype(training)]
+    if master and (accumulation > 1 or communication == "fp32"):  # 16-bit gradients summed in fp32
+        grads = _FP32_BYTES if stage >= 2 else grads + _FP32_BYTES
+    return {"param_bytes": param, "grad_bytes": grads, "master_bytes": master, "optimizer_bytes": _ADAM_BYTES}
 
 
 def comm_bytes_per_step(
@@ -146,9 +154,6 @@ def wire_bytes(logical: int, world_size: int, op: str) -> float:
     return logical * _RING_STEPS[op] * (world_size - 1) / world_size
 
 
-# Bytes per element of (parameters, gradients, fp32 master weights) per training dtype: 16-bit
-# training keeps an fp32 master copy; fp32 parameters are their own master copy.
-DTYPE_BYTES = {"bf16": (2, 2, 4), "fp16": (2, 2, 4), "fp32": (4, 4, 0)}
 # ZeRO++ (stage 3): qwZ halves the forward gather, hpZ keeps the backward gather in the node,
 # qgZ quarters the gradient reduction: 3M -> 0.5M + 0 + 0.25M across nodes (DESIGN.md section 2).
 _ZEROPP_CROSS_NODE = 0.75
@@ -156,7 +161,7 @@ _ZEROPP_CROSS_NODE = 0.75
 
 def default_optimizer_bytes(dtype: str) -> int:
     """K, the paper's optimizer-state bytes per parameter with Adam: master copy + two fp32 moments."""
-    return DTYPE_BYTES[_dtype(dtype)][2] + 8
+    return DTYPE_BYTES[_dtype(dtype)][2] + _ADAM_BYTES
 
 
 def precision_bytes(dtype: str = "bf16", optimizer_bytes: int | None = None) -> dict[str, int]:

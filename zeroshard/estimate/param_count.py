@@ -1,10 +1,10 @@
-"""Count a model's parameters Ψ, and its largest unit, from its configuration alone.
+"""Count a Hugging Face model's parameters Ψ, and its largest unit, from its `config.json` alone.
 
 No model is built and nothing is allocated: the counts are closed forms of
-the configuration's sizes, for the built-in GPT presets and for Hugging Face
-`config.json` files of the common decoder families (llama, mistral, qwen2,
-gpt2, gpt_neox, opt). The largest unit is one transformer layer, the block
-that stage 3 gathers whole while it computes.
+the configuration's sizes, for the common decoder families (llama, mistral,
+qwen2, gpt2, gpt_neox, opt). The largest unit is one transformer layer, the
+block that stage 3 gathers whole while it computes. Models that can be built
+(the demo's presets) are counted by their owner, which hands the numbers in.
 """
 
 from __future__ import annotations
@@ -13,9 +13,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
-
-from zeroshard.app.models import PRESETS
-from zeroshard.app.models.gpt import GPTConfig
 
 
 @dataclass(frozen=True)
@@ -27,35 +24,19 @@ class ParamCount:
     largest_unit: int  # elements of one transformer layer
 
 
-def count_params(name_or_path: str) -> ParamCount:
-    """Ψ of a preset name (`zeroshard.app.models.PRESETS`) or of a Hugging Face `config.json` file.
+def count_config_file(path: str | Path) -> ParamCount:
+    """Ψ and one layer of the model a Hugging Face `config.json` file describes.
 
-    Raises ValueError naming the cause: an unknown name, an unreadable file,
-    a model type not covered here, or a missing size key.
+    Raises ValueError naming the cause: an unreadable file, a model type not
+    covered here, or a missing size key.
     """
-    if name_or_path in PRESETS:
-        numel, layer = gpt_preset_count(PRESETS[name_or_path])
-        return ParamCount(name_or_path, numel, layer)
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise ValueError(f"'{name_or_path}' is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
-                         "config.json file; give one of those, or the count itself with --params")
+    path = Path(path)
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"cannot read '{path}' as a JSON config ({error})") from None
     numel, layer = hf_count(config)
     return ParamCount(str(path), numel, layer)
-
-
-def gpt_preset_count(cfg: GPTConfig) -> tuple[int, int]:
-    """(Ψ, one block) of `zeroshard.app.models.GPT`: token and position embeddings, blocks, final norm.
-
-    Its head is tied to the token embedding, so it adds nothing.
-    """
-    d = cfg.n_embd
-    block = _layer_norm(d) * 2 + _linear(d, 3 * d) + _linear(d, d) + _linear(d, 4 * d) + _linear(4 * d, d)
-    return (cfg.vocab_size + cfg.block_size) * d + cfg.n_layer * block + _layer_norm(d), block
 
 
 def hf_count(config: dict[str, Any]) -> tuple[int, int]:

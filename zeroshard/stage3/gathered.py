@@ -26,8 +26,8 @@ _PLACEMENT = "_zeroshard_placement"
 
 @dataclass(frozen=True)
 class Placement:
-    """Where an engine keeps a parameter: its comm, its flat buffer's unit if it trains, and at
-    stage 3 its module unit in the schedule."""
+    """Where an engine keeps a parameter: its comm, its bucket if it trains, and at stage 3 its
+    unit's index in the schedule."""
 
     comm: Comm
     owner: object | None = None  # the Bucket whose master it has, if it trains

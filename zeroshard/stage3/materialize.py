@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from zeroshard.core.flat import give_memory
+from zeroshard.errors import ModelError
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -51,15 +52,15 @@ class Materializer:
 def check_materializable(model: nn.Module, init: Callable | None, stage: int) -> None:
     if not on_meta(model):
         if init is not None:
-            raise ValueError("init= initialises a model built on the meta device, but this model's "
+            raise ModelError("init= initialises a model built on the meta device, but this model's "
                              "parameters are real; drop init= or build the model under "
                              "torch.device('meta')")
         return
     if stage != 3:
-        raise ValueError(f"the model is on the meta device, which only stage 3 can materialise shard by "
+        raise ModelError(f"the model is on the meta device, which only stage 3 can materialise shard by "
                          f"shard; set zero_optimization.stage to 3 (it is {stage}), or build the model "
                          "on a real device")
     if init is None:
-        raise ValueError("the model is on the meta device: pass init=fn to zeroshard.initialize, where "
+        raise ModelError("the model is on the meta device: pass init=fn to zeroshard.initialize, where "
                          "fn(module) initialises the parameters a module holds directly (for example "
                          "`lambda m: m.reset_parameters() if hasattr(m, 'reset_parameters') else None`)")

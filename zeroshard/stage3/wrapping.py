@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from zeroshard.errors import ModelError
+
 
 @dataclass
 class UnitPlan:
@@ -33,7 +35,7 @@ def unit_modules(model: nn.Module, wrap: tuple[str, ...], min_numel: int) -> dic
         found = {type(m).__name__ for m in model.modules()}
         missing = [c for c in wrap if c not in found]
         if missing:
-            raise ValueError(f"stage 3 wrap classes {missing} match no module of the model; classes present: "
+            raise ModelError(f"stage 3 wrap classes {missing} match no module of the model; classes present: "
                              f"{', '.join(sorted(found))}")
         units = {name: m for name, m in model.named_modules() if type(m).__name__ in wrap}
     else:
