@@ -16,7 +16,6 @@ from typing import Iterable
 from zeroshard.app.models import PRESETS
 from zeroshard.dtypes import TRAINING_DTYPES
 
-
 # ---- argparse types ----
 
 def positive_int(text: str) -> int:

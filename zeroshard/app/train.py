@@ -10,8 +10,8 @@ per-rank memory and per-step communication next to the formulas of
 from __future__ import annotations
 
 import argparse
-import gc
 import dataclasses
+import gc
 import json
 import logging
 import math
@@ -26,13 +26,21 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import zeroshard
-from zeroshard.app.report import print_report, report_figures
-from zeroshard.app.run_log import StepLog, write_report
 from zeroshard.app.data import CharCorpus, load_text, micro_batch
 from zeroshard.app.flags import (
-    add_data, add_dtype, add_micro_batch, add_model, add_steps, as_argv, positive_float, positive_int, true_or_false,
+    add_data,
+    add_dtype,
+    add_micro_batch,
+    add_model,
+    add_steps,
+    as_argv,
+    positive_float,
+    positive_int,
+    true_or_false,
 )
 from zeroshard.app.models import GPT, PRESETS
+from zeroshard.app.report import print_report, report_figures
+from zeroshard.app.run_log import StepLog, write_report
 
 log = logging.getLogger(__name__)
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
 from zeroshard.errors import ZeroshardError
 
 FORMAT = "zeroshard checkpoint"

@@ -17,8 +17,8 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from zeroshard.core.flat import FlatParams
 from zeroshard.core.bucket import Bucket
+from zeroshard.core.flat import FlatParams
 from zeroshard.dtypes import torch_name
 
 

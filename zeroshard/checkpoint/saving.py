@@ -16,6 +16,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+
 import torch
 from safetensors.torch import save_file
 
@@ -26,23 +27,18 @@ from zeroshard.checkpoint.files import (
     STATE,
     VERSION,
     CheckpointError,
-    PieceReader,
     check_tag,
     commit,
     fsync_file,
     partial_dir,
     rank_file,
-    read_manifest,
-    read_state,
-    resolve,
     runs_metadata,
     window_key,
     write_bytes,
 )
-from zeroshard.comm import Comm, all_gather_object
 from zeroshard.checkpoint.holdings import Holdings, Span
-
 from zeroshard.checkpoint.protocol import Trainer
+from zeroshard.comm import all_gather_object
 from zeroshard.version import __version__
 
 log = logging.getLogger(__name__)

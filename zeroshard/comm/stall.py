@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
+
 from zeroshard.errors import ZeroshardError
 
 # How long a rank waits for the others' traces: they fail at about the same time.

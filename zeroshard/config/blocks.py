@@ -15,10 +15,17 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, BeforeValidator, Field, SerializeAsAny, ValidationError
 
-from zeroshard.config.values import (
-    FROZEN_STRICT, NonNegativeFloat, PositiveInt, StrictBool, describe, invalid, non_negative_float, show,
-)
 from zeroshard.config.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zeroshard.config.values import (
+    FROZEN_STRICT,
+    NonNegativeFloat,
+    PositiveInt,
+    StrictBool,
+    describe,
+    invalid,
+    non_negative_float,
+    show,
+)
 
 
 def _betas(value: Any) -> tuple[float, float]:

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zeroshard.config.schema import Config, ConfigError, ConfigFacts
 from zeroshard.config.blocks import build_optimizer, build_scheduler
+from zeroshard.config.schema import Config, ConfigError, ConfigFacts
 from zeroshard.dtypes import torch_name
 
 

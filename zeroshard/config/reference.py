@@ -13,8 +13,8 @@ import json
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from zeroshard.config.schema import Bf16Config, Config, Fp16Config, ZeroConfig
 from zeroshard.config.blocks import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, OptimizerBlock, SchedulerBlock
+from zeroshard.config.schema import Bf16Config, Config, Fp16Config, ZeroConfig
 
 HEADER = """# Configuration reference
 

@@ -15,8 +15,8 @@ Loading runs in order: key check, `"auto"` values and batch sizes
 from __future__ import annotations
 
 import copy
-from functools import partial
 import json
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
@@ -24,18 +24,22 @@ from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_v
 from pydantic_core import PydanticCustomError
 
 from zeroshard.config.auto import ConfigFacts, resolve_autos
-from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
-from zeroshard.config.values import NonNegativeInt, PositiveInt, StrictBool
-from zeroshard.config.values import describe as _describe
-from zeroshard.config.values import invalid as _invalid
-from zeroshard.config.values import finite_number
-from zeroshard.config.values import non_negative_float as _non_negative_float
-from zeroshard.config.values import positive_int as _positive_int
 from zeroshard.config.blocks import OptimizerBlock, SchedulerBlock, parse_block
 from zeroshard.config.errors import ConfigError, ConfigWarning
 from zeroshard.config.keys import (
-    UNSUPPORTED_BF16_KEYS, UNSUPPORTED_FP16_KEYS, UNSUPPORTED_TOP_LEVEL_KEYS, UNSUPPORTED_ZERO_KEYS, key_problems, read_json,
+    UNSUPPORTED_BF16_KEYS,
+    UNSUPPORTED_FP16_KEYS,
+    UNSUPPORTED_TOP_LEVEL_KEYS,
+    UNSUPPORTED_ZERO_KEYS,
+    key_problems,
+    read_json,
 )
+from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
+from zeroshard.config.values import NonNegativeInt, PositiveInt, StrictBool, finite_number
+from zeroshard.config.values import describe as _describe
+from zeroshard.config.values import invalid as _invalid
+from zeroshard.config.values import non_negative_float as _non_negative_float
+from zeroshard.config.values import positive_int as _positive_int
 from zeroshard.dtypes import TRAINING_DTYPES, TrainingDtype
 
 __all__ = ["Bf16Config", "Config", "ConfigError", "ConfigFacts", "ConfigWarning", "Fp16Config", "ZeroConfig"]

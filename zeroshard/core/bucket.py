@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.core.staging import StagingPool
 from zeroshard.comm import Comm, Pending, all_gather, all_reduce, reduce_scatter
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.precision import Precision
+from zeroshard.core.staging import StagingPool
 
 FP32 = Precision(torch.float32, torch.float32)
 

@@ -14,10 +14,10 @@ import warnings
 import torch
 import torch.nn as nn
 
-from zeroshard.core.staging import StagingPool
+from zeroshard.core.bucket import Bucket
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.optim import state_tensors
-from zeroshard.core.bucket import Bucket
+from zeroshard.core.staging import StagingPool
 
 
 class MemoryStats(dict):

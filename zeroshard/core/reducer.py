@@ -20,9 +20,9 @@ from typing import Callable, Protocol
 
 import torch.nn as nn
 
-from zeroshard.core.staging import StagingPool
 from zeroshard.comm import Comm, Pending, wait_all
 from zeroshard.core.bucket import StageSwitches
+from zeroshard.core.staging import StagingPool
 from zeroshard.errors import ZeroshardError
 
 log = logging.getLogger(__name__)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zeroshard.core.optim import OptimizerError, check_elementwise, is_fresh
+from zeroshard.dtypes import NAMES, torch_name
 from zeroshard.errors import ModelError
 
 _WRAPPED = "_zeroshard_wrapped"  # set on a module once an engine owns its parameters
@@ -46,13 +47,12 @@ def check_model(model: nn.Module, param_dtype: torch.dtype = torch.float32) -> N
     wrong = [(n, p.dtype) for n, p in model.named_parameters() if p.requires_grad and p.dtype not in allowed]
     if wrong:
         names = f"{[n for n, _ in wrong[:3]]}{' ...' if len(wrong) > 3 else ''}"
-        dtype = str(wrong[0][1]).removeprefix("torch.")
+        dtype = torch_name(wrong[0][1])
         if param_dtype == torch.float32:
             raise ModelError(f"parameters {names} are {dtype} and are not float32, but the config trains "
                              "in fp32: keep the model in fp32 (model.float()), or enable mixed precision in "
                              'the config ("bf16": {"enabled": true} or "fp16": {"enabled": true})')
-        name = str(param_dtype).removeprefix("torch.")
-        section = "bf16" if param_dtype == torch.bfloat16 else "fp16"
+        name, section = torch_name(param_dtype), NAMES[param_dtype]
         raise ModelError(f"parameters {names} are {dtype} but the config enables {section} ({name}): build "
                          f"the model in float32 (zeroshard casts it to {name}) or in {name}, or enable the "
                          "config section that matches the model's dtype")

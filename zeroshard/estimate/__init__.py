@@ -5,9 +5,19 @@ class: callers (the CLI, the demo) count a model and hand the counts in.
 """
 
 from zeroshard.estimate.formulas import (
-    DTYPE_BYTES, STAGES, comm_bytes_per_step, cross_node_bytes, largest_model, memory_per_gpu,
-    model_state_bytes, order_check_bytes, precision_bytes, shard_numel, state_bytes_per_element,
-    summarize, wire_bytes,
+    DTYPE_BYTES,
+    STAGES,
+    comm_bytes_per_step,
+    cross_node_bytes,
+    largest_model,
+    memory_per_gpu,
+    model_state_bytes,
+    order_check_bytes,
+    precision_bytes,
+    shard_numel,
+    state_bytes_per_element,
+    summarize,
+    wire_bytes,
 )
 
 __all__ = [

@@ -19,12 +19,12 @@ from enum import Enum
 import torch
 import torch.nn as nn
 
-from zeroshard.core.staging import StagingPool
 from zeroshard.comm import Comm, PendingGroup, all_gather, broadcast
-from zeroshard.core.flat import FlatParams
-from zeroshard.stage3.materialize import Materializer
-from zeroshard.core.precision import Precision
 from zeroshard.core.bucket import FP32, Bucket, StageSwitches
+from zeroshard.core.flat import FlatParams
+from zeroshard.core.precision import Precision
+from zeroshard.core.staging import StagingPool
+from zeroshard.stage3.materialize import Materializer
 from zeroshard.stage3.wrapping import UnitPlan
 
 

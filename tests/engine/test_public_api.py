@@ -17,6 +17,9 @@ ERRORS = {  # documented error -> the builtin it has always derived from
     "OptimizerError": TypeError,
     "RankMismatchError": RuntimeError,
     "EngineStateError": RuntimeError,
+    "GradientError": RuntimeError,
+    "LaunchError": RuntimeError,
+    "ModelError": ValueError,
 }
 
 
@@ -51,7 +54,7 @@ def test_documented_imports():
 
 
 def test_version_is_pyproject_version():
-    text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(encoding="utf-8")
     try:
         import tomllib
 

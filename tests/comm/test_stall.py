@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.distributed import RankFailure, run_ranks
-from tests.recipes import Case, GPT_CFG, micro_batch
+from tests.recipes import GPT_CFG, Case, micro_batch
 from zeroshard.app.models import GPT
 
 TIMEOUT_S = 3.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 from tests.recipes import make_model
 from zeroshard.stage3.wrapping import plan_units, unit_modules
@@ -121,15 +121,20 @@ def test_a_unit_left_with_no_parameters_is_no_unit():
     assert [p.name for p in plans] == ["(root)", "enc"]
 
 
+class Marked(nn.Linear):
+    """A Linear of its own class, to make a unit of one module among its siblings."""
+
+
 def test_unit_names_are_matched_whole_not_as_prefixes():
-    """blocks.1 is not a prefix unit of blocks.10 or blocks.11."""
+    """blocks.1 is a unit; blocks.10 and blocks.11 are not, and do not fall inside it."""
     model = nn.Module()
-    model.blocks = nn.ModuleList(nn.Linear(2, 2) for _ in range(12))
-    plans = plan_units(model, unit_modules(model, ("Linear",), 1))
+    model.blocks = nn.ModuleList(Marked(2, 2) if i == 1 else nn.Linear(2, 2) for i in range(12))
+    plans = plan_units(model, unit_modules(model, ("Marked",), 1))
     homes = _check_partition(model, plans)
     for i, block in enumerate(model.blocks):
-        assert homes[id(block.weight)] == homes[id(block.bias)] == f"blocks.{i}"
-    assert [p.name for p in plans] == [f"blocks.{i}" for i in range(12)]  # the root holds nothing
+        assert homes[id(block.weight)] == homes[id(block.bias)] == ("blocks.1" if i == 1 else "(root)"), i
+    assert [p.name for p in plans] == ["(root)", "blocks.1"]
+    assert len(plans[0].params) == 2 * 11
 
 
 class Sized(nn.Module):

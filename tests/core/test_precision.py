@@ -18,7 +18,14 @@ import torch
 
 from tests.distributed import run_ranks
 from tests.recipes import (
-    Case, loss_of, make_model, make_optimizer, micro_batch, relative_error, run_zeroshard, train_reference_mixed,
+    Case,
+    loss_of,
+    make_model,
+    make_optimizer,
+    micro_batch,
+    relative_error,
+    run_zeroshard,
+    train_reference_mixed,
 )
 from tests.test_memory import measure
 from zeroshard.core.optim import state_tensors

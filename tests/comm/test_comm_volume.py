@@ -13,7 +13,7 @@ import pytest
 
 from tests import distributed
 from tests.distributed import run_ranks
-from tests.recipes import Case, micro_batch, make_model, make_optimizer
+from tests.recipes import Case, make_model, make_optimizer, micro_batch
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "order_check")
 

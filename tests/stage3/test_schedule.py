@@ -19,7 +19,15 @@ import functools
 import torch
 
 from tests.distributed import run_ranks
-from tests.recipes import Case, loss_of, make_model, make_optimizer, micro_batch, relative_error, train_reference
+from tests.recipes import (
+    Case,
+    loss_of,
+    make_model,
+    make_optimizer,
+    micro_batch,
+    relative_error,
+    train_reference,
+)
 
 WORLD, STEPS = 2, 3
 CASE = Case(stage=3, wrap=False)  # the units come from initialize(..., wrap=[Block])
@@ -124,7 +132,7 @@ def _train(rank, world, device, limits: dict, sizes: dict):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results() -> list[dict]:
     return run_ranks(_train, WORLD, LIMITS, SIZES)
 

@@ -11,7 +11,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from tests.distributed import run_ranks
 from tests.recipes import (
-    ADAMW1, Case, flat_weights, make_model, micro_batch, relative_error, train_zeroshard,
+    ADAMW1,
+    Case,
+    flat_weights,
+    make_model,
+    micro_batch,
+    relative_error,
+    train_zeroshard,
 )
 
 STEPS = 6

@@ -2,7 +2,7 @@
 
 References: the uninterrupted zeroshard run (same world size: bit for bit),
 single-process PyTorch on the same global batch (another world size or
-stage: the parity bar of tests/test_parity.py), and the saved values
+stage: the parity bar of tests/engine/test_parity.py), and the saved values
 themselves (weights, fp32 masters and optimizer state come back exactly,
 whatever the reader's layout; `zeroshard.checkpoint.consolidate` reads them back
 without a process group).
@@ -22,7 +22,13 @@ from safetensors.torch import load_file
 import zeroshard
 from tests.distributed import run_ranks
 from tests.recipes import (
-    Case, flat_weights, make_engine, make_engine_with_schedule, make_model, relative_error, train_reference,
+    Case,
+    flat_weights,
+    make_engine,
+    make_engine_with_schedule,
+    make_model,
+    relative_error,
+    train_reference,
     train_steps,
 )
 from zeroshard.checkpoint.consolidate import consolidate, full_tensors

@@ -18,7 +18,11 @@ import torch
 from tests import recipes
 from tests.distributed import run_ranks
 from zeroshard.config import (
-    UNSUPPORTED_TOP_LEVEL_KEYS, UNSUPPORTED_ZERO_KEYS, Config, ConfigError, ConfigWarning,
+    UNSUPPORTED_TOP_LEVEL_KEYS,
+    UNSUPPORTED_ZERO_KEYS,
+    Config,
+    ConfigError,
+    ConfigWarning,
 )
 
 FP16_AUTO = {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,

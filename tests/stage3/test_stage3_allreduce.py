@@ -20,7 +20,13 @@ import torch
 from tests import distributed
 from tests.distributed import run_ranks
 from tests.recipes import (
-    Case, flat_weights, make_model, make_optimizer, relative_error, train_reference, train_steps,
+    Case,
+    flat_weights,
+    make_model,
+    make_optimizer,
+    relative_error,
+    train_reference,
+    train_steps,
 )
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "order_check")

@@ -604,7 +604,7 @@ def test_two_ranks_fail_together_with_the_same_message(tmp_path):
 
 
 def _run(*argv: str, cwd: Path) -> tuple[int, str]:
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "COLUMNS": "400"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "COLUMNS": "400"}
     done = subprocess.run([sys.executable, "-m", "zeroshard.app.cli", *argv], capture_output=True, text=True,
                           check=False, timeout=180, cwd=cwd, env=env)
     return done.returncode, done.stdout + done.stderr

@@ -17,7 +17,7 @@ import random
 
 import pytest
 import torch
-import torch.nn as nn
+from torch import nn
 
 from tests.distributed import run_ranks
 from zeroshard.core import reducer as reducer_module
@@ -107,7 +107,7 @@ def drive(red, targets, events, arrivals):
 
 
 def test_ordered_launch_waits_for_a_late_target_and_never_reorders():
-    red, targets, events, launched = make([2, 2, 2, 2], ordered=True)
+    red, _targets, events, launched = make([2, 2, 2, 2], ordered=True)
     red.begin(True, SCALE)
     assert [e for e in events if e[0] == "attach"] == [("attach", n) for n in "ABCD"]
     # B and D complete first, then A: A releases B; C releases D.
@@ -149,16 +149,16 @@ def test_launches_match_the_contract_for_random_arrival_orders(ordered):
         red.begin(True, SCALE)
         want_each, want_finish = expected_launches(sizes, arrivals, ordered)
         got_each, got_finish = drive(red, targets, events, arrivals)
-        name = lambda i: targets[i].name  # noqa: E731
-        assert got_each == [[name(i) for i in new] for new in want_each], (trial, sizes, arrivals)
-        assert got_finish == [name(i) for i in want_finish], (trial, sizes, arrivals)
+        names = [t.name for t in targets]
+        assert got_each == [[names[i] for i in new] for new in want_each], (trial, sizes, arrivals)
+        assert got_finish == [names[i] for i in want_finish], (trial, sizes, arrivals)
         assert launched == [i for new in want_each for i in new] + want_finish
         assert all(len(t.pendings) == 1 and t.pendings[0].waits == 1 for t in targets)  # once each, all landed
 
 
 @pytest.mark.parametrize("ordered", [True, False])
 def test_unreached_targets_launch_at_finish_in_order_and_are_named_once(ordered, caplog):
-    red, targets, events, launched = make([2, 1, 2, 1], ordered)
+    red, targets, events, _launched = make([2, 1, 2, 1], ordered)
     arrivals = [(1, 0), (0, 0), (3, 0)]  # A.1 and all of C never arrive
     caplog.set_level(logging.WARNING, logger="zeroshard.core.reducer")
     red.begin(True, SCALE)
@@ -190,7 +190,7 @@ def test_unreached_targets_launch_at_finish_in_order_and_are_named_once(ordered,
 
 def test_a_micro_step_without_reduction_stages_but_never_launches_or_warns(caplog):
     caplog.set_level(logging.WARNING, logger="zeroshard.core.reducer")
-    red, targets, events, launched = make([2, 2], ordered=True)
+    red, _targets, events, launched = make([2, 2], ordered=True)
     red.begin(False, SCALE)
     red.on_grad(0, 0)
     red.on_grad(0, 1)
@@ -202,7 +202,7 @@ def test_a_micro_step_without_reduction_stages_but_never_launches_or_warns(caplo
 
 
 def test_stages_0_and_1_leave_gradients_where_autograd_put_them():
-    red, targets, events, _ = make([2], ordered=True, shard_grads=False)
+    red, _targets, events, _ = make([2], ordered=True, shard_grads=False)
     red.begin(True, SCALE)
     red.on_grad(0, 0)
     red.on_grad(0, 1)
@@ -228,7 +228,7 @@ def test_a_second_gradient_after_launch_is_the_reentrant_checkpointing_error(ord
 
 def test_a_second_gradient_before_launch_is_staged_again():
     """Ordered: B is complete but held behind A, so another gradient for it is still accepted."""
-    red, targets, events, _ = make([1, 2], ordered=True)
+    red, _targets, events, _ = make([1, 2], ordered=True)
     red.begin(True, SCALE)
     red.on_grad(1, 0)
     red.on_grad(1, 1)
