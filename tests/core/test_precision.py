@@ -27,7 +27,7 @@ from tests.recipes import (
     run_zeroshard,
     train_reference_mixed,
 )
-from tests.test_memory import measure
+from tests.core.test_memory import measure
 from zeroshard.core.optim import state_tensors
 from zeroshard.core.precision import LossScaleError, cast_inputs
 
