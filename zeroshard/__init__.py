@@ -5,6 +5,7 @@ from zeroshard.checkpoint import CheckpointError
 from zeroshard.comm import CollectiveError
 from zeroshard.comm.group import LaunchError
 from zeroshard.config import Config, ConfigError
+from zeroshard.core.grad_norm import NonFiniteError
 from zeroshard.core.optim import OptimizerError
 from zeroshard.core.precision import LossScaleError
 from zeroshard.core.reducer import GradientError
@@ -16,6 +17,6 @@ from zeroshard.version import __version__
 
 __all__ = [
     "CheckpointError", "CollectiveError", "Config", "ConfigError", "Engine", "EngineStateError", "GradientError",
-    "LaunchError", "LossScaleError", "ModelError", "OptimizerError", "RankMismatchError", "ZeroshardError",
-    "__version__", "consolidate", "gathered_parameters", "initialize",
+    "LaunchError", "LossScaleError", "ModelError", "NonFiniteError", "OptimizerError", "RankMismatchError",
+    "ZeroshardError", "__version__", "consolidate", "gathered_parameters", "initialize",
 ]

@@ -56,21 +56,23 @@ def test_model_states_uneven_split_rounds_shards_up():
 
 @pytest.mark.parametrize("stage, kwargs, expected", [
     (0, {}, {"all_reduce": 4000, "reduce_scatter": 0, "all_gather": 0}),
-    (0, {"clipping": True, "accumulation": 3}, {"all_reduce": 4000, "reduce_scatter": 0, "all_gather": 0}),
+    (0, {"accumulation": 3}, {"all_reduce": 4000, "reduce_scatter": 0, "all_gather": 0}),
     (1, {}, {"all_reduce": 0, "reduce_scatter": 4000, "all_gather": 4000}),
     (1, {"accumulation": 3}, {"all_reduce": 0, "reduce_scatter": 4000, "all_gather": 4000}),
     (1, {"reduce_scatter": False}, {"all_reduce": 4000, "reduce_scatter": 0, "all_gather": 4000}),
-    (1, {"clipping": True}, {"all_reduce": 4, "reduce_scatter": 4000, "all_gather": 4000}),
     (2, {"accumulation": 3}, {"all_reduce": 0, "reduce_scatter": 12000, "all_gather": 4000}),
     (2, {"elem_bytes": 2}, {"all_reduce": 0, "reduce_scatter": 2000, "all_gather": 2000}),
-    (1, {"elem_bytes": 2, "reduce_bytes": 4, "clipping": True},
-     {"all_reduce": 4, "reduce_scatter": 4000, "all_gather": 2000}),  # the norm stays one fp32 scalar
-    (0, {"elem_bytes": 2, "overflow_check": True}, {"all_reduce": 2004, "reduce_scatter": 0, "all_gather": 0}),
-    (2, {"elem_bytes": 2, "overflow_check": True, "clipping": True},
-     {"all_reduce": 8, "reduce_scatter": 2000, "all_gather": 2000}),
+    (1, {"elem_bytes": 2, "reduce_bytes": 4}, {"all_reduce": 0, "reduce_scatter": 4000, "all_gather": 2000}),
 ])
 def test_comm_bytes_per_step(stage, kwargs, expected):
     assert estimate.comm_bytes_per_step(PSI, stage, **kwargs) == expected
+
+
+def test_step_check_is_four_float64_per_rank():
+    # Norm, non-finite flag and counters: one all-gather per optimizer step, whatever the stage, dtype or clipping.
+    assert [estimate.step_check_bytes(n) for n in (1, 2, 4)] == [32, 64, 128]
+    with pytest.raises(ValueError):
+        estimate.step_check_bytes(0)
 
 
 @pytest.mark.parametrize("op, expected", [("all_reduce", 6000), ("reduce_scatter", 3000),
@@ -184,13 +186,13 @@ def test_train_two_ranks_stage3_reports_measured_equal_to_formula(tmp_path):
         assert measured == formula and ok == "✓", (name, output)
     assert memory["params"][1] == memory["grads"][1] == f"{4 * psi // 2:,}"  # stage 3: both sharded
 
-    comm = _table_rows(output, ("all_reduce", "reduce_scatter", "all_gather", "order_check"))
-    assert set(comm) == {"all_reduce", "reduce_scatter", "all_gather", "order_check"}, output
+    comm = _table_rows(output, ("all_reduce", "reduce_scatter", "all_gather", "order_check", "step_check"))
+    assert set(comm) == {"reduce_scatter", "all_gather", "order_check", "step_check"}, output  # no all-reduce
     for name, (_, _, measured, formula, _, _, ok) in comm.items():
         assert measured == formula and ok == "✓", (name, output)
     assert comm["reduce_scatter"][2] == f"{4 * psi:,}"
     assert comm["all_gather"][2] == f"{8 * psi:,}"  # forward and backward
-    assert comm["all_reduce"][2] == "4"  # the gradient norm, one fp32 scalar
+    assert comm["step_check"][2] == "64"  # norm, non-finite flag, counters: 4 float64 per rank
     _check_report(tmp_path / "report", tmp_path / "steps.csv", psi, memory, comm)
 
 

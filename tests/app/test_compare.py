@@ -52,10 +52,10 @@ def test_compare_two_ranks(tmp_path):
         shard = padded // 2
         expected_memory = {"params": 4 * padded, "grads": 4 * (shard if stage >= 2 else padded), "master": 0,
                            "optimizer": 8 * (shard if stage >= 1 else padded) + 4 * 2}
-        # Logical bytes per step: stage 0 all-reduces the fp32 gradients; stages 1-2 reduce-scatter them,
-        # all-gather the updated parameters, and all-reduce one fp32 scalar for the clipping norm.
+        # Logical bytes per step: stage 0 all-reduces the fp32 gradients; stages 1-2 reduce-scatter them and
+        # all-gather the updated parameters (the clipping norm rides on the step check, an op of its own).
         expected_comm = ({"all_reduce": 4 * padded, "reduce_scatter": 0, "all_gather": 0} if stage == 0 else
-                         {"all_reduce": 4, "reduce_scatter": 4 * padded, "all_gather": 4 * padded})
+                         {"all_reduce": 0, "reduce_scatter": 4 * padded, "all_gather": 4 * padded})
         assert row["memory"] == row["memory_estimate"] == expected_memory, row
         assert row["comm"] == row["comm_estimate"] == expected_comm, row
     assert _png_size(tmp_path / "out" / "compare.png") == (1100, 480)

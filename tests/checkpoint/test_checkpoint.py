@@ -294,7 +294,7 @@ def test_rank_files_rank_0_cannot_see_mean_no_shared_filesystem(tmp_path):
     from zeroshard.checkpoint.saving import _check_shared
 
     (tmp_path / "rank_00000.safetensors").write_bytes(b"x" * 10)
-    _check_shared(tmp_path, {"rank_00000.safetensors": 10})
+    _check_shared(tmp_path, {"rank_00000.safetensors": {"size": 10}})
     with pytest.raises(OSError, match=r"rank_00001.safetensors, written by another rank, is not in rank 0's .*"
                                       r"save_dir must be on a filesystem every node shares"):
-        _check_shared(tmp_path, {"rank_00000.safetensors": 10, "rank_00001.safetensors": 10})
+        _check_shared(tmp_path, {"rank_00000.safetensors": {"size": 10}, "rank_00001.safetensors": {"size": 10}})

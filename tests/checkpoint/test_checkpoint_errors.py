@@ -23,6 +23,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from tests.checkpoint.tamper import reseal
 from tests.distributed import run_ranks
 from tests.recipes import GPT_CFG, Case, loss_of, make_engine, make_model, micro_batch
 from zeroshard import CheckpointError, consolidate
@@ -192,8 +193,8 @@ def _edit_manifest(tag_dir: Path, **changes) -> None:
 
 
 def _other_version(tag_dir: Path) -> str:
-    _edit_manifest(tag_dir, version=2, zeroshard="9.9.9")
-    return (rf"^{re.escape(str(tag_dir))} is checkpoint format version 2; this zeroshard reads version 1: "
+    _edit_manifest(tag_dir, version=3, zeroshard="9.9.9")
+    return (rf"^{re.escape(str(tag_dir))} is checkpoint format version 3; this zeroshard reads versions 1 and 2: "
             r"load it with the zeroshard that wrote it \(9\.9\.9\)$")
 
 
@@ -248,8 +249,7 @@ def _drop_pieces(tag_dir: Path, kind: str, name: str) -> None:
     runs = {key: [r for r in entries if not (key.startswith(kind + ":") and r[0] == name)]
             for key, entries in json.loads(metadata["runs"]).items()}
     save_file(load_file(file), str(file), metadata=metadata | {"runs": json.dumps(runs)})
-    manifest = json.loads((tag_dir / "manifest.json").read_text())
-    _edit_manifest(tag_dir, files=manifest["files"] | {RANK0: file.stat().st_size})
+    reseal(tag_dir, RANK0)  # the manifest agrees: the missing runs are what the load must find
 
 
 def test_missing_weight_pieces(ckpt):
@@ -257,7 +257,8 @@ def test_missing_weight_pieces(ckpt):
     why = "the checkpoint has no param for elements 0..2079 of 'wte.weight'"
     load_fails(make_engine(CASE), ckpt, rf"^{why}: the checkpoint is incomplete or damaged; load an earlier tag$")
     load_fails(make_engine(CASE), ckpt, rf"^{why}:", load_optimizer_states=False)
-    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(ckpt / TAG))}: {why}$"):
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(ckpt / TAG))}: {why}: the checkpoint is incomplete "
+                                              r"or damaged; load an earlier tag$"):
         consolidate.consolidate(ckpt)
 
 
@@ -451,9 +452,9 @@ def test_save_dir_that_is_a_file(tmp_path):
 
 
 @pytest.mark.parametrize("target, error, match", [
-    ("save_file", OSError(28, "No space left on device"),
+    ("write_tensors", OSError(28, "No space left on device"),
      r"^cannot write its shard to {partial} \(\[Errno 28\] No space left on device\); "),
-    ("save_file", SafetensorError("Error while serializing: IoError(No space left on device)"),  # not an OSError
+    ("write_tensors", SafetensorError("Error while serializing: IoError(No space left on device)"),  # not an OSError
      r"^cannot write its shard to {partial} \(Error while serializing: IoError\(No space left on device\)\); "),
     ("commit", OSError(28, "No space left on device"),
      r"^cannot complete {partial} \(\[Errno 28\] No space left on device\); "),
@@ -674,7 +675,6 @@ def test_rank_file_that_does_not_say_what_it_holds(ckpt):
     """A safetensors file without zeroshard's runs (a plain state dict in its place, say)."""
     file = ckpt / TAG / RANK0
     save_file(load_file(file), str(file))  # the same tensors, no metadata
-    manifest = json.loads((ckpt / TAG / "manifest.json").read_text())
-    _edit_manifest(ckpt / TAG, files=manifest["files"] | {RANK0: file.stat().st_size})
+    reseal(ckpt / TAG, RANK0)
     load_fails(make_engine(CASE), ckpt, rf"^checkpoint file {re.escape(str(file))} does not say what it holds \(KeyError: "
                                r"'runs'\); it is damaged or not a zeroshard rank file: restore it or load an earlier tag$")

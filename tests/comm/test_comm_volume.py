@@ -6,7 +6,10 @@ stage 3 (persistence threshold 0, so every parameter is sharded) each
 micro-step all-gathers every unit twice (forward, backward) and
 reduce-scatters it once: 2 x 4 Psi + 4 Psi, and nothing after the step.
 On gloo, stage 3 agrees on each of those collectives first: one 8-byte
-checksum per rank, all-gathered.
+checksum per rank, all-gathered. Before each optimizer step, at every stage,
+the step check all-gathers four float64 figures per rank (gradient norm,
+non-finite flag, counters), clipping or not: 32 N bytes, and no all-reduce
+of a scalar.
 """
 
 import pytest
@@ -15,7 +18,7 @@ from tests import distributed
 from tests.distributed import run_ranks
 from tests.recipes import Case, make_model, make_optimizer, micro_batch
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "order_check")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "order_check", "step_check")
 
 
 def _per_step(rank, world, device, cases):
@@ -55,6 +58,7 @@ CASES = [
 
 def expected(case: Case, padded: int, units: int, world: int) -> dict:
     want = _expected_collectives(case, padded, units)
+    want["step_check"] = (1, 32 * world)  # once per optimizer step: 4 float64 per rank, clipping or not
     if case.stage == 3 and distributed.test_device(world).type == "cpu":
         calls = sum(calls for calls, _ in want.values())
         want["order_check"] = (calls, 8 * world * calls)
@@ -76,8 +80,6 @@ def _expected_collectives(case: Case, padded: int, units: int) -> dict:
     want[op] = (reductions, volume)
     if case.stage < 3:
         want["all_gather"] = (units, b)
-    if case.clip > 0:  # one scalar: the squared gradient norm of each rank's shard
-        want["all_reduce"] = (1, 4)
     return want
 
 

@@ -31,6 +31,7 @@ DEFAULTS = {
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
     "collective_timeout": 1800.0,
+    "rank_check_timeout": 60.0,
     "zero_optimization": {
         "stage": 0,
         "reduce_scatter": True,
@@ -47,6 +48,7 @@ DEFAULTS = {
     "fp16": {"enabled": False, "loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000,
              "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1.0},
     "communication_data_type": None,
+    "non_finite": {"action": "skip", "max_consecutive_skips": 10},
 }
 
 

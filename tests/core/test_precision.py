@@ -16,6 +16,7 @@ from collections import namedtuple
 import pytest
 import torch
 
+from tests.core.test_memory import measure
 from tests.distributed import run_ranks
 from tests.recipes import (
     Case,
@@ -27,7 +28,6 @@ from tests.recipes import (
     run_zeroshard,
     train_reference_mixed,
 )
-from tests.core.test_memory import measure
 from zeroshard.core.optim import state_tensors
 from zeroshard.core.precision import LossScaleError, cast_inputs
 

@@ -20,6 +20,7 @@ ERRORS = {  # documented error -> the builtin it has always derived from
     "GradientError": RuntimeError,
     "LaunchError": RuntimeError,
     "ModelError": ValueError,
+    "NonFiniteError": FloatingPointError,
 }
 
 

@@ -9,9 +9,10 @@ global batch.
 
 Formula (fp32, persistence threshold 0, so every bucket is sharded): per
 micro-step each bucket of every unit is reduced once, 4 x its padded size,
-and all-gathered twice (forward, backward); clipping adds one 4-byte
-all-reduce per optimizer step; on gloo every collective is preceded by an
-8-byte-per-rank order check.
+and all-gathered twice (forward, backward); each optimizer step runs one
+step check, an all-gather of 32 bytes per rank that also carries the
+clipping norm; on gloo every collective is preceded by an 8-byte-per-rank
+order check.
 """
 
 import pytest
@@ -29,7 +30,7 @@ from tests.recipes import (
     train_steps,
 )
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "order_check")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "order_check", "step_check")
 WORLD = 2
 STEPS = 3
 
@@ -73,9 +74,7 @@ def expected(case: Case, padded: int, buckets: int, world: int) -> dict:
     want["all_gather"] = (2 * buckets * acc, 2 * b * acc)
     grads = "reduce_scatter" if case.reduce_scatter else "all_reduce"
     want[grads] = (buckets * acc, b * acc)
-    if case.clip > 0:  # one scalar: the squared gradient norm of each rank's shard
-        calls, nbytes = want["all_reduce"]
-        want["all_reduce"] = (calls + 1, nbytes + 4)
+    want["step_check"] = (1, 32 * world)  # the norm (clipping or not), the non-finite flag, the counters
     if distributed.test_device(world).type == "cpu":
         calls = sum(calls for calls, _ in want.values())
         want["order_check"] = (calls, 8 * world * calls)
@@ -96,13 +95,12 @@ def test_comm_log_shows_the_collective_that_ran(runs, index):
         want = expected(case, result["padded"], result["buckets"], WORLD)
         for step, delta in enumerate(result["deltas"]):
             assert delta == want, (case, rank, step)
-        scalars = (1, 4) if case.clip > 0 else (0, 0)  # the gradient norm's all-reduce
         if case.reduce_scatter:
-            assert delta["all_reduce"] == scalars, "a gradient all-reduce ran beside the reduce-scatter"
+            assert delta["all_reduce"] == (0, 0), "a gradient all-reduce ran beside the reduce-scatter"
             assert result["algorithms"]["reduce_scatter"] != []
         else:
             assert delta["reduce_scatter"] == (0, 0), "reduce_scatter: false still reduce-scattered"
-            assert delta["all_reduce"][0] - scalars[0] == result["buckets"] * case.accumulation
+            assert delta["all_reduce"][0] == result["buckets"] * case.accumulation
             assert result["algorithms"]["reduce_scatter"] == []
 
 

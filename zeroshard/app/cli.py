@@ -21,6 +21,7 @@ from zeroshard.app.models import PRESETS
 from zeroshard.app.train import add_arguments, engine_config, to_argv
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.consolidate import write
+from zeroshard.checkpoint.verify import verify
 from zeroshard.config import Config, ConfigError, ConfigFacts
 from zeroshard.dtypes import DTYPES
 
@@ -36,6 +37,7 @@ examples:
   zeroshard train --save-every 50          sharded checkpoints in ./checkpoints; after a stop, go on with
   zeroshard train --save-every 50 --resume checkpoints   (any --nproc or --stage reads them)
   zeroshard consolidate checkpoints model.safetensors   one state dict for the plain model
+  zeroshard checkpoint verify checkpoints  check every file of the latest tag (sizes, checksums, save id)
 """
 
 
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_parser(commands)
     add_config_command(commands)
     add_consolidate_command(commands)
+    add_checkpoint_command(commands)
     return parser
 
 
@@ -111,14 +114,53 @@ def add_consolidate_command(commands: argparse._SubParsersAction) -> None:
 
 
 def run_consolidate(args: argparse.Namespace) -> int:
-    """Write the consolidated safetensors file, or print the error (stderr); returns the exit status."""
+    """Verify the checkpoint, then write the consolidated safetensors file; or print every problem (stderr)
+    and write nothing. Returns the exit status."""
+    _, problems = verify(args.checkpoint, args.tag)
     try:
-        count = write(args.checkpoint, args.out, args.tag, DTYPES.get(args.dtype))
+        if problems:
+            raise CheckpointError(problems[0])
+        count = write(args.checkpoint, args.out, args.tag, DTYPES.get(args.dtype), verified=True)
     except CheckpointError as error:
-        print(f"zeroshard consolidate: {error}", file=sys.stderr)
+        for problem in problems or [str(error)]:
+            print(f"zeroshard consolidate: {_one_line(problem)}", file=sys.stderr)
         return 1
     print(f"wrote {count} tensors to {args.out}")
     return 0
+
+
+def add_checkpoint_command(commands: argparse._SubParsersAction) -> None:
+    """`zeroshard checkpoint verify CHECKPOINT [--tag T]`."""
+    checkpoint = commands.add_parser("checkpoint", help="work with sharded checkpoints")
+    actions = checkpoint.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+    verify_parser = add_command(
+        actions, "verify", help="check a checkpoint's files as a load would, without loading it",
+        description="Check a zeroshard checkpoint as engine.load_checkpoint does, in one process, without\n"
+                    "a model: the manifest and its seal, every file's presence, size, crc32 and save id,\n"
+                    "each tensor's dtype against the manifest, state.pt's parts, names that stay inside\n"
+                    "the directory, and that every element is held. One line per problem; exit status 1\n"
+                    "if there is any.")
+    verify_parser.add_argument("checkpoint", metavar="CHECKPOINT",
+                               help="a save directory (its 'latest' tag) or one tag's directory")
+    verify_parser.add_argument("--tag", default=None, help="the tag to check in CHECKPOINT (default: its 'latest')")
+
+
+def run_checkpoint_verify(args: argparse.Namespace) -> int:
+    """Print each problem of the checkpoint on its own line (stdout), then a summary; returns the exit status."""
+    path, problems = verify(args.checkpoint, args.tag)
+    for problem in problems:
+        print(_one_line(problem))
+    where = path if path is not None else args.checkpoint
+    if problems:
+        print(f"zeroshard checkpoint verify: {where}: {len(problems)} problem{'s' if len(problems) > 1 else ''}; "
+              "do not load it (restore the files named, or load an earlier tag)", file=sys.stderr)
+        return 1
+    print(f"{where}: every file is whole (sizes, checksums, save id, dtypes, keys)")
+    return 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
@@ -181,7 +223,7 @@ def _check_resume(args: argparse.Namespace) -> None:
 
 # The commands besides train; argparse has checked that `args.command` is one of them.
 _RUN = {"estimate": cli_estimate.run, "compare": compare.run, "config": run_config_check,
-        "consolidate": run_consolidate}
+        "consolidate": run_consolidate, "checkpoint": run_checkpoint_verify}
 
 
 def main(argv: list[str] | None = None) -> int:

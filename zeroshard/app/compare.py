@@ -116,10 +116,11 @@ def _row(demo: Run, report: dict) -> dict:
 
 
 def _comm_matches(rank: dict, expected: dict, world: int) -> bool:
-    """Every collective equals the estimate; stage 3's order checks (gloo) their own rule."""
+    """Every collective equals the estimate; stage 3's order checks (gloo) and the step check their own rules."""
     checked = sum(stats["calls"] for op, stats in rank.items() if op != "order_check")
     checks = estimate.order_check_bytes(world, checked) if rank["order_check"]["calls"] else 0
-    return all(stats["bytes"] == (expected | {"order_check": checks}).get(op, 0) for op, stats in rank.items())
+    rules = expected | {"order_check": checks, "step_check": estimate.step_check_bytes(world)}
+    return all(stats["bytes"] == rules.get(op, 0) for op, stats in rank.items())
 
 
 def _ok(ok: bool) -> str:

@@ -22,14 +22,14 @@ def formulas(psi: int, world: int, args: argparse.Namespace, engine: zeroshard.E
 
     `psi` is the padded Ψ the ranks split; the engine's flat buffers hold one
     Adam step counter each, and its precision sets the bytes per element.
-    The demo clips gradients, hence the norm's all-reduce at stages 1-3.
+    The step check (gradient norm, non-finite flag, counters) is its own op:
+    `estimate.step_check_bytes`.
     """
     memory = estimate.model_state_bytes(psi, world, args.stage, **_bytes_per_element(engine, args),
                                         optimizer_scalar_bytes=_STEP_COUNTER_BYTES * len(engine.buckets))
     comm = estimate.comm_bytes_per_step(
         psi, args.stage, elem_bytes=engine.precision.param_dtype.itemsize, reduce_scatter=args.reduce_scatter,
-        accumulation=args.accumulation, clipping=True, reduce_bytes=engine.precision.reduce_dtype.itemsize,
-        overflow_check=engine.config.fp16.enabled)
+        accumulation=args.accumulation, reduce_bytes=engine.precision.reduce_dtype.itemsize)
     return memory, comm
 
 
@@ -126,16 +126,15 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
     """Last step's logical bytes per collective next to `estimate.comm_bytes_per_step`."""
     param_bytes = engine.precision.param_dtype.itemsize
     wire = engine.precision.reduce_dtype.itemsize
-    fp16 = engine.config.fp16.enabled
     grads = f"{wire}Ψ" + (f"×{args.accumulation}" if args.stage >= 2 and args.accumulation > 1 else "")
     reduced = [grads] * (args.stage == 0 or not args.reduce_scatter)
-    scalars = ["4 (overflow flag)"] * fp16 + ["4 (norm)"] * (args.stage > 0)
     gathered = f"{param_bytes}Ψ" + (f"×{2 * args.accumulation}" if args.stage == 3 else "")
-    how = {"all_reduce": " + ".join(reduced + scalars), "reduce_scatter": grads, "all_gather": gathered,
-           "order_check": "8N per collective"}
+    how = {"all_reduce": " + ".join(reduced), "reduce_scatter": grads, "all_gather": gathered,
+           "order_check": "8N per collective", "step_check": "32N (norm, inf/nan flag, step counters)"}
     # Stage 3 on gloo agrees on every collective first: one 8-byte checksum per rank each.
     checked = sum(calls for op, (calls, _, _) in measured.items() if op != "order_check")
-    formula = formula | {"order_check": estimate.order_check_bytes(world, checked) if measured["order_check"][1] else 0}
+    formula = formula | {"order_check": estimate.order_check_bytes(world, checked) if measured["order_check"][1] else 0,
+                         "step_check": estimate.step_check_bytes(world)}
     # all_gather's "object" is the setup's agreement check (0 bytes), not a way to move tensors.
     algorithms = {op: ",".join(sorted(a - {"object"})) for op, (_, b, a) in measured.items() if b}
     table = Table(title="Communication per optimizer step (bytes, last step)", title_justify="left",
@@ -150,7 +149,7 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
         if expected == 0 and nbytes == 0:
             continue
         ok = all(comm[op][1] == expected for _, comm in everyone)
-        wire = estimate.wire_bytes(expected, world, "all_gather" if op == "order_check" else op)
+        wire = estimate.wire_bytes(expected, world, "all_gather" if op in ("order_check", "step_check") else op)
         table.add_row(op, str(calls), f"{nbytes:,}", f"{expected:,}", how.get(op, "0"),
                       f"{wire:,.0f}", _match(ok))
     return table

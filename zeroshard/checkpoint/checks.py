@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from zeroshard.checkpoint.files import CheckpointError, PieceReader
+from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.holdings import Holdings
+from zeroshard.checkpoint.pieces import PieceReader
 from zeroshard.checkpoint.protocol import Trainer
 from zeroshard.comm import Comm, all_gather_object
 
@@ -26,6 +27,45 @@ def agree(comm: Comm, error: str | None) -> None:
 def holdings(trainer: Trainer) -> Holdings:
     """What this rank of `trainer` holds, by kind and parameter name."""
     return Holdings.of(trainer.module, trainer.buckets, trainer.frozen_flats(), trainer.param_names())
+
+
+def nonfinite(trainer: Trainer, held: Holdings) -> str | None:
+    """Why this rank's part of a save must not be written: its first non-finite fp32 master weight or
+    optimizer state element, by parameter name; None when every element is finite.
+
+    One sum per tensor decides (a NaN or inf anywhere makes it non-finite; it reads the shard once and
+    allocates nothing); only then is the element found, in chunks of `_CHUNK` elements, so that the
+    search allocates a small mask, not one of the shard's size.
+    """
+    for t in held.trained:
+        master = t.bucket.master
+        tensors = [("master weights", "hold", t.own_part(master))] + [
+            (f"optimizer state '{key}'", "holds", t.own_part(value))
+            for key, value in trainer.optimizer.state.get(master, {}).items()
+            if torch.is_tensor(value) and value.shape == master.shape and value.is_floating_point()]
+        for what, verb, tensor in tensors:
+            if bool(torch.isfinite(tensor.sum())):
+                continue  # (a finite tensor whose sum overflows is searched, and passes)
+            for run in t.own.runs():
+                at = _first_nonfinite(tensor[run.at : run.at + run.numel])
+                if at is not None:
+                    return (f"the {what} of '{run.name}' {verb} {tensor[run.at + at].item()} (element "
+                            f"{run.start + at}) at step {trainer.counters().global_steps}: a checkpoint of them "
+                            "would replace good states with diverged ones, so nothing was written and earlier "
+                            "checkpoints are intact. Find where the run diverged (its losses, "
+                            "engine.skipped_steps), then load the last good checkpoint")
+    return None
+
+
+_CHUNK = 1 << 18  # elements per finiteness test: a 256 KiB mask whatever the shard's size
+
+
+def _first_nonfinite(values: torch.Tensor) -> int | None:
+    for start in range(0, values.numel(), _CHUNK):
+        bad = ~torch.isfinite(values[start : start + _CHUNK])
+        if bad.any():
+            return start + int(bad.nonzero()[0, 0])
+    return None
 
 
 def first_not_plain(value, where: str) -> str | None:

@@ -3,7 +3,9 @@
 `zeroshard consolidate CKPT model.safetensors` (or `consolidate(...)`) joins
 every rank's pieces into whole tensors, keyed as the model's own
 `state_dict()`, so the result loads into the plain model with
-`model.load_state_dict(safetensors.torch.load_file(path))`. Trained
+`model.load_state_dict(safetensors.torch.load_file(path))`. The checkpoint
+is verified first, as a load verifies it (`verify.py`: sizes, headers, save
+ids, checksums), so a damaged one is refused, not joined. Trained
 parameters come from the fp32 masters; `dtype` casts floating-point
 values. `full_tensors` gives any stored kind by parameter name (the
 optimizer's `optim.exp_avg`, say). The command itself is the app's
@@ -17,12 +19,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from zeroshard.checkpoint.files import (
-    CheckpointError,
-    PieceReader,
-    read_manifest,
-    resolve,
-)
+from zeroshard.checkpoint.files import CheckpointError, parse_manifest, resolve
+from zeroshard.checkpoint.pieces import PieceReader
+from zeroshard.checkpoint.verify import problems_of, raise_first
 from zeroshard.dtypes import MASTER_DTYPE, from_torch_name
 
 
@@ -33,9 +32,16 @@ def full_tensors(load_dir: str | Path, tag: str | None = None, kind: str = "para
     dtype for frozen ones; "optim.<key>" is the optimizer's state tensor.
     """
     path = resolve(load_dir, tag)
-    manifest = read_manifest(path)
+    manifest = verified(path)
     with PieceReader(path, manifest) as reader:
         return _whole(reader, path, manifest, kind)
+
+
+def verified(path: Path) -> dict:
+    """The manifest of tag directory `path`, after every check a load makes (checksums included)."""
+    manifest = parse_manifest(path)
+    raise_first(problems_of(path, manifest))
+    return manifest
 
 
 def _whole(reader: PieceReader, path: Path, manifest: dict, kind: str) -> dict[str, torch.Tensor]:
@@ -67,9 +73,10 @@ def consolidate(load_dir: str | Path, tag: str | None = None, dtype: torch.dtype
     return _consolidate(resolve(load_dir, tag), dtype)[0]
 
 
-def _consolidate(path: Path, dtype: torch.dtype | None) -> tuple[dict[str, torch.Tensor], dict]:
+def _consolidate(path: Path, dtype: torch.dtype | None,
+                 verify: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
     """(the full state dict, the manifest) of tag directory `path`: one manifest read, one pass over the files."""
-    manifest = read_manifest(path)
+    manifest = verified(path) if verify else parse_manifest(path)
     with PieceReader(path, manifest) as reader:
         stored = _whole(reader, path, manifest, "param") | _whole(reader, path, manifest, "buffer")
     out, used = {}, set()
@@ -82,10 +89,14 @@ def _consolidate(path: Path, dtype: torch.dtype | None) -> tuple[dict[str, torch
     return out, manifest
 
 
-def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: torch.dtype | None = None) -> int:
-    """Write the consolidated state dict to a safetensors file; returns the number of tensors."""
+def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: torch.dtype | None = None,
+          verified: bool = False) -> int:
+    """Write the consolidated state dict to a safetensors file; returns the number of tensors.
+
+    `verified`: the caller has just verified the checkpoint (`verify.verify`), so it is not read twice.
+    """
     path = resolve(load_dir, tag)
-    state, manifest = _consolidate(path, dtype)
+    state, manifest = _consolidate(path, dtype, verify=not verified)
     try:
         save_file({k: v.contiguous() for k, v in state.items()}, str(out),
                   metadata={"source": str(path), "global_steps": str(manifest["global_steps"])})

@@ -1,4 +1,4 @@
-"""A checkpoint on disk: its layout, its manifest, and reading its pieces back.
+"""A checkpoint on disk: its layout, its manifest, and the checks that need no file contents.
 
 ```
 save_dir/
@@ -6,9 +6,11 @@ save_dir/
   <tag>/
     manifest.json           what was saved: parameters (name, shape, dtype), buffers,
                             state-dict keys, the writing job (world size, stage, dtype),
-                            and the byte size of every other file
+                            the save id, and for every other file its size, crc32 and
+                            (rank files) each tensor's dtype and length; sealed by a crc32
+                            of its own content
     state.pt                counters, loss scale, LR scheduler, param-group settings,
-                            scalar optimizer state, the user's client_state
+                            scalar optimizer state, the user's client_state, the save id
                             (plain data: it loads with torch.load(weights_only=True))
     rank_00000.safetensors  rank 0's pieces; one file per rank that wrote
 ```
@@ -20,11 +22,15 @@ trained parameter, the value itself of a frozen one), `buffer` a module
 buffer, `optim.<key>` an optimizer state tensor (`optim.exp_avg`). The
 file's metadata entry `runs` says which elements of which parameters each
 tensor holds: `[name, start, at, numel]`, the parameter's flattened
-elements [start, start + numel) at [at, at + numel) of the tensor. Runs are
-cut by the writing job's shards and read back by the reading job's, so a
-checkpoint reloads on any world size and any stage. A tag directory is written under a
-temporary name and renamed when complete, so a tag either exists whole or
-not at all.
+elements [start, start + numel) at [at, at + numel) of the tensor; its
+entry `save_id` names the save it belongs to. Runs are cut by the writing
+job's shards and read back by the reading job's, so a checkpoint reloads on
+any world size and any stage. A tag directory is written under a temporary
+name and renamed when complete, so a tag either exists whole or not at all.
+
+Every name read from the checkpoint (the manifest's files, `latest`) must
+be a plain name that resolves inside its directory. The checks that read
+file contents (headers, checksums, state.pt's keys) are in `verify.py`.
 """
 
 from __future__ import annotations
@@ -32,24 +38,24 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from contextlib import ExitStack
-from dataclasses import dataclass
+import zlib
 from itertools import chain, islice
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from zeroshard.errors import ZeroshardError
 
 FORMAT = "zeroshard checkpoint"
-VERSION = 1
+VERSION = 2  # 2: checksums, save id, the manifest's seal; version 1 (sizes only) still reads
+READABLE = (1, 2)
 MANIFEST = "manifest.json"
 STATE = "state.pt"
 LATEST = "latest"
 # What a reader relies on in manifest.json (the rest is for people).
 _MANIFEST_KEYS = ("world_size", "stage", "global_steps", "optimizer", "optimizer_state", "param_groups",
                   "params", "buffers", "state_dict", "files")
+DAMAGED_FIX = "restore it or load an earlier tag"
 
 
 class CheckpointError(ZeroshardError, RuntimeError):
@@ -69,6 +75,22 @@ def runs_metadata(runs: dict[str, list]) -> str:
     return json.dumps(runs, separators=(",", ":"))
 
 
+def crc_hex(crc: int) -> str:
+    """A crc32 as the manifest writes it: 8 hex digits."""
+    return f"{crc & 0xFFFFFFFF:08x}"
+
+
+def manifest_checksum(manifest: dict) -> str:
+    """The crc32 of the manifest's content without its own `checksum` (keys sorted, compact JSON)."""
+    content = {k: v for k, v in manifest.items() if k != "checksum"}
+    return crc_hex(zlib.crc32(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()))
+
+
+def sealed(manifest: dict) -> str:
+    """manifest.json's text: the manifest with its `checksum`, so that an edit or damage is seen on load."""
+    return json.dumps(manifest | {"checksum": manifest_checksum(manifest)}, indent=1)
+
+
 # -- writing ----------------------------------------------------------------------
 
 
@@ -81,13 +103,6 @@ def check_tag(tag: str) -> None:
 def partial_dir(save_dir: Path, tag: str) -> Path:
     """Where a tag is written before it is complete (a hidden sibling of the final directory)."""
     return save_dir / f".{tag}.partial"
-
-
-def fsync_file(path: Path) -> int:
-    """Flush `path` to disk; returns its size in bytes."""
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-        return os.fstat(f.fileno()).st_size
 
 
 def write_bytes(path: Path, data: bytes) -> int:
@@ -143,7 +158,7 @@ def resolve(load_dir: str | Path, tag: str | None) -> Path:
     if (load_dir / MANIFEST).is_file():
         return load_dir
     if (load_dir / LATEST).is_file():
-        tag = (load_dir / LATEST).read_text().strip()
+        tag = _latest_tag(load_dir)
         if not (load_dir / tag).is_dir():
             old = load_dir / f".{tag}.old"
             hint = (f"a save over it was interrupted and its previous contents are in {old}: rename that "
@@ -156,6 +171,37 @@ def resolve(load_dir: str | Path, tag: str | None) -> Path:
         raise CheckpointError(f"{load_dir} has no '{LATEST}' file to say which checkpoint to load; it has: "
                               f"{', '.join(tags)}: pass tag= (or the tag's directory)")
     raise CheckpointError(f"{load_dir} is not a zeroshard checkpoint: {foreign_hint(load_dir)}")
+
+
+def _latest_tag(load_dir: Path) -> str:
+    """The tag `latest` names, refused unless it is a plain name of a directory inside `load_dir`."""
+    try:
+        tag = (load_dir / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{load_dir / LATEST} cannot be read ({exc}); pass tag= (or the tag's directory) "
+                              "to say which checkpoint to load") from None
+    try:
+        check_tag(tag)
+        plain = is_inside(load_dir, tag)
+    except CheckpointError:
+        plain = False
+    if not plain:
+        raise CheckpointError(f"{load_dir / LATEST} names '{tag}', which is not a tag directory inside {load_dir} "
+                              "(a plain name that leads nowhere else): 'latest' was edited or damaged, and "
+                              "nothing outside the save directory is read. Write the tag's name into it, or "
+                              "pass tag= (or the tag's directory) to load one")
+    return tag
+
+
+def is_plain(name: str) -> bool:
+    """Whether `name` names an entry of a directory: no separator, not '.' or '..', not absolute."""
+    return bool(name) and name not in (".", "..") and not any(
+        sep and sep in name for sep in ("/", "\\", os.sep, os.altsep))
+
+
+def is_inside(root: Path, name: str) -> bool:
+    """Whether `name` is a plain name whose path, links followed, is in `root`."""
+    return is_plain(name) and (root / name).resolve().parent == root.resolve()
 
 
 def tags_in(save_dir: Path) -> list[str]:
@@ -181,6 +227,18 @@ def foreign_hint(path: Path) -> str:
 
 def read_manifest(path: Path) -> dict:
     """The manifest of tag directory `path`, after checking every file it lists is there, whole."""
+    manifest = parse_manifest(path)
+    _, problems = listed_files(path, manifest)
+    if problems:
+        raise CheckpointError(problems[0])
+    return manifest
+
+
+def parse_manifest(path: Path) -> dict:
+    """The manifest of tag directory `path`, checked on its own: JSON, format, version, keys, seal.
+
+    A version-1 manifest (sizes only) is read with each file entry as {"size": n}.
+    """
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"{path} is not a zeroshard checkpoint: {foreign_hint(path)}")
@@ -191,22 +249,101 @@ def read_manifest(path: Path) -> dict:
                               "load an earlier tag") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{manifest_path} is not a zeroshard checkpoint manifest")
-    if manifest.get("version") != VERSION:
-        raise CheckpointError(f"{path} is checkpoint format version {manifest.get('version')}; this zeroshard "
-                              f"reads version {VERSION}: load it with the zeroshard that wrote it "
+    version = manifest.get("version")
+    if version not in READABLE:
+        raise CheckpointError(f"{path} is checkpoint format version {version}; this zeroshard reads versions "
+                              f"{' and '.join(map(str, READABLE))}: load it with the zeroshard that wrote it "
                               f"({manifest.get('zeroshard', 'unknown')})")
-    lacking = [key for key in _MANIFEST_KEYS if key not in manifest]
+    lacking = [key for key in _MANIFEST_KEYS + (("save_id", "checksum") if version >= 2 else ())
+               if key not in manifest]
     if lacking:
         raise CheckpointError(f"{manifest_path} lacks {', '.join(lacking)}: it is damaged; load an earlier tag")
-    for name, size in manifest["files"].items():
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"checkpoint {path} is missing {name}; it was copied or deleted in part: "
-                                  "restore the file or load an earlier tag")
-        if file.stat().st_size != size:
-            raise CheckpointError(f"checkpoint file {file} is {file.stat().st_size} bytes but was written as "
-                                  f"{size}: it is truncated or damaged; restore it or load an earlier tag")
+    if version >= 2 and manifest["checksum"] != manifest_checksum(manifest):
+        raise CheckpointError(f"{manifest_path} does not match its checksum (written {manifest['checksum']}, "
+                              f"now {manifest_checksum(manifest)}): it was edited or damaged after the save; "
+                              f"{DAMAGED_FIX}")
+    malformed = _malformed(manifest)
+    if malformed:
+        raise CheckpointError(f"{manifest_path} holds {malformed}: it is damaged; load an earlier tag")
+    if version == 1:
+        manifest["files"] = {name: {"size": size} for name, size in manifest["files"].items()}
+        manifest["save_id"] = None
     return manifest
+
+
+def _malformed(manifest: dict) -> str | None:
+    """The first entry of the manifest a reader relies on that is not of its type, described; or None."""
+    def table(value, shape_key: str | None = "shape") -> bool:
+        return isinstance(value, dict) and all(
+            isinstance(v, dict) and (shape_key is None or (isinstance(v.get(shape_key), list) and all(
+                isinstance(d, int) and d >= 0 for d in v[shape_key]))) for v in value.values())
+
+    checks = {"world_size": lambda v: isinstance(v, int) and 1 <= v <= 1 << 24,
+              "stage": lambda v: v in (0, 1, 2, 3), "global_steps": lambda v: isinstance(v, int) and v >= 0,
+              "optimizer": lambda v: isinstance(v, str), "param_groups": lambda v: isinstance(v, int) and v >= 0,
+              "optimizer_state": lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v),
+              "params": table, "buffers": table, "state_dict": lambda v: isinstance(v, dict) and all(
+                  isinstance(k, str) and isinstance(n, str) for k, n in v.items()),
+              "files": lambda v: isinstance(v, dict) and (manifest["version"] == 1 or table(v, None)),
+              "save_id": lambda v: manifest["version"] == 1 or isinstance(v, str)}
+    for key, ok in checks.items():
+        if not ok(manifest.get(key)):
+            return f"'{key}' as {json.dumps(manifest.get(key))[:80]}, which no save writes"
+    return None
+
+
+def listed_files(path: Path, manifest: dict) -> tuple[list[str], list[str]]:
+    """(the files the manifest lists that are there with their size, in name order; what is wrong with
+    the others and with the list itself), from names and sizes alone: no file is read."""
+    listing = path / MANIFEST
+    expected = [STATE] + [rank_file(r) for r in range(manifest["world_size"])]
+    problems, intact = [], []
+    for name, entry in sorted(manifest["files"].items()):
+        if not is_plain(name):
+            problems.append(f"{listing} lists the file '{name}', which is not a plain name inside {path}: it is "
+                            "refused, since nothing outside the checkpoint is read; the manifest was edited or "
+                            "damaged, load an earlier tag")
+        elif not is_inside(path, name):
+            problems.append(f"checkpoint file {path / name} is a link to {(path / name).resolve()}, outside "
+                            f"{path}: it is refused, since nothing outside the checkpoint is read; put the file "
+                            "itself in its place, or load an earlier tag")
+        elif name not in expected:
+            problems.append(f"{listing} lists '{name}', which is not a file of a checkpoint written by "
+                            f"{manifest['world_size']} ranks: the manifest was edited or damaged; load an earlier tag")
+        elif not _entry_ok(name, entry, manifest["version"]):
+            problems.append(f"{listing} has no size, checksum or tensor list for {name}: the manifest is damaged; "
+                            "load an earlier tag")
+        else:
+            missing = _presence(path, name, entry["size"])
+            problems += missing
+            intact += [] if missing else [name]
+    problems += [f"{listing} does not list {name}, which a checkpoint written by {manifest['world_size']} ranks "
+                 "has: the manifest was edited or damaged; load an earlier tag"
+                 for name in expected if name not in manifest["files"]]
+    return intact, problems
+
+
+def _entry_ok(name: str, entry, version: int) -> bool:
+    """A file's entry has its size (version 1: only that), its crc32, and a rank file its tensors."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("size"), int):
+        return False
+    if version == 1:
+        return True
+    tensors = entry.get("tensors")
+    return isinstance(entry.get("crc32"), str) and (name == STATE or isinstance(tensors, dict) and all(
+        isinstance(t, list) and len(t) == 2 and isinstance(t[0], str) and isinstance(t[1], int)
+        for t in tensors.values()))
+
+
+def _presence(path: Path, name: str, size: int) -> list[str]:
+    file = path / name
+    if not file.is_file():
+        return [(f"checkpoint {path} is missing {name}; it was copied or deleted in part: "
+                 "restore the file or load an earlier tag")]
+    if file.stat().st_size != size:
+        return [(f"checkpoint file {file} is {file.stat().st_size} bytes but was written as {size}: it is "
+                 f"truncated or damaged; {DAMAGED_FIX}")]
+    return []
 
 
 def read_state(path: Path) -> dict:
@@ -214,84 +351,7 @@ def read_state(path: Path) -> dict:
         return torch.load(path / STATE, map_location="cpu", weights_only=True)
     except Exception as exc:  # a damaged pickle: UnpicklingError, RuntimeError, EOFError, ...
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        if first.startswith("Weights only load failed"):  # torch's advice to drop weights_only is not ours
+            first = "its pickle is damaged, or holds objects other than plain data"
         raise CheckpointError(f"checkpoint file {path / STATE} cannot be read ({first}); "
                               "restore it or load an earlier tag") from None
-
-
-@dataclass(frozen=True)
-class Piece:
-    offset: int  # first element, in the parameter's flattened elements
-    numel: int
-    file: int  # index into the reader's open files
-    key: str  # the tensor that holds it
-    at: int  # where in that tensor it starts
-
-
-class PieceReader:
-    """Every piece of a checkpoint, by (kind, name); reads ranges without loading whole files."""
-
-    def __init__(self, path: Path, manifest: dict):
-        self._stack = ExitStack()
-        self._files = []
-        self._pieces: dict[tuple[str, str], list[Piece]] = {}
-        for name in sorted(n for n in manifest["files"] if n.endswith(".safetensors")):
-            try:
-                handle = self._stack.enter_context(safe_open(str(path / name), framework="pt", device="cpu"))
-            except Exception as exc:  # safetensors reports a damaged header in its own error type
-                self.close()
-                raise CheckpointError(f"checkpoint file {path / name} cannot be read ({exc}); "
-                                      "restore it or load an earlier tag") from None
-            self._files.append(handle)
-            self._index(path / name, handle, len(self._files) - 1)
-        for pieces in self._pieces.values():
-            pieces.sort(key=lambda p: p.offset)
-
-    def _index(self, file: Path, handle, index: int) -> None:
-        """Note every run the file's metadata lists, after checking it lies inside its tensor."""
-        try:
-            runs = json.loads((handle.metadata() or {})["runs"])
-            for key, entries in runs.items():
-                length = handle.get_slice(key).get_shape()[0]
-                for name, start, at, numel in entries:
-                    if at + numel > length:
-                        raise ValueError(f"run of '{name}' past the end of '{key}'")
-                    self._pieces.setdefault((key.split(":", 1)[0], name), []).append(
-                        Piece(start, numel, index, key, at))
-        except Exception as exc:  # KeyError, JSONDecodeError, a safetensors error, ValueError
-            self.close()
-            raise CheckpointError(f"checkpoint file {file} does not say what it holds ({type(exc).__name__}: "
-                                  f"{exc}); it is damaged or not a zeroshard rank file: restore it or load an "
-                                  "earlier tag") from None
-
-    def close(self) -> None:
-        self._stack.close()
-
-    def __enter__(self) -> "PieceReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def missing(self, kind: str, name: str, start: int, numel: int) -> str | None:
-        """Why elements [start, start + numel) of (kind, name) cannot be read, or None if they can."""
-        covered = start
-        for piece in self._pieces.get((kind, name), []):
-            if piece.offset > covered:
-                break
-            covered = max(covered, piece.offset + piece.numel)
-            if covered >= start + numel:
-                return None
-        if covered >= start + numel:
-            return None
-        return f"the checkpoint has no {kind} for elements {covered}..{start + numel - 1} of '{name}'"
-
-    def read_into(self, kind: str, name: str, start: int, out: torch.Tensor) -> None:
-        """Fill 1-D `out` with elements [start, start + len(out)) of (kind, name)."""
-        end = start + out.numel()
-        with torch.no_grad():
-            for piece in self._pieces.get((kind, name), []):
-                lo, hi = max(start, piece.offset), min(end, piece.offset + piece.numel)
-                if lo < hi:
-                    first = piece.at + lo - piece.offset
-                    values = self._files[piece.file].get_slice(piece.key)[first : first + hi - lo]
-                    out[lo - start : hi - start].copy_(values)

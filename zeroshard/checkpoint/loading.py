@@ -1,27 +1,69 @@
 """Reading a sharded checkpoint into a trainer, from any world size, stage or training dtype.
 
-`engine.load_checkpoint(load_dir)` calls `load` here. Every rank reads exactly
-the elements its own shards need (byte ranges of the rank files), and every
-rank raises the same `CheckpointError` before any rank changes anything, so
-a failed load leaves the trainer as it was.
+`engine.load_checkpoint(load_dir)` calls `load` here. A load is all or
+nothing. First every rank reads and checks everything it will need, without
+changing anything: the manifest and its seal, every file's presence, size
+and header (save id, tensors, dtypes), state.pt's parts, the model and
+optimizer against the checkpoint, its share of the checksums (`verify.py`),
+and the optimizer state it will install. Then the ranks agree: on any
+problem every rank raises the same `CheckpointError` and the trainer is
+bit for bit what it was. Only then does each rank read exactly the elements
+its own shards need (byte ranges of the rank files) into the trainer.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from zeroshard.checkpoint.checks import agree, holdings, mismatch
-from zeroshard.checkpoint.files import CheckpointError, PieceReader, read_manifest, read_state, resolve
+from zeroshard.checkpoint.files import (
+    DAMAGED_FIX,
+    STATE,
+    CheckpointError,
+    read_manifest,
+    read_state,
+    resolve,
+)
 from zeroshard.checkpoint.holdings import Holdings
+from zeroshard.checkpoint.pieces import PieceReader
 from zeroshard.checkpoint.protocol import Counters, Trainer
+from zeroshard.checkpoint.verify import (
+    checksum_problems,
+    header_problems,
+    raise_first,
+    share,
+    state_problems,
+)
 
 log = logging.getLogger(__name__)
 
 # Param-group keys the engine chooses for the device at hand; a checkpoint does not carry them over.
 _IMPLEMENTATION_KEYS = {"params", "fused", "foreach", "capturable", "differentiable"}
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """Which parts of a checkpoint a load reads into the trainer (the weights always)."""
+
+    optimizer: bool
+    scheduler: bool
+    counters: bool
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything a load installs, read and checked before any rank changes anything."""
+
+    path: Path
+    manifest: dict
+    state: dict
+    reader: PieceReader
+    optimizer_state: dict | None  # for optimizer.load_state_dict; None: keep the trainer's
+
 
 def load(trainer: Trainer, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[Path, dict]:
@@ -31,35 +73,67 @@ def load(trainer: Trainer, load_dir: str | Path, tag: str | None = None, load_op
     unless `load_module_only`; the optimizer state and param-group settings,
     and the LR scheduler, when their flags say so and not `load_module_only`.
     """
-    if load_module_only:
-        load_optimizer_states = load_lr_scheduler_states = False
+    parts = _Parts(load_optimizer_states and not load_module_only, load_lr_scheduler_states and not load_module_only,
+                   not load_module_only)
     trainer.check_checkpoint_boundary("load_checkpoint")
     comm, held = trainer.comm, holdings(trainer)
-    path, manifest, state, reader, error = None, None, None, None, None
+    plan, error = None, None
     try:
-        path = resolve(load_dir, tag)
-        manifest = read_manifest(path)
-        state = read_state(path)
-        reader = PieceReader(path, manifest)
-        error = mismatch(trainer.optimizer, held, manifest, reader, load_optimizer_states)
+        plan = _prepare(trainer, held, load_dir, tag, parts)
     except CheckpointError as exc:
         error = str(exc)
+    except Exception as exc:  # whatever else a damaged file raises: agreed, so that no rank is left waiting
+        error = (f"the checkpoint in {load_dir} cannot be read ({type(exc).__name__}: {exc}); it is damaged: "
+                 f"{DAMAGED_FIX}")
     try:
         agree(comm, error)
-        _load_values(trainer, held, reader)
-        if load_optimizer_states:
-            _load_optimizer(trainer, held, reader, manifest, state)
-        if not load_module_only:
-            _load_counters(trainer, state)
-        if load_lr_scheduler_states and trainer.lr_scheduler is not None and state["lr_scheduler"] is not None:
-            trainer.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        _apply(trainer, held, plan, parts)
     finally:
-        if reader is not None:
-            reader.close()
+        if plan is not None:
+            plan.reader.close()
     if comm.rank == 0:
-        log.info("loaded checkpoint %s (written by %d ranks at stage %d, step %d)", path,
-                 manifest["world_size"], manifest["stage"], manifest["global_steps"])
-    return path, state["client_state"]
+        log.info("loaded checkpoint %s (written by %d ranks at stage %d, step %d)", plan.path,
+                 plan.manifest["world_size"], plan.manifest["stage"], plan.manifest["global_steps"])
+    return plan.path, plan.state["client_state"]
+
+
+def _prepare(trainer: Trainer, held: Holdings, load_dir: str | Path, tag: str | None, parts: _Parts) -> _Plan:
+    """Read and check everything the load needs; raises CheckpointError with the first problem."""
+    path = resolve(load_dir, tag)
+    manifest = read_manifest(path)
+    state = read_state(path)
+    raise_first(state_problems(path / STATE, manifest, state))
+    reader = PieceReader(path, manifest)
+    try:
+        raise_first(header_problems(path, manifest, reader.handles))
+        error = mismatch(trainer.optimizer, held, manifest, reader, parts.optimizer)
+        raise_first([error] if error else _scaler_problems(trainer, path, state, parts))
+        raise_first(checksum_problems(path, manifest, share(manifest, trainer.comm.rank, trainer.comm.world_size)))
+        optimizer_state = _optimizer_state(trainer, held, reader, manifest, state) if parts.optimizer else None
+    except BaseException:
+        reader.close()
+        raise
+    return _Plan(path, manifest, state, reader, optimizer_state)
+
+
+def _scaler_problems(trainer: Trainer, path: Path, state: dict, parts: _Parts) -> list[str]:
+    saved = state["loss_scaler"]
+    if not parts.counters or trainer.scaler is None or saved is None:
+        return []
+    lacking = sorted(set(trainer.scaler.state_dict()) - set(saved))
+    return [(f"checkpoint file {path / STATE} holds an fp16 loss scale without {', '.join(lacking)}: it is "
+             f"damaged or was rewritten; {DAMAGED_FIX}")] if lacking else []
+
+
+def _apply(trainer: Trainer, held: Holdings, plan: _Plan, parts: _Parts) -> None:
+    """Install what `_prepare` read and checked: the values, the optimizer state, counters, scheduler."""
+    _load_values(trainer, held, plan.reader)
+    if plan.optimizer_state is not None:
+        trainer.optimizer.load_state_dict(plan.optimizer_state)
+    if parts.counters:
+        _load_counters(trainer, plan.state)
+    if parts.scheduler and trainer.lr_scheduler is not None and plan.state["lr_scheduler"] is not None:
+        trainer.lr_scheduler.load_state_dict(plan.state["lr_scheduler"])
 
 
 def _load_values(trainer: Trainer, held: Holdings, reader: PieceReader) -> None:
@@ -80,8 +154,8 @@ def _load_values(trainer: Trainer, held: Holdings, reader: PieceReader) -> None:
     trainer.params_from_masters()
 
 
-def _load_optimizer(trainer: Trainer, held: Holdings, reader: PieceReader, manifest: dict, state: dict) -> None:
-    """Rebuild the optimizer's state for this job's masters, through torch's own load_state_dict."""
+def _optimizer_state(trainer: Trainer, held: Holdings, reader: PieceReader, manifest: dict, state: dict) -> dict:
+    """The optimizer's state for this job's masters, read into new tensors, for torch's own load_state_dict."""
     optimizer = trainer.optimizer
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
     tensors: dict[int, dict] = {}
@@ -100,7 +174,7 @@ def _load_optimizer(trainer: Trainer, held: Holdings, reader: PieceReader, manif
                **{k: v for k, v in group.items() if k in _IMPLEMENTATION_KEYS - {"params"}},
                "params": [index[id(p)] for p in group["params"]]}
               for saved, group in zip(state["param_groups"], optimizer.param_groups)]
-    optimizer.load_state_dict({"state": tensors, "param_groups": groups})
+    return {"state": tensors, "param_groups": groups}
 
 
 def _load_counters(trainer: Trainer, state: dict) -> None:

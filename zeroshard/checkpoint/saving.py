@@ -7,20 +7,26 @@ another world size, another ZeRO stage or another training dtype than the
 writing one (`loading.py`). It runs on every rank of the group and raises the
 same error on every rank: a rank that cannot write says so before any rank
 goes on, so a failed save leaves the previous checkpoints as they were.
+
+Each rank file's crc32 is computed as its bytes go out (`writer.py`); the
+manifest records every file's size and checksum and a save id that rank 0
+draws and every file carries, so a load tells a damaged file, or a file of
+another save, from a good one. A save whose master weights or optimizer
+state hold a non-finite value is refused on every rank before anything is
+written: it would replace a good checkpoint with a diverged one.
 """
 
 from __future__ import annotations
 
 import io
-import json
 import logging
 import shutil
+import uuid
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from zeroshard.checkpoint.checks import agree, first_not_plain, holdings
+from zeroshard.checkpoint.checks import agree, first_not_plain, holdings, nonfinite
 from zeroshard.checkpoint.files import (
     FORMAT,
     MANIFEST,
@@ -29,21 +35,20 @@ from zeroshard.checkpoint.files import (
     CheckpointError,
     check_tag,
     commit,
-    fsync_file,
     partial_dir,
     rank_file,
     runs_metadata,
+    sealed,
     window_key,
     write_bytes,
 )
 from zeroshard.checkpoint.holdings import Holdings, Span
 from zeroshard.checkpoint.protocol import Trainer
-from zeroshard.comm import all_gather_object
+from zeroshard.checkpoint.writer import bytes_entry, write_tensors
+from zeroshard.comm import Comm, all_gather_object
 from zeroshard.version import __version__
 
 log = logging.getLogger(__name__)
-
-
 
 
 # -- save ---------------------------------------------------------------------------
@@ -56,40 +61,41 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | None = None,
     tag = tag or f"global_step{trainer.counters().global_steps}"
     save_dir = Path(save_dir)
     comm, held = trainer.comm, holdings(trainer)
+    save_id = uuid.uuid4().hex if comm.rank == 0 else None  # rank 0's, shared with the tag below
     state, error = None, None
     try:
         check_tag(tag)
     except CheckpointError as exc:  # agreed below, so that no rank waits for one that stopped here
         error = str(exc)
+    error = error or nonfinite(trainer, held)
     if comm.rank == 0 and error is None:
-        state, error = _serialized_state(trainer, held, client_state)
+        state, error = _serialized_state(trainer, held, client_state, save_id)
     agree(comm, error)
-    tags = all_gather_object(comm, tag)
-    if len(set(tags)) > 1:
-        raise CheckpointError(f"the ranks asked for different tags ({', '.join(map(repr, tags))}); pass the same "
-                              "tag on every rank (or none: global_step<N>)")
+    save_id = _agreed_tag(comm, tag, save_id)
     partial = partial_dir(save_dir, tag)
+    started: list[int] = []  # the partial directory's creation time: older partial directories are stale
     if comm.rank == 0:
-        error = _attempt(lambda: _fresh_dir(save_dir, partial), f"cannot create {partial}")
+        error = _attempt(lambda: started.append(_fresh_dir(save_dir, partial)), f"cannot create {partial}")
     agree(comm, error)
-    path = partial / rank_file(comm.rank)
-    sizes: dict[str, int] = {}
+    entries: dict[str, dict] = {}
 
     def write_shard() -> None:
         tensors, runs = _windows(trainer, held)
-        save_file(tensors, str(path), metadata={"format": FORMAT, "rank": str(comm.rank), "runs": runs_metadata(runs)})
-        sizes[path.name] = fsync_file(path)
+        metadata = {"format": FORMAT, "rank": str(comm.rank), "save_id": save_id, "runs": runs_metadata(runs)}
+        entries[rank_file(comm.rank)] = write_tensors(partial / rank_file(comm.rank), tensors, metadata)
 
     agree(comm, _attempt(write_shard, f"cannot write its shard to {partial}"))
-    everyone = all_gather_object(comm, sizes)
+    everyone = all_gather_object(comm, entries)
     if comm.rank == 0:
-        files = {name: size for rank_sizes in everyone for name, size in rank_sizes.items()}
+        files = {name: entry for rank_entries in everyone for name, entry in rank_entries.items()}
 
         def finish() -> None:
             _check_shared(partial, files)
-            files[STATE] = write_bytes(partial / STATE, state)
-            write_bytes(partial / MANIFEST, _manifest(trainer, held, files).encode())
+            write_bytes(partial / STATE, state)
+            files[STATE] = bytes_entry(state)
+            write_bytes(partial / MANIFEST, sealed(_manifest(trainer, held, files, save_id)).encode())
             commit(save_dir, tag, save_latest)
+            _remove_stale(save_dir, started[0])
 
         error = _attempt(finish, f"cannot complete {partial}")
     agree(comm, error)  # every rank returns once the tag is in place
@@ -98,11 +104,21 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | None = None,
     return save_dir / tag
 
 
+def _agreed_tag(comm: Comm, tag: str, save_id: str | None) -> str:
+    """The save id of rank 0, after checking that every rank asked for the same tag (one gather for both)."""
+    asked = all_gather_object(comm, (tag, save_id))
+    tags = [t for t, _ in asked]
+    if len(set(tags)) > 1:
+        raise CheckpointError(f"the ranks asked for different tags ({', '.join(map(repr, tags))}); pass the same "
+                              "tag on every rank (or none: global_step<N>)")
+    return asked[0][1]
+
+
 def _attempt(action, what: str) -> str | None:
     """Run `action`; its failure becomes the message every rank raises (the previous tags stay intact).
 
-    Any exception, not only OSError: safetensors reports a failed write in its own error type,
-    and a rank that raised alone would leave the others waiting in the next agreement.
+    Any exception, not only OSError (a tensor of a dtype safetensors cannot store, say): a rank that
+    raised alone would leave the others waiting in the next agreement.
     """
     try:
         action()
@@ -111,17 +127,34 @@ def _attempt(action, what: str) -> str | None:
     return None
 
 
-def _fresh_dir(save_dir: Path, partial: Path) -> None:
+def _fresh_dir(save_dir: Path, partial: Path) -> int:
+    """Create the partial directory (its mode follows the umask); returns its creation time (ns)."""
     save_dir.mkdir(parents=True, exist_ok=True)
     if partial.exists():  # left by a save that failed
         shutil.rmtree(partial)
     partial.mkdir()
+    return partial.stat().st_mtime_ns
 
 
-def _check_shared(partial: Path, files: dict[str, int]) -> None:
+def _remove_stale(save_dir: Path, started: int) -> None:
+    """Remove the partial directories of saves that died before this one began, whatever their tag.
+
+    Only older ones: a partial directory changed since this save began may be another job's save
+    in progress. A directory that cannot be removed is left for the next save.
+    """
+    try:
+        stale = [p for p in save_dir.glob(".*.partial") if p.is_dir() and p.stat().st_mtime_ns < started]
+    except OSError:  # a directory listed, then removed by another job's save: next time
+        return
+    for directory in stale:
+        shutil.rmtree(directory, ignore_errors=True)
+        log.info("removed %s, left by a save that did not complete", directory)
+
+
+def _check_shared(partial: Path, files: dict[str, dict]) -> None:
     """Every rank's file must be visible to rank 0, which completes the checkpoint."""
-    for name, size in files.items():
-        if not (partial / name).is_file() or (partial / name).stat().st_size != size:
+    for name, entry in files.items():
+        if not (partial / name).is_file() or (partial / name).stat().st_size != entry["size"]:
             raise OSError(f"{name}, written by another rank, is not in rank 0's {partial}: save_dir must be "
                           "on a filesystem every node shares (NFS, Lustre, a mounted bucket)")
 
@@ -136,7 +169,7 @@ def _windows(trainer: Trainer, held: Holdings) -> tuple[dict[str, torch.Tensor],
         entries = [[r.name, r.start, r.at, r.numel] for r in span.runs()]
         if entries:  # a shard of padding only holds nothing
             key = window_key(kind, window)
-            tensors[key] = tensor.detach().reshape(-1).cpu()
+            tensors[key] = tensor.detach().reshape(-1)  # copied to the host (GPU) by the writer, one at a time
             runs[key] = entries
 
     for i, t in enumerate(held.trained):
@@ -153,7 +186,8 @@ def _windows(trainer: Trainer, held: Holdings) -> tuple[dict[str, torch.Tensor],
     return tensors, runs
 
 
-def _serialized_state(trainer: Trainer, held: Holdings, client_state: dict | None) -> tuple[bytes | None, str | None]:
+def _serialized_state(trainer: Trainer, held: Holdings, client_state: dict | None,
+                      save_id: str) -> tuple[bytes | None, str | None]:
     """state.pt's bytes, checked to load with weights_only=True; or why they cannot be written."""
     optimizer = trainer.optimizer
     scalars: dict[str, dict] = {}
@@ -170,6 +204,7 @@ def _serialized_state(trainer: Trainer, held: Holdings, client_state: dict | Non
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         "scalars": scalars,
         "client_state": client_state if client_state is not None else {},
+        "save_id": save_id,
     }
     where = first_not_plain(state["client_state"], "client_state") or first_not_plain(
         state["lr_scheduler"], "the LR scheduler's state_dict()")
@@ -187,7 +222,7 @@ def _serialized_state(trainer: Trainer, held: Holdings, client_state: dict | Non
     return buffer.getvalue(), None
 
 
-def _manifest(trainer: Trainer, held: Holdings, sizes: dict[str, int]) -> str:
+def _manifest(trainer: Trainer, held: Holdings, files: dict[str, dict], save_id: str) -> dict:
     optimizer = trainer.optimizer
     state_keys = sorted({k for t in held.trained for k, v in optimizer.state.get(t.bucket.master, {}).items()
                          if torch.is_tensor(v) and v.shape == t.bucket.master.shape})
@@ -199,9 +234,10 @@ def _manifest(trainer: Trainer, held: Holdings, sizes: dict[str, int]) -> str:
         "param_groups": len(optimizer.param_groups),
         "params": held.param_table(), "buffers": held.buffer_table(),
         "state_dict": _state_dict_keys(trainer),
-        "files": dict(sorted(sizes.items())),
+        "save_id": save_id,
+        "files": dict(sorted(files.items())),
     }
-    return json.dumps(manifest, indent=1)
+    return manifest
 
 
 def _state_dict_keys(trainer: Trainer) -> dict[str, str]:

@@ -10,6 +10,7 @@ from zeroshard.comm.collectives import (
     all_reduce,
     broadcast,
     reduce_scatter,
+    step_check,
     wait_all,
 )
 from zeroshard.comm.group import ensure_process_group
@@ -18,5 +19,6 @@ from zeroshard.comm.stall import CollectiveError
 
 __all__ = [
     "OPS", "Algorithms", "CollectiveError", "Comm", "CommRecorder", "OpStats", "Pending", "PendingGroup", "all_gather",
-    "all_gather_object", "all_reduce", "broadcast", "ensure_process_group", "reduce_scatter", "wait_all",
+    "all_gather_object", "all_reduce", "broadcast", "ensure_process_group", "reduce_scatter", "step_check",
+    "wait_all",
 ]

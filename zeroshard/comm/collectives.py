@@ -35,8 +35,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from zeroshard.comm import positions
 from zeroshard.comm.recorder import CommRecorder
 from zeroshard.comm.stall import CollectiveError, Trace, explain, mismatch
+
+_created: dict[str, int] = {}  # comms made per group name in this process, in the same order on every rank
 
 
 @dataclass(frozen=True)
@@ -66,11 +69,23 @@ class Comm:
     # timeout instead: a wait with a timeout would block the CPU on every collective.
     timeout_s: float | None = None
     check_order: bool = False  # agree on each collective before running it (stage 3 on gloo)
+    # Seconds the ranks wait for each other in an entry check (entry.py); a quarter of it, at most
+    # 5 s, is the grace period after which a slow collective compares positions (positions.py).
+    rank_check_timeout_s: float = 60.0
+    uid: int = 0  # this comm among the comms of its group: the entry checks' keys in the store
+    entries: int = 0  # entry checks so far (entry.py); every rank counts the same calls
 
     @classmethod
-    def create(cls, group: dist.ProcessGroup, recorder: CommRecorder, timeout_s: float | None = None) -> "Comm":
+    def create(cls, group: dist.ProcessGroup, recorder: CommRecorder, timeout_s: float | None = None,
+               rank_check_timeout_s: float = 60.0) -> "Comm":
         gloo = dist.get_backend(group) == "gloo"
-        return cls(group, recorder, Algorithms.for_group(group), timeout_s=timeout_s if gloo else None)
+        name = dist.distributed_c10d._get_process_group_name(group)
+        _created[name] = uid = _created.get(name, 0) + 1
+        comm = cls(group, recorder, Algorithms.for_group(group), timeout_s=timeout_s if gloo else None,
+                   rank_check_timeout_s=rank_check_timeout_s, uid=uid)
+        if comm.world_size > 1:  # every rank has a position from the start: one read fetches them all
+            positions.publish(group, comm.rank, positions.running(comm.trace))
+        return comm
 
     @property
     def world_size(self) -> int:
@@ -84,13 +99,16 @@ class Comm:
 class Pending:
     """An asynchronous collective: the backend's work handle and what to do once it lands.
 
-    Waiting is explicit for every backend: gloo's async reduce-scatter work
-    never reports completion and has no future, so it cannot be polled.
+    Waiting is explicit for every backend. On gloo a wait that outlasts a
+    grace period looks at where the other ranks are (`positions.wait_watched`);
+    point-to-point work (`pollable=False`) cannot be waited twice, so it is
+    waited once, up to the timeout.
     """
 
-    def __init__(self, comm: Comm, op: str, work=None, index: int = 0):
+    def __init__(self, comm: Comm, op: str, work=None, index: int = 0, pollable: bool = True):
         self._comm, self._op = comm, op
         self._index = index  # its position in the comm's trace of the step
+        self._pollable = pollable
         # Backend work handles: one per collective, several for a batch of sends and receives.
         self._works = work if isinstance(work, list) else [w for w in (work,) if w is not None]
         self._thens: list[Callable[[], object]] = []
@@ -109,14 +127,19 @@ class Pending:
             return
         self._done = True
         start = time.perf_counter()
-        timeout = self._comm.timeout_s
+        comm = self._comm
         for work in self._works:
             try:
-                work.wait() if timeout is None else work.wait(timeout=timedelta(seconds=timeout))
+                if comm.timeout_s is None:
+                    work.wait()
+                elif self._pollable:
+                    positions.wait_watched(work, comm, self._index)
+                else:
+                    work.wait(timeout=timedelta(seconds=comm.timeout_s))
+            except CollectiveError:
+                raise
             except RuntimeError as error:
-                comm = self._comm
-                raise CollectiveError(explain(comm.rank, comm.world_size, comm.trace, self._index, error,
-                                              timeout)) from error
+                raise CollectiveError(_explain(comm, self._index, error)) from error
         self._works = []
         self._comm.recorder.add_seconds(self._op, time.perf_counter() - start)
         for fn in self._thens:
@@ -140,7 +163,18 @@ def wait_all(pendings: "list[Pending] | list[PendingGroup]") -> None:
         pending.wait()
 
 
-def _launch(comm: Comm, op: str, nbytes: int, algorithm: str, call, async_op: bool, what: str = "") -> Pending:
+def _explain(comm: Comm, index: int, error: BaseException) -> str:
+    """Why collective `index` of the step failed: every rank's trace, and the positions ranks published."""
+    published = positions.read(comm.group, comm.world_size)
+    where = ""
+    if any(p.get("where") != "running" for p in published.values()):
+        where = positions.describe_all(published, comm.world_size)
+    return explain(comm.rank, comm.world_size, comm.trace, index, error, comm.timeout_s,
+                   positions.group_store(comm.group), where)
+
+
+def _launch(comm: Comm, op: str, nbytes: int, algorithm: str, call, async_op: bool, what: str = "",
+            pollable: bool = True) -> Pending:
     comm.recorder.record(op, nbytes, algorithm)
     label = f"{op} of {nbytes} bytes" + (f" for {what}" if what else "")
     index = comm.trace.note(label)
@@ -149,7 +183,7 @@ def _launch(comm: Comm, op: str, nbytes: int, algorithm: str, call, async_op: bo
     start = time.perf_counter()
     work = call()
     comm.recorder.add_seconds(op, time.perf_counter() - start)
-    pending = Pending(comm, op, work, index)
+    pending = Pending(comm, op, work, index, pollable)
     if not async_op:
         pending.wait()
     return pending
@@ -240,7 +274,7 @@ def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True, what: str 
                 ops.append(dist.P2POp(dist.irecv, theirs, group=comm.group, group_peer=peer, tag=tag))
         return dist.batch_isend_irecv(ops)
 
-    return _launch(comm, "all_gather", nbytes, "send_recv", exchange, async_op, what)
+    return _launch(comm, "all_gather", nbytes, "send_recv", exchange, async_op, what, pollable=False)
 
 
 def broadcast(comm: Comm, tensor: torch.Tensor, src: int = 0) -> None:
@@ -250,6 +284,24 @@ def broadcast(comm: Comm, tensor: torch.Tensor, src: int = 0) -> None:
         return
     call = partial(dist.broadcast, tensor, group=comm.group, group_src=src, async_op=True)
     _launch(comm, "broadcast", _nbytes(tensor), "native", call, async_op=False)
+
+
+def step_check(comm: Comm, values: torch.Tensor) -> torch.Tensor:
+    """Every rank's `values` (1-D, the same length and dtype on every rank) as rows, (N, len), in rank order.
+
+    The one collective before each optimizer step (the gradient norm, the
+    non-finite flag, the step counters): recorded as its own op, `step_check`,
+    with the gathered tensor as its logical size (N x `values` bytes).
+    """
+    n = comm.world_size
+    rows = torch.empty(n * values.numel(), dtype=values.dtype, device=values.device)
+    if n == 1:
+        rows.copy_(values)
+        _launch(comm, "step_check", _nbytes(rows), "local", _nothing, async_op=False)
+    else:
+        call = partial(dist.all_gather_single, rows, values, group=comm.group, async_op=True)
+        _launch(comm, "step_check", _nbytes(rows), "native", call, async_op=False)
+    return rows.view(n, -1)
 
 
 def all_gather_object(comm: Comm, obj) -> list:

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 # order_check: stage 3 on gloo agrees on each collective before running it (comm/stall.py).
 # object_gather: all_gather_object of small picklable objects (checks that ranks agree), bytes pickled.
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "order_check", "object_gather")
+# step_check: before each optimizer step, an all-gather of each rank's few figures (norm, flag, counters).
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "order_check", "object_gather",
+       "step_check")
 
 
 @dataclass

@@ -42,7 +42,8 @@ from zeroshard.config.values import non_negative_float as _non_negative_float
 from zeroshard.config.values import positive_int as _positive_int
 from zeroshard.dtypes import TRAINING_DTYPES, TrainingDtype
 
-__all__ = ["Bf16Config", "Config", "ConfigError", "ConfigFacts", "ConfigWarning", "Fp16Config", "ZeroConfig"]
+__all__ = ["Bf16Config", "Config", "ConfigError", "ConfigFacts", "ConfigWarning", "Fp16Config", "NonFiniteConfig",
+           "ZeroConfig"]
 
 _SUPPORTED_STAGES = (0, 1, 2, 3)
 
@@ -60,8 +61,18 @@ def _stage(value: Any) -> int:
     return value
 
 
+# torch.distributed adds a timeout to the clock in 64-bit nanoseconds: from about 7.5e9 s on it
+# overflows (with 8e9 s the store's connect times out at once; 5e9 s still works), and Python's
+# timedelta stops at 8.6e13 s. 1e9 s (31 years) stays clear of both and means "no limit" in practice.
+MAX_SECONDS = 1e9
+
+
 def _positive_seconds(value: Any) -> float:
-    return finite_number(value, 0, False, noun="a number of seconds")
+    seconds = finite_number(value, 0, False, noun="a number of seconds")
+    if seconds > MAX_SECONDS:
+        raise _invalid("must be at most 1e9 seconds (31 years; longer overflows torch.distributed's clocks): "
+                       "use 1e9 for no practical limit", value)
+    return seconds
 
 
 def _class_names(value: Any) -> tuple[str, ...]:
@@ -86,6 +97,12 @@ def _section(model: type[BaseModel], example: str) -> Callable[[Any], Any]:
 def _number(minimum: float, inclusive: bool, note: str = ""):
     """A validator for a finite JSON number above `minimum` (or equal to it, if `inclusive`)."""
     return partial(finite_number, minimum=minimum, inclusive=inclusive, meaning=note)
+
+
+def _non_finite_action(value: Any) -> str:
+    if not isinstance(value, str) or value not in ("skip", "error"):
+        raise _invalid('must be "skip" or "error"', value)
+    return value
 
 
 def _communication_dtype(value: Any) -> str | None:
@@ -184,6 +201,27 @@ class Fp16Config(BaseModel):
         "DeepSpeed: fp16.min_loss_scale (default 1)."))
 
 
+class NonFiniteConfig(BaseModel):
+    """The `non_finite` section: what an optimizer step does when a gradient element is inf or nan.
+
+    Applies in fp32 and bf16. With fp16 such a step is the loss scaler's
+    business (skipped, the scale lowered, `LossScaleError` at `min_loss_scale`).
+    """
+
+    model_config = _FROZEN_STRICT
+
+    action: Annotated[Literal["skip", "error"], BeforeValidator(_non_finite_action)] = Field("skip", description=(
+        "\"skip\": the step is skipped on every rank (weights, optimizer state and LR schedule unchanged, "
+        "the window's gradients dropped, counted in engine.skipped_steps and logged) and training goes on; "
+        "\"error\": every rank raises NonFiniteError instead (the engine stays usable). fp32 and bf16 only "
+        "(fp16's loss scaler skips such steps itself). DeepSpeed: none (it skips them only with fp16)."))
+    # 10: a bad batch or two is survivable; ten in a row is a diverging run, and each skip wastes a step.
+    max_consecutive_skips: PositiveInt = Field(10, description=(
+        "Consecutive skipped steps (count) allowed: the next one raises NonFiniteError on every rank; "
+        "a step that is applied resets the count. fp32 and bf16 only (fp16: min_loss_scale). "
+        "DeepSpeed: none."))
+
+
 class Config(BaseModel):
     """The whole training config. Build it with `Config.load`; it is immutable."""
 
@@ -206,8 +244,17 @@ class Config(BaseModel):
         "DeepSpeed: gradient_clipping (default 0.0)."))
     collective_timeout: Annotated[float, BeforeValidator(_positive_seconds)] = Field(1800.0, description=(
         "Seconds a collective may wait for the other ranks before the engine stops with an error "
-        "that says which collective, unit and step each rank was at. DeepSpeed: none "
+        "that says which collective, unit and step each rank was at (at most 1e9). DeepSpeed: none "
         "(deepspeed.init_distributed(timeout=...), default 30 minutes)."))
+    # 60 s: a rank that is not in a collective call a minute after the others is not coming (a save
+    # or load on rank 0 only); the collective_timeout is for slow collectives, not for missing ranks.
+    rank_check_timeout: Annotated[float, BeforeValidator(_positive_seconds)] = Field(60.0, description=(
+        "Seconds the ranks wait for each other at the entry of a call every rank must make "
+        "(save_checkpoint, load_checkpoint; at stage 3 full_state_dict and gathered_parameters) before "
+        "every rank that entered raises an error naming the ranks missing and where they are. A "
+        "collective that has waited min(5, rank_check_timeout / 4) s (gloo) also looks at where the "
+        "other ranks are, and stops with an error once one is known to be elsewhere (in such a call, or "
+        "at another step or micro-step). At most 1e9. DeepSpeed: none (zeroshard only)."))
     zero_optimization: Annotated[ZeroConfig, BeforeValidator(_section(ZeroConfig, '{"stage": 2}'))] = Field(
         default_factory=ZeroConfig,
         description="ZeRO settings (see ZeroConfig). DeepSpeed: zero_optimization.")
@@ -232,6 +279,10 @@ class Config(BaseModel):
             None, description=(
                 "dtype of gradient reductions: \"fp32\", or the training dtype (\"bf16\" or \"fp16\"); "
                 "null = the training dtype. DeepSpeed: communication_data_type (default null)."))
+    non_finite: Annotated[NonFiniteConfig, BeforeValidator(_section(NonFiniteConfig, '{"action": "skip"}'))] = Field(
+        default_factory=NonFiniteConfig,
+        description="What a step whose gradients hold inf or nan does, in fp32 and bf16 (see "
+                    "NonFiniteConfig). DeepSpeed: none.")
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:
@@ -244,6 +295,11 @@ class Config(BaseModel):
                 "zeroshard", "communication_data_type \"{wire}\" needs {wire}.enabled: gradients are "
                 "reduced in fp32 or in the training dtype (here \"{training}\")",
                 {"wire": wire, "training": self.training_dtype})
+        if self.fp16.enabled and self.non_finite.action == "error":
+            raise PydanticCustomError(
+                "zeroshard", "non_finite.action \"error\" does not apply with fp16.enabled: fp16's loss scaler "
+                "overflows by design while it finds its scale, and skips those steps itself (LossScaleError at "
+                "min_loss_scale). Remove non_finite.action, or train in bf16 to stop at the first inf or nan")
         return self
 
     @property
@@ -305,6 +361,7 @@ _UNSUPPORTED_BY_SECTION: dict[type[BaseModel], frozenset[str]] = {
     ZeroConfig: UNSUPPORTED_ZERO_KEYS,
     Fp16Config: UNSUPPORTED_FP16_KEYS,
     Bf16Config: UNSUPPORTED_BF16_KEYS,
+    NonFiniteConfig: frozenset(),
 }
 
 

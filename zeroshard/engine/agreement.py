@@ -3,16 +3,30 @@
 A collective that raises can leave the group out of step, so each rank
 sends a description of its model, optimizer layout and config once, and
 every rank compares all of them and raises the same error.
+
+A rank whose config cannot even be loaded (a typo in its file) sends its
+`ConfigError` instead, in the same exchange (`config_error_everywhere`):
+it still joins the group, so the others do not wait for it, and every rank
+raises that `ConfigError`, naming the rank.
 """
 
 from __future__ import annotations
 
+import os
+from typing import NoReturn
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from zeroshard.comm import Comm, all_gather_object
+from zeroshard.comm import Comm, CommRecorder, all_gather_object, ensure_process_group
+from zeroshard.config import ConfigError
 from zeroshard.core.optim import hyperparams
+from zeroshard.engine.validate import device_of
 from zeroshard.errors import ZeroshardError
+from zeroshard.stage3.materialize import default_device, on_meta
+
+_CONFIG_ERROR = "config_error"  # the key of what a rank without a config sends instead of its description
 
 
 class RankMismatchError(ZeroshardError, RuntimeError):
@@ -71,8 +85,10 @@ def first_difference(ref: dict, other: dict) -> str | None:
 
 
 def check_ranks_agree(comm: Comm, model: nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> None:
-    """Raise RankMismatchError on every rank if any rank differs from rank 0."""
+    """Raise RankMismatchError on every rank if any rank differs from rank 0 (ConfigError if a
+    rank's config could not be loaded)."""
     everyone = all_gather_object(comm, describe(model, optimizer, config))
+    _raise_config_errors(everyone)
     for rank, theirs in enumerate(everyone[1:], start=1):
         why = first_difference(everyone[0], theirs)
         if why is not None:
@@ -80,3 +96,33 @@ def check_ranks_agree(comm: Comm, model: nn.Module, optimizer: torch.optim.Optim
                 f"rank {rank} differs from rank 0: {why}. Every rank must build the same model "
                 "(same code, same config) and the same optimizer before zeroshard.initialize"
             )
+
+
+def config_error_everywhere(error: ConfigError, model: nn.Module, group: dist.ProcessGroup | None) -> NoReturn:
+    """Raise `error`, a config that failed to load on this rank, on every rank of the group.
+
+    This rank joins the group as `initialize` would have and sends the error in
+    the exchange of `check_ranks_agree`, which the other ranks run in
+    `zeroshard.initialize`; without a group to join (one process), it raises at once.
+    """
+    joined = group is not None or dist.is_initialized()
+    if (dist.get_world_size(group) if joined else int(os.environ.get("WORLD_SIZE", "1"))) <= 1:
+        raise error
+    device = default_device() if on_meta(model) else device_of(model)
+    group = group or ensure_process_group(device)
+    if device.type == "cuda":  # NCCL's object collectives run on the current device
+        torch.cuda.set_device(device)
+    comm = Comm.create(group, CommRecorder())
+    _raise_config_errors(all_gather_object(comm, {_CONFIG_ERROR: str(error)}))
+    raise error  # not reached: this rank's own error is among them
+
+
+def _raise_config_errors(everyone: list) -> None:
+    failed = [(r, d[_CONFIG_ERROR]) for r, d in enumerate(everyone) if isinstance(d, dict) and _CONFIG_ERROR in d]
+    if not failed:
+        return
+    rank, text = failed[0]
+    if len(failed) == len(everyone) and len({t for _, t in failed}) == 1:
+        raise ConfigError(text)  # the same mistake on every rank: its message as one rank alone would give it
+    others = f" (the configs of ranks {', '.join(str(r) for r, _ in failed[1:])} failed too)" if failed[1:] else ""
+    raise ConfigError(f"the config of rank {rank} cannot be used{others}; every rank stops: {text}")

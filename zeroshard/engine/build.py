@@ -63,7 +63,7 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     check_device_matches_group(device, group)
     if device.type == "cuda":  # NCCL's object collectives run on the current device
         torch.cuda.set_device(device)
-    comm = Comm.create(group, CommRecorder(), config.collective_timeout)
+    comm = Comm.create(group, CommRecorder(), config.collective_timeout, config.rank_check_timeout)
     # Ranks running different units would make gloo abort on a message size: check first.
     comm.check_order = config.stage == 3 and dist.get_backend(group) == "gloo"
     switches = StageSwitches.for_stage(config.stage)

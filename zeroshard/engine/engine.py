@@ -7,15 +7,18 @@ DeepSpeed does), floating-point inputs are cast to that dtype (outputs are
 returned as the model produces them), and each rank's optimizer updates an
 fp32 master (its shard at stage >= 1) created from the model's original
 values. Gradients are reduced in `communication_data_type` and summed over
-micro-steps in fp32. A step is: fp16 overflow check (one all-reduce of a
-flag), unscale, clip, optimizer step on the fp32 master, cast to 16 bits,
-all-gather (stages 1-2).
+micro-steps in fp32. A step is: the step check (one all-gather of each
+rank's gradient squares, non-finite flag and counters, `core/grad_norm.py`),
+unscale and clip in one multiply, optimizer step on the fp32 master, cast to
+16 bits, all-gather (stages 1-2).
 
-fp16 scales the loss in `backward`; a step whose gradients hold inf or nan
-on any rank is skipped on every rank (weights and optimizer state untouched,
-gradients dropped, `global_steps` and `skipped_steps` advance, the loss scale
-is lowered as DeepSpeed's dynamic scaler does) and logged with the step and
-the new scale; `engine.global_grad_norm` is then inf.
+A step whose gradients hold inf or nan on any rank is not applied on any
+rank (weights, masters, optimizer state and LR scheduler untouched, the
+window's gradients dropped, `global_steps` and `skipped_steps` advance,
+`global_grad_norm` is inf). fp16 then lowers the loss scale as DeepSpeed's
+dynamic scaler does; fp32 and bf16 follow the config's `non_finite` section:
+skip and log (`NonFiniteError` after `max_consecutive_skips` in a row), or
+raise `NonFiniteError` at once. Either error leaves the engine usable.
 
 The engine implements the checkpoint package's `Trainer` protocol; the
 state machine of one micro-step is in `state.py`, construction in `build.py`.
@@ -24,7 +27,6 @@ state machine of one micro-step is in `state.py`, construction in `build.py`.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Callable
 
@@ -35,13 +37,15 @@ import torch.nn as nn
 from zeroshard import checkpoint
 from zeroshard.checkpoint import CheckpointError, Counters
 from zeroshard.comm import CollectiveError, OpStats, wait_all
+from zeroshard.comm.entry import enter
 from zeroshard.config import Config
 from zeroshard.core.flat import FlatParams
-from zeroshard.core.grad_norm import any_nonfinite, clip_grad_norm_
+from zeroshard.core.grad_norm import NonFiniteError, NonFiniteSkips, StepCheck, check_step, clip_coefficient
 from zeroshard.core.memory import model_state_bytes
 from zeroshard.core.precision import LossScaler, cast_inputs
 from zeroshard.engine.build import broadcast_buffers, build
 from zeroshard.engine.state import EngineStateError, TrainingState
+from zeroshard.errors import ZeroshardError
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +59,9 @@ class Engine:
         self.num_params = sum(p.numel() for p in model.parameters())  # as built; stage 3 empties them
         self.micro_steps = 0  # backward passes so far
         self.global_steps = 0  # optimizer steps so far
-        self.global_grad_norm: float | None = None  # of the last step when clipping is on; inf if skipped
-        self.skipped_steps = 0  # optimizer steps skipped for fp16 overflow
+        self.global_grad_norm: float | None = None  # of the last step's gradients; inf if they were not finite
+        self.skipped_steps = 0  # optimizer steps not applied: inf or nan in the gradients
+        self._skips = NonFiniteSkips(config.non_finite)  # fp32 and bf16: skipped steps in a row
         self.scaler = LossScaler(config.fp16) if config.fp16.enabled else None
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # from the config's block
         self.state = TrainingState.IDLE
@@ -81,7 +86,7 @@ class Engine:
 
     def __call__(self, *args, **kwargs):
         self._check_usable()
-        self.comm.trace.begin(self.micro_steps)
+        self.comm.trace.begin(self.micro_steps, self.global_steps)  # where this rank is, if a collective stalls
         if self.precision.mixed:
             args, kwargs = cast_inputs(args, self.precision.param_dtype), cast_inputs(kwargs, self.precision.param_dtype)
         resume, self.state = self.state, TrainingState.FORWARD
@@ -143,6 +148,7 @@ class Engine:
         if self.scaler is not None:
             loss = loss.float() * self.scaler.scale
         self.state = TrainingState.BACKWARD
+        self.comm.trace.phase = "backward"
         try:
             loss.backward()
             self.reducer.finish()
@@ -155,6 +161,7 @@ class Engine:
             for bucket in self.buckets:
                 bucket.accumulate_micro_step()
         self.state = TrainingState.STEP_DUE
+        self.comm.trace.phase = "step"  # the collectives until the next forward are engine.step()'s
 
     def _fail(self, why: str) -> None:
         """Drop this window's partial gradients; the engine refuses to go on (ranks may be out of step)."""
@@ -182,9 +189,10 @@ class Engine:
                     "cast the model before zeroshard.initialize")
 
     def step(self) -> None:
-        """End a micro-step; at the accumulation boundary unscale, clip, update and all-gather.
+        """End a micro-step; at the accumulation boundary check, unscale, clip, update and all-gather.
 
-        fp16: if any rank's gradients overflowed, the step is skipped on every rank.
+        If any rank's gradients hold inf or nan, the step is not applied on any rank (see the module's
+        docstring); `NonFiniteError` (config `non_finite`) leaves the engine usable.
         """
         self._check_usable()
         if self.state is not TrainingState.STEP_DUE:
@@ -195,24 +203,34 @@ class Engine:
         if not boundary:
             return
         try:
-            if self.scaler is not None and any_nonfinite([b.grad_shard for b in self.buckets], self.comm,
-                                                         self._device):
-                self._skip_step()
+            # fp32 gradients for the optimizer: new tensors, freed after the step, when gradients are 16-bit.
+            grads = [bucket.master_grad() for bucket in self.buckets]
+            check = check_step(grads, self.comm, self.switches.shard_optimizer, self.global_steps,
+                               self.micro_steps, self.loss_scale)
+            self.global_grad_norm = check.norm
+            if check.nonfinite_ranks:
+                self._skip_step(check)
             else:
-                self._optimizer_step()
+                self._optimizer_step(grads, check.norm)
+        except NonFiniteError:  # every rank raises it, after a clean skip: the ranks are still in step
+            self.state = TrainingState.IDLE
+            raise
         except BaseException as exc:  # a partial update, or a collective some ranks did not finish
             self._fail(f"the optimizer step failed on this rank ({type(exc).__name__}: {exc})")
             raise
         self.state = TrainingState.IDLE
 
-    def _optimizer_step(self) -> None:
-        # fp32 gradients for the optimizer: new tensors, freed after the step, when gradients are 16-bit.
-        grads = [bucket.master_grad() for bucket in self.buckets]
-        if self.loss_scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+    def get_global_grad_norm(self) -> float | None:
+        """The last step's global gradient L2 norm (before clipping, unscaled), as one process's
+        `torch.nn.utils.clip_grad_norm_` returns it; inf if inf or nan, None before the first step."""
+        return self.global_grad_norm
+
+    def _optimizer_step(self, grads: list[torch.Tensor], norm: float) -> None:
+        coef = 1.0 / self.loss_scale  # unscale and clip in one multiply
         if self.config.gradient_clipping > 0:
-            self.global_grad_norm = clip_grad_norm_(grads, self.config.gradient_clipping, self.comm,
-                                                    self.switches.shard_optimizer)
+            coef *= clip_coefficient(norm, self.config.gradient_clipping)
+        if coef != 1.0:
+            torch._foreach_mul_(grads, coef)
         # The optimizer sees gradients only during its step, so the user's optimizer.zero_grad()
         # between micro-steps cannot touch the window's accumulating gradients.
         for bucket, grad in zip(self.buckets, grads):
@@ -223,6 +241,7 @@ class Engine:
         for bucket in self.buckets:
             bucket.master.grad = None
         self.params_from_masters()
+        self._skips.applied()
         self._end_step(overflow=False)
 
     def _end_step(self, overflow: bool) -> None:
@@ -233,15 +252,22 @@ class Engine:
         if self.scaler is not None:
             self.scaler.update(overflow, step)
 
-    def _skip_step(self) -> None:
-        """fp16 overflow: drop this window's gradients, leave weights and optimizer state as they are."""
+    def _skip_step(self, check: StepCheck) -> None:
+        """Inf or nan in some rank's gradients: drop the window's gradients, change nothing else. Then fp16:
+        the loss scaler's rules (`LossScaleError`); fp32 and bf16: config `non_finite`, agreed on every rank."""
         step, old_scale = self.global_steps, self.loss_scale
         self.skipped_steps += 1
-        self.global_grad_norm = math.inf
         self._end_step(overflow=True)
+        if self.scaler is not None:
+            if self.comm.rank == 0:
+                log.warning("fp16 gradients overflowed at step %d: step skipped, loss scale %g -> %g",
+                            step, old_scale, self.loss_scale)
+            return
+        in_a_row = self._skips.skipped(step, check.nonfinite_ranks)  # or NonFiniteError, on every rank
         if self.comm.rank == 0:
-            log.warning("fp16 gradients overflowed at step %d: step skipped, loss scale %g -> %g",
-                        step, old_scale, self.loss_scale)
+            log.warning("gradients hold inf or nan at step %d (reduced gradients of rank(s) %s): step skipped "
+                        "on every rank (%d in a row, at most %d)", step, ", ".join(map(str, check.nonfinite_ranks)),
+                        in_a_row, self.config.non_finite.max_consecutive_skips)
 
     # -- checkpoints --------------------------------------------------------
 
@@ -251,7 +277,9 @@ class Engine:
         `save_dir/latest` at it (unless `save_latest` is false); returns the tag's directory. Every rank must
         call it, at an accumulation boundary. `client_state`: your own plain data (tensors, numbers, strings,
         lists, dicts), given back by `load_checkpoint`; rank 0's is the one stored.
-        See `zeroshard/checkpoint/saving.py`."""
+        See `zeroshard/checkpoint/saving.py`. Called on some ranks only, it raises `CheckpointError` on
+        them within `rank_check_timeout` (comm/entry.py) and writes nothing."""
+        self._enter("save_checkpoint", CheckpointError, checkpoint_call=True)
         return checkpoint.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True,
@@ -265,10 +293,26 @@ class Engine:
         `load_lr_scheduler_states=False` its LR scheduler; `load_module_only=True` loads the
         weights alone (no counters, loss scale, optimizer or scheduler), to fine-tune from them.
         Every rank must call it; on error every rank raises `CheckpointError` and the engine is
-        unchanged.
+        unchanged (called on some ranks only, they raise it within `rank_check_timeout`).
         """
+        self._enter("load_checkpoint", CheckpointError, checkpoint_call=True)
         return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                load_module_only)
+
+    def _enter(self, call: str, error: type[ZeroshardError], checkpoint_call: bool = False) -> None:
+        """Meet every rank in `call` before its first collective (comm/entry.py): a call made on some
+        ranks only raises on them instead of hanging. A checkpoint call also needs every rank at the
+        same step and at a window's end (`check_checkpoint_boundary`): a rank that is not makes every
+        rank raise."""
+        problem = None
+        if checkpoint_call:
+            try:
+                self.check_checkpoint_boundary(call)
+            except ZeroshardError as exc:  # CheckpointError, or EngineStateError for a failed engine
+                problem = exc
+        trace = self.comm.trace
+        trace.global_step, trace.micro_step, trace.phase = self.global_steps, self.micro_steps, call
+        enter(self.comm, call, error=error, problem=problem, same_step=checkpoint_call)
 
     # The checkpoint package's `Trainer` protocol.
 
@@ -320,11 +364,14 @@ class Engine:
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The complete model state dict (full tensors, copies): on every rank, or on rank 0 only.
 
-        At stage 3 every rank must call it: the units are gathered one at a time.
+        At stage 3 every rank must call it: the units are gathered one at a time (called on some
+        ranks only, they raise `CollectiveError` within `rank_check_timeout`). Below stage 3 it runs
+        no collective and any rank may call it alone.
         """
         keep = not rank0_only or self.comm.rank == 0
         if self.schedule is None:
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()} if keep else {}
+        self._enter("full_state_dict", CollectiveError)
         state = self.module.state_dict(keep_vars=True)
         keys_of: dict[int, list[str]] = {}
         for key, tensor in state.items():

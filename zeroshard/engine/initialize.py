@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from zeroshard.config import Config, ConfigError
 from zeroshard.config.build import choose_optimizer, config_facts, schedule_for
+from zeroshard.engine.agreement import config_error_everywhere
 from zeroshard.engine.engine import Engine
 
 
@@ -34,11 +35,19 @@ def initialize(
     Without `optimizer`, the config's "optimizer" block builds one; its
     "scheduler" block builds `engine.lr_scheduler`, stepped by `engine.step()`
     after each optimizer step, as DeepSpeed does.
+
+    A config that fails on one rank only (a typo in that rank's file) raises
+    `ConfigError` on every rank, naming the rank, instead of leaving the
+    others waiting for it.
     """
-    config = Config.load(config if config is not None else {}, config_facts(model, group))
-    if wrap:
-        config = _with_wrap_classes(config, wrap)
-    engine = Engine(model, choose_optimizer(model, optimizer, config), config, group, init)
+    try:
+        config = Config.load(config if config is not None else {}, config_facts(model, group))
+        if wrap:
+            config = _with_wrap_classes(config, wrap)
+        optimizer = choose_optimizer(model, optimizer, config)
+    except ConfigError as error:  # before the group exists: the other ranks would wait for this one
+        config_error_everywhere(error, model, group)
+    engine = Engine(model, optimizer, config, group, init)
     engine.lr_scheduler = schedule_for(config, engine.optimizer)
     return engine
 

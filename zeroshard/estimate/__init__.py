@@ -16,6 +16,7 @@ from zeroshard.estimate.formulas import (
     precision_bytes,
     shard_numel,
     state_bytes_per_element,
+    step_check_bytes,
     summarize,
     wire_bytes,
 )
@@ -23,5 +24,5 @@ from zeroshard.estimate.formulas import (
 __all__ = [
     "DTYPE_BYTES", "STAGES", "comm_bytes_per_step", "cross_node_bytes", "largest_model", "memory_per_gpu",
     "model_state_bytes", "order_check_bytes", "precision_bytes", "shard_numel", "state_bytes_per_element",
-    "summarize", "wire_bytes",
+    "step_check_bytes", "summarize", "wire_bytes",
 ]

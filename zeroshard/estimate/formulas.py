@@ -21,7 +21,8 @@ STAGES = (0, 1, 2, 3)  # the formulas; which stages the engine runs is the engin
 # all-reduce = reduce-scatter + all-gather, hence twice the factor.
 _RING_STEPS = {"reduce_scatter": 1, "all_gather": 1, "all_to_all": 1, "all_reduce": 2}
 _FP32_BYTES = BYTES["fp32"]
-_SCALAR_BYTES = _FP32_BYTES  # the squared gradient norm and fp16's overflow flag are fp32 scalars
+# The step check: per rank, four float64 figures (gradient squares, non-finite flag, two step counters).
+_STEP_CHECK_BYTES = 4 * 8
 _ADAM_BYTES = 2 * _FP32_BYTES  # Adam's two moments, fp32 whatever the training dtype
 
 # Bytes per element of (parameters, gradients, fp32 master weights) per training dtype: 16-bit
@@ -96,8 +97,7 @@ def state_bytes_per_element(training: str = "fp32", communication: str | None = 
 
 def comm_bytes_per_step(
     numel: int, stage: int, elem_bytes: int = 4, reduce_scatter: bool = True,
-    accumulation: int = 1, clipping: bool = False, reduce_bytes: int | None = None,
-    overflow_check: bool = False,
+    accumulation: int = 1, reduce_bytes: int | None = None,
 ) -> dict[str, int]:
     """Logical bytes per optimizer step, per collective: {"all_reduce", "reduce_scatter", "all_gather"}.
 
@@ -109,19 +109,17 @@ def comm_bytes_per_step(
     Stages 1-2 then all-gather the updated parameters. Stage 3 gathers the
     parameters in every micro-step's forward and again in its backward, and
     reduce-scatters the gradients. `reduce_scatter=False` runs each
-    reduce-scatter as an all-reduce of the same buffer. `clipping` adds, at
-    stages 1-3, the all-reduce of one fp32 scalar (the squared gradient norm
-    over the shards); stage 0 holds full gradients and needs none.
-    `elem_bytes` is the parameters' bytes per element (the all-gathers),
-    `reduce_bytes` the gradients' on the wire (default `elem_bytes`);
-    `overflow_check` (fp16) adds, at every stage, the all-reduce of one fp32
-    overflow flag.
+    reduce-scatter as an all-reduce of the same buffer. `elem_bytes` is the
+    parameters' bytes per element (the all-gathers), `reduce_bytes` the
+    gradients' on the wire (default `elem_bytes`). The step check before each
+    optimizer step (gradient norm, non-finite flag, counters) is an op of its
+    own, `step_check`: see `step_check_bytes`.
     """
     _check(numel, 1, stage)
     if accumulation < 1:
         raise ValueError(f"accumulation must be >= 1 micro-step; got {accumulation}")
     grads = (reduce_bytes or elem_bytes) * numel
-    out = {"all_reduce": _SCALAR_BYTES if overflow_check else 0, "reduce_scatter": 0, "all_gather": 0}
+    out = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
     if stage == 0:
         out["all_reduce"] += grads
         return out
@@ -129,9 +127,16 @@ def comm_bytes_per_step(
     out["reduce_scatter" if reduce_scatter else "all_reduce"] += reductions
     # Stages 1-2 gather once after the step; stage 3 twice per micro-step (forward, backward).
     out["all_gather"] = elem_bytes * numel * (2 * accumulation if stage == 3 else 1)
-    if clipping:
-        out["all_reduce"] += _SCALAR_BYTES
     return out
+
+
+def step_check_bytes(world_size: int) -> int:
+    """Logical bytes of the step check, once per optimizer step at every stage and dtype: an all-gather
+    of four float64 figures per rank (gradient squares, non-finite flag, global step, micro-step; see
+    zeroshard/core/grad_norm.py). Clipping and fp16's overflow test use it: no other collective."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1 rank; got {world_size}")
+    return _STEP_CHECK_BYTES * world_size
 
 
 def order_check_bytes(world_size: int, collectives: int) -> int:

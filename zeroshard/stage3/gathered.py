@@ -8,6 +8,11 @@ on every rank (broadcast, then each rank keeps its shard); with None, edits
 are dropped at stage 3 (the shards were not touched) and stay local to the
 rank at stages 0-2. Kept edits reach the optimizer's master too: with 16-bit
 parameters the master of an edited unit restarts from their rounded values.
+
+Entering runs collectives whenever a unit is gathered or `modifier_rank` is
+given, so the ranks first meet in the store (`comm/entry.py`): a rank that
+enters alone raises `CollectiveError` within `rank_check_timeout`, naming
+the ranks that did not, instead of hanging.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from zeroshard.comm import Comm, broadcast
+from zeroshard.comm.entry import enter
 
 _PLACEMENT = "_zeroshard_placement"
 
@@ -46,6 +52,9 @@ def gathered_parameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     placements = [getattr(p, _PLACEMENT, None) for p in params]
     units = list(dict.fromkeys((pl.schedule, pl.unit) for pl in placements if pl and pl.unit is not None))
+    placed = [pl for pl in placements if pl is not None]
+    if units or (modifier_rank is not None and placed):  # collectives follow: every rank must be here
+        enter(placed[0].comm, "gathered_parameters")
     for schedule, i in units:
         schedule.need(i)
     try:

@@ -1,0 +1,219 @@
+"""Where each rank is, told through the process group's store, so that a stuck collective can say why.
+
+The store (the key-value server torch.distributed rendezvoused through, a
+TCPStore under torchrun) answers while the group's collectives are stuck.
+A rank leaves one note there, its *position*, only when something is slow:
+
+- `running`: nothing to tell (at `Comm.create`, and after a slow wait ends);
+- `call`: it waits in the entry check of a call every rank must make
+  (`save_checkpoint`, `load_checkpoint`, stage 3's `full_state_dict` and
+  `gathered_parameters`; see `entry.py`);
+- `collective`: one of its collectives has waited longer than the grace
+  period (`grace_s`); the note names it, the phase (forward, backward,
+  step) and the step and micro-step the engine set on the comm's `Trace`.
+
+The happy path writes nothing: a collective that lands within the grace
+period costs the one `work.wait(timeout)` it always cost.
+
+`wait_watched` is that wait. Past the grace period it publishes this rank's
+position and reads the others' every poll; a rank that is known to be
+elsewhere (in an entry check, or stuck in a collective of another step or
+micro-step), twice in a row with the same note, means the collectives will
+never match: `CollectiveError` names every rank's position and the fix. A
+rank whose position says nothing (computing, or at the same place) keeps
+the wait going up to `collective_timeout`, as a slow collective should.
+
+Which work handles can be polled (measured on gloo, torch 2.13, CPU):
+`work.wait(timeout)` on all_reduce, broadcast, all_to_all_single (our
+reduce-scatter) and all_gather_single (order and step checks) raises
+"Operation timed out!" and can be called again: the operation still lands,
+with the right values, and the group stays usable; `work.is_completed()`
+is False until it lands. Batched isend/irecv (our all-gather on gloo) is
+different: a timed-out wait closes the pair ("Application timeout caused
+pair closure"), and `is_completed()` never turns True before `wait()`. So
+point-to-point work is waited once, with the whole collective_timeout.
+On NCCL, `work.wait()` only makes the current stream wait and returns at
+once, and `is_completed()` is a non-blocking event query: a stuck NCCL
+collective shows at the next host synchronisation, not here. There zeroshard
+relies on the entry checks (store-based, backend-independent) and on NCCL's
+watchdog with the group's timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from zeroshard.comm.stall import CollectiveError, Trace
+
+_PREFIX = "zeroshard/position/"
+_PHASES = {"step": "engine.step()"}  # the trace's phase, in words
+_GRACE_MAX_S = 5.0  # a collective slower than this on gloo is already unusual; the check costs nothing before
+
+
+class Watched(Protocol):
+    """What `wait_watched` needs of a comm (`Comm` in collectives.py)."""
+
+    group: dist.ProcessGroup
+    trace: Trace
+    timeout_s: float | None
+    rank_check_timeout_s: float
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+
+def grace_s(rank_check_timeout_s: float) -> float:
+    """How long a collective waits before this rank looks at where the others are: a quarter of
+    rank_check_timeout, at most 5 s, so that a divergence is named within half of rank_check_timeout."""
+    return min(_GRACE_MAX_S, rank_check_timeout_s / 4)
+
+
+def group_store(group: dist.ProcessGroup) -> dist.Store | None:
+    """The store of `group` (keys already prefixed with the group's name), or None where there is none."""
+    try:
+        return dist.distributed_c10d._get_process_group_store(group)
+    except Exception:  # a group torch.distributed does not know (a fake in a test, a destroyed one)
+        return None
+
+
+def publish(group: dist.ProcessGroup, rank: int, position: dict[str, Any]) -> None:
+    """Leave `position` in the store as this rank's; a failure to reach the store is not an error of its own."""
+    store = group_store(group)
+    if store is not None:
+        try:
+            store.set(f"{_PREFIX}{rank}", json.dumps(position))
+        except Exception:  # the store is gone: the collective that follows will say so
+            pass
+
+
+def read(group: dist.ProcessGroup, world: int) -> dict[int, dict[str, Any]]:
+    """Every rank's published position (ranks that never published are left out)."""
+    store = group_store(group)
+    if store is None:
+        return {}
+    keys = [f"{_PREFIX}{r}" for r in range(world)]
+    try:
+        if store.check(keys):  # the usual case: two round trips, whatever the world size
+            return {r: json.loads(v) for r, v in enumerate(store.multi_get(keys))}
+        return {r: json.loads(store.get(k)) for r, k in enumerate(keys) if store.check([k])}
+    except Exception:
+        return {}
+
+
+def running(trace: Trace) -> dict[str, Any]:
+    trace.published += 1
+    return {"where": "running", "n": trace.published}
+
+
+def in_call(trace: Trace, call: str, seq: int, state: str = "waiting") -> dict[str, Any]:
+    trace.published += 1
+    return {"where": "call", "call": call, "seq": seq, "state": state, "step": trace.global_step,
+            "micro": trace.micro_step, "n": trace.published}
+
+
+def in_collective(trace: Trace, index: int) -> dict[str, Any]:
+    trace.published += 1
+    op = trace.ops[index] if 0 <= index < len(trace.ops) else "?"
+    return {"where": "collective", "index": index, "op": op, "phase": trace.phase, "step": trace.global_step,
+            "micro": trace.micro_step, "n": trace.published}
+
+
+def describe(position: dict[str, Any] | None) -> str:
+    """A position in words. Steps count from 0: 'step 3' is the fourth, run after 3 optimizer steps."""
+    if position is None:
+        return "nothing published (computing, finished, or not started)"
+    where, step, micro = position.get("where"), position.get("step"), position.get("micro")
+    if where == "call":
+        gave_up = ", and gave up waiting" if position.get("state") == "gave up" else ""
+        return f"in {position['call']} after {step} optimizer steps ({micro} micro-steps){gave_up}"
+    if where == "collective":
+        phase = _PHASES.get(position["phase"], position["phase"])
+        stopped = ", and stopped waiting (it raised)" if position.get("state") == "stopped" else ""
+        return (f"waiting in collective #{position['index'] + 1} ({position['op']}) of the {phase} of step {step} "
+                f"(micro-step {micro}){stopped}")
+    return "running (no collective of it has waited long)"
+
+
+def describe_all(positions: dict[int, dict[str, Any]], world: int) -> str:
+    return "; ".join(f"rank {r}: {describe(positions.get(r))}" for r in range(world))
+
+
+def elsewhere(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """Whether a rank at `theirs` can never join the collective this rank waits in at `mine`."""
+    if theirs.get("where") == "call":
+        return True  # an entry check runs no collective: whatever this rank waits for, it is not that
+    if theirs.get("where") == "collective":
+        return (theirs.get("step"), theirs.get("micro")) != (mine.get("step"), mine.get("micro"))
+    return False
+
+
+def wait_watched(work, comm: Watched, index: int) -> None:
+    """Wait for a pollable work handle (see the module's docstring) up to `comm.timeout_s`.
+
+    Raises `CollectiveError` once another rank is known to be elsewhere, and the
+    work's own RuntimeError if it fails or times out (the caller explains it).
+    """
+    grace = min(grace_s(comm.rank_check_timeout_s), comm.timeout_s)
+    if comm.trace.diverged is None and _landed(work, grace):  # the happy path: one wait, as ever
+        return
+    _wait_slow(work, comm, index, grace)
+
+
+def _wait_slow(work, comm: Watched, index: int, grace: float) -> None:
+    """The wait past the grace period: publish this rank's position, and look at the others' each poll."""
+    trace, group, rank, world = comm.trace, comm.group, comm.rank, comm.world_size
+    if trace.diverged is not None:
+        if _landed(work, min(0.01, grace)):
+            return
+        raise CollectiveError(trace.diverged)  # known already: the ranks' collectives no longer match
+    deadline = time.monotonic() + comm.timeout_s - grace
+    mine = in_collective(trace, index)
+    publish(group, rank, mine)
+    suspects: dict[int, dict] = {}
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            work.wait(timeout=timedelta(milliseconds=1))  # lands, or raises the timeout to be explained
+            break
+        if _landed(work, min(grace / 2, left)):
+            break
+        positions = read(group, world)
+        found = {r: p for r, p in positions.items() if r != rank and elsewhere(mine, p)}
+        confirmed = sorted(r for r, p in found.items() if suspects.get(r) == p)  # the same note twice
+        if confirmed:
+            mine["state"] = "stopped"
+            publish(group, rank, mine)
+            trace.diverged = diverged(rank, world, mine, positions, confirmed)
+            raise CollectiveError(trace.diverged)
+        suspects = found
+    publish(group, rank, running(trace))
+
+
+def _landed(work, seconds: float) -> bool:
+    """Wait up to `seconds`: True if the work landed, False if it is still in flight; raises if it failed."""
+    try:
+        work.wait(timeout=timedelta(seconds=seconds))
+    except RuntimeError:
+        if work.is_completed():  # it ended, with an error: the caller explains that
+            raise
+        return False
+    return True
+
+
+def diverged(rank: int, world: int, mine: dict, positions: dict[int, dict], elsewhere_ranks: list[int]) -> str:
+    positions = {**positions, rank: mine}
+    others = ", ".join(map(str, elsewhere_ranks))
+    return (f"rank {rank} is {describe(mine)}, but rank(s) {others} will never join that collective. "
+            f"Where every rank is: {describe_all(positions, world)}.\n  Every rank must make the same calls "
+            "in the same order: run the same number of engine(...), engine.backward() and engine.step() "
+            "calls (the same number of batches on every rank), and call save_checkpoint, load_checkpoint, "
+            "full_state_dict (stage 3) and gathered_parameters (stage 3) on every rank; "
+            "`if rank == 0: engine.save_checkpoint(...)` is the usual cause. Restart the job from a checkpoint")
