@@ -130,11 +130,12 @@ def command_line() -> str:
     return "python " + shlex.join([os.path.relpath(os.path.abspath(sys.argv[0]), REPO), *sys.argv[1:]])
 
 
-def rank_env() -> dict[str, str]:
-    """What every rank needs in its environment besides the rendezvous (which `launch` sets)."""
+def rank_env(source: Path = REPO) -> dict[str, str]:
+    """What every rank needs in its environment besides the rendezvous (which `launch` sets);
+    `source`: the checkout whose `zeroshard` the ranks import (another revision, for a baseline)."""
     return {
         "DS_ACCELERATOR": "cpu",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(source), str(REPO), os.environ.get("PYTHONPATH")])),
     }
 
 
@@ -169,15 +170,16 @@ def combine_rounds(entries: list[dict]) -> dict:
     }
 
 
-def run_variant(args: argparse.Namespace, size: str, mode: str, variant: str, corpus: Path) -> dict:
-    stem = HERE / "results" / "logs" / f"{size}_{mode}_{variant}"
+def run_variant(args: argparse.Namespace, size: str, mode: str, variant: str, corpus: Path,
+                source: Path = REPO, label: str = "") -> dict:
+    stem = HERE / "results" / "logs" / f"{size}_{mode}_{variant}{label}"
     for old in stem.parent.glob(stem.name + ".*"):
         old.unlink()
     argv = [str(HERE / "worker.py"), "--variant", variant, "--size", size, "--mode", mode]
     argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch)]
     argv += ["--bucket-elems", str(args.bucket_elems), "--lr", str(args.lr), "--seed", str(args.seed)]
     argv += ["--corpus", str(corpus), "--result", str(stem.with_suffix(".json")), "--dtype", args.dtype]
-    run = launch(argv, args.world, stem, args.timeout, rank_env())
+    run = launch(argv, args.world, stem, args.timeout, rank_env(source))
     rank_results = run.results(stem.with_suffix(".json"))
     if run.ok and all(r and "error" not in r for r in rank_results):
         entry = summarize(rank_results, args.warmup)

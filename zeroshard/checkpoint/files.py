@@ -95,6 +95,9 @@ def sealed(manifest: dict) -> str:
 
 
 def check_tag(tag: str) -> None:
+    if not isinstance(tag, str):
+        raise CheckpointError(f"checkpoint tag must be a string (a directory name); got {type(tag).__name__} "
+                              f"{tag!r:.60}")
     if not tag or tag.startswith(".") or os.sep in tag or (os.altsep and os.altsep in tag):
         raise CheckpointError(f"checkpoint tag '{tag}' must be a plain directory name "
                               "(no path separators, not starting with '.')")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import shutil
 import uuid
 from pathlib import Path
@@ -58,6 +59,8 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | None = None,
          client_state: dict | None = None, save_latest: bool = True) -> Path:
     """Write the trainer's training state to `save_dir/tag` (default tag: global_step<N>); returns that path."""
     trainer.check_checkpoint_boundary("save_checkpoint")
+    if not isinstance(save_dir, (str, os.PathLike)):
+        raise CheckpointError(f"save_dir must be a path (str or pathlib.Path); got {type(save_dir).__name__}")
     tag = tag or f"global_step{trainer.counters().global_steps}"
     save_dir = Path(save_dir)
     comm, held = trainer.comm, holdings(trainer)

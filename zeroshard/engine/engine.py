@@ -43,6 +43,7 @@ from zeroshard.core.flat import FlatParams
 from zeroshard.core.grad_norm import NonFiniteError, NonFiniteSkips, StepCheck, check_step, clip_coefficient
 from zeroshard.core.memory import model_state_bytes
 from zeroshard.core.precision import LossScaler, cast_inputs
+from zeroshard.core.reducer import GradientError
 from zeroshard.engine.build import broadcast_buffers, build
 from zeroshard.engine.state import EngineStateError, TrainingState
 from zeroshard.errors import ZeroshardError
@@ -141,6 +142,11 @@ class Engine:
         if self.state is TrainingState.STEP_DUE:
             raise EngineStateError("engine.backward() was called twice without engine.step() in between; "
                                    "call engine.step() after every backward, as DeepSpeed does")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            what = f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}" \
+                if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise GradientError(f"engine.backward(loss) needs a scalar loss tensor that requires grad; got {what} "
+                                "(reduce it with .mean() or .sum(), and compute it outside torch.no_grad())")
         reduce_now = self.is_gradient_accumulation_boundary() or self.switches.shard_grads
         self.reducer.begin(reduce_now, 1.0 / (self.comm.world_size * self.gradient_accumulation_steps))
         if self.schedule is not None:

@@ -13,6 +13,7 @@ from zeroshard.config import Config, ConfigError
 from zeroshard.config.build import choose_optimizer, config_facts, schedule_for
 from zeroshard.engine.agreement import config_error_everywhere
 from zeroshard.engine.engine import Engine
+from zeroshard.engine.validate import check_arguments
 
 
 def initialize(
@@ -40,6 +41,7 @@ def initialize(
     `ConfigError` on every rank, naming the rank, instead of leaving the
     others waiting for it.
     """
+    check_arguments(model, optimizer, group, wrap, init)
     try:
         config = Config.load(config if config is not None else {}, config_facts(model, group))
         if wrap:

@@ -10,11 +10,32 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zeroshard.comm.group import LaunchError
+from zeroshard.config import ConfigError
 from zeroshard.core.optim import OptimizerError, check_elementwise, is_fresh
 from zeroshard.dtypes import NAMES, torch_name
 from zeroshard.errors import ModelError
 
 _WRAPPED = "_zeroshard_wrapped"  # set on a module once an engine owns its parameters
+
+
+def check_arguments(model, optimizer, group, wrap, init) -> None:
+    """The kinds of `initialize`'s arguments, checked before anything else runs."""
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"model must be a torch.nn.Module; got {type(model).__name__} {model!r:.60}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise OptimizerError(f"optimizer must be a torch.optim.Optimizer built on the model's parameters (or "
+                             f"None, with an \"optimizer\" block in the config); got {type(optimizer).__name__}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise LaunchError(f"group must be a torch.distributed.ProcessGroup (or None for the world); "
+                          f"got {type(group).__name__}")
+    bad = [w for w in wrap or () if not (isinstance(w, type) and issubclass(w, nn.Module))]
+    if bad:
+        raise ConfigError(f"wrap takes module classes, such as wrap=[Block]; got {bad[0]!r} "
+                          "(class names as strings go in zero_optimization.stage3_wrap_classes)")
+    if init is not None and not callable(init):
+        raise ModelError(f"init must be a function of one module, such as lambda m: m.reset_parameters(); "
+                         f"got {type(init).__name__}")
 
 
 def device_of(model: nn.Module) -> torch.device:

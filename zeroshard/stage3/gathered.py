@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from zeroshard.comm import Comm, broadcast
 from zeroshard.comm.entry import enter
+from zeroshard.errors import ModelError
 
 _PLACEMENT = "_zeroshard_placement"
 
@@ -50,6 +51,7 @@ def gathered_parameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_
                         ) -> Iterator[None]:
     """Make `params` whole for the duration of the block (a no-op for parameters already whole)."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
+    _check_arguments(params, modifier_rank)
     placements = [getattr(p, _PLACEMENT, None) for p in params]
     units = list(dict.fromkeys((pl.schedule, pl.unit) for pl in placements if pl and pl.unit is not None))
     placed = [pl for pl in placements if pl is not None]
@@ -64,6 +66,16 @@ def gathered_parameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_
     finally:
         for schedule, i in units:
             schedule.release(i)
+
+
+def _check_arguments(params: list, modifier_rank: int | None) -> None:
+    bad = [p for p in params if not isinstance(p, torch.Tensor)]
+    if bad:
+        raise ModelError(f"gathered_parameters takes parameters (one, or an iterable such as "
+                         f"module.parameters()); got {type(bad[0]).__name__} {bad[0]!r:.40}")
+    if modifier_rank is not None and (isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int)
+                                      or modifier_rank < 0):
+        raise ModelError(f"modifier_rank must be None or a rank number (0, 1, ...); got {modifier_rank!r}")
 
 
 def _keep_edits(params, placements, units, src: int) -> None:
