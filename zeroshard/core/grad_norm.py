@@ -46,14 +46,14 @@ class StepCheck:
     nonfinite_ranks: tuple[int, ...]
 
 
-def check_step(grads: list[torch.Tensor], comm: Comm, sharded: bool, global_steps: int, micro_steps: int,
+def check_step(grads: list[torch.Tensor], comm: Comm, global_steps: int, micro_steps: int,
                loss_scale: float = 1.0) -> StepCheck:
     """Exchange this rank's figures with every rank (one collective) and agree on the step.
 
-    `grads`: this rank's reduced gradients (fp32), still multiplied by
-    `loss_scale`. `sharded`: ranks hold disjoint shards (stages 1-3), so the
-    squares are summed over ranks; at stage 0 every rank holds the whole
-    reduced gradient and its own squares are the total. Raises
+    `grads`: this rank's disjoint part of the reduced gradients (fp32), still
+    multiplied by `loss_scale`: its shard at stages 1-3, and at stage 0 its
+    shard's slice of the replicated gradient, so that the ranks split the
+    work there too. The squares are summed over ranks. Raises
     `CollectiveError`, on every rank, if the ranks' counters differ.
     """
     device = grads[0].device if grads else torch.device("cpu")
@@ -67,7 +67,7 @@ def check_step(grads: list[torch.Tensor], comm: Comm, sharded: bool, global_step
     nonfinite = tuple(rank for rank, row in enumerate(rows) if row[_NONFINITE])
     if nonfinite:
         return StepCheck(math.inf, nonfinite)
-    total = sum(row[_SQUARES] for row in rows) if sharded else rows[comm.rank][_SQUARES]
+    total = sum(row[_SQUARES] for row in rows)
     return StepCheck(math.sqrt(total) / loss_scale, ())
 
 

@@ -211,8 +211,9 @@ class Engine:
         try:
             # fp32 gradients for the optimizer: new tensors, freed after the step, when gradients are 16-bit.
             grads = [bucket.master_grad() for bucket in self.buckets]
-            check = check_step(grads, self.comm, self.switches.shard_optimizer, self.global_steps,
-                               self.micro_steps, self.loss_scale)
+            # Each rank checks a disjoint part: at stage 0, its shard's slice of the replicated gradient.
+            owned = grads if self.switches.shard_optimizer else [b.flat.shard(g) for b, g in zip(self.buckets, grads)]
+            check = check_step(owned, self.comm, self.global_steps, self.micro_steps, self.loss_scale)
             self.global_grad_norm = check.norm
             if check.nonfinite_ranks:
                 self._skip_step(check)
