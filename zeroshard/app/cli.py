@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from zeroshard.app import cli_estimate, compare
-from zeroshard.app.flags import add_command, add_dtype, add_nproc, positive_int
+from zeroshard.app.flags import add_command, add_dtype, add_group, add_nproc, positive_int
 from zeroshard.app.models import PRESETS
 from zeroshard.app.train import add_arguments, engine_config, to_argv
 from zeroshard.checkpoint import CheckpointError
@@ -73,8 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_config_command(commands: argparse._SubParsersAction) -> None:
     """`zeroshard config check FILE [--world-size N]`."""
-    config = commands.add_parser("config", help="work with DeepSpeed-style JSON config files")
-    actions = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    actions = add_group(commands, "config", "work with DeepSpeed-style JSON config files")
     check = add_command(
         actions, "check", help="validate a config file and print the effective configuration",
         description="Validate a DeepSpeed-style JSON config and print the effective configuration\n"
@@ -131,8 +130,7 @@ def run_consolidate(args: argparse.Namespace) -> int:
 
 def add_checkpoint_command(commands: argparse._SubParsersAction) -> None:
     """`zeroshard checkpoint verify CHECKPOINT [--tag T]`."""
-    checkpoint = commands.add_parser("checkpoint", help="work with sharded checkpoints")
-    actions = checkpoint.add_subparsers(dest="checkpoint_command", metavar="ACTION", required=True)
+    actions = add_group(commands, "checkpoint", "work with sharded checkpoints")
     verify_parser = add_command(
         actions, "verify", help="check a checkpoint's files as a load would, without loading it",
         description="Check a zeroshard checkpoint as engine.load_checkpoint does, in one process, without\n"

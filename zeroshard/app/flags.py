@@ -58,6 +58,12 @@ def add_command(commands: argparse._SubParsersAction, name: str, help: str, desc
     return parser
 
 
+def add_group(commands: argparse._SubParsersAction, name: str, help: str) -> argparse._SubParsersAction:
+    """A `zeroshard NAME ACTION` group (config check, checkpoint verify): its actions' subparsers."""
+    group = commands.add_parser(name, help=help)
+    return group.add_subparsers(dest=f"{name}_command", metavar="ACTION", required=True)
+
+
 def add_nproc(parser: argparse.ArgumentParser, default: int, help: str) -> None:
     parser.add_argument("--nproc", type=positive_int, default=default, metavar="N",
                         help=f"{help} (default: %(default)s)")
