@@ -28,6 +28,12 @@ def _gathered(rank, world, device):
         with zeroshard.gathered_parameters([weight], modifier_rank=1):
             weight.data.fill_(float(rank))  # only rank 1's value is kept
         out[stage, "kept"] = engine.full_state_dict()["blocks.0.mlp.0.weight"].eq(1.0).all().item()
+        with zeroshard.gathered_parameters([weight]):  # nested blocks and full_state_dict inside one
+            with zeroshard.gathered_parameters([weight]):
+                pass
+            engine.full_state_dict()
+            out[stage, "nested_still_whole"] = torch.equal(weight.detach().cpu(), full.new_ones(()).mul(1.0)
+                                                           .expand_as(full).cpu())
         x, y = (t.to(device) for t in micro_batch(0, Case(), world, rank, 0))
         engine.backward(engine(x, y))  # training goes on from the edited values
         engine.step()
@@ -42,6 +48,7 @@ def test_gathered_parameters_and_modifier_rank():
         for stage in (3, 2):
             assert out[stage, "inside_equal"]
             assert out[stage, "kept"]
+            assert out[stage, "nested_still_whole"], "an inner block or full_state_dict released the outer one's unit"
             assert out[stage, "rank0_only"] == (len(make_model().state_dict()) if rank == 0 else 0)
         assert not out[3, "dropped"]
 

@@ -92,8 +92,10 @@ def _everyone_came(store: dist.Store, seq: int, world: int, timeout_s: float) ->
         return True
     except Exception:  # DistStoreError on timeout; anything else reads as a timeout too
         pass
-    # Give up, unless the last rank came in just now (the count then holds every rank).
-    return store.add(f"{seq}/count", _GAVE_UP) % _GAVE_UP == world
+    # Give up, unless every rank came in before anyone gave up: the last arrival sets `all` (it may be
+    # setting it just now, when this rank is the first to give up and finds the count complete). A rank
+    # that arrived after a give-up never sets it, so a second rank giving up then fails too.
+    return store.add(f"{seq}/count", _GAVE_UP) == _GAVE_UP + world or store.check([f"{seq}/all"])
 
 
 def _forget(store: dist.Store, rank: int, seq: int) -> None:

@@ -45,13 +45,16 @@ from zeroshard.core.memory import model_state_bytes
 from zeroshard.core.precision import LossScaler, cast_inputs
 from zeroshard.core.reducer import GradientError
 from zeroshard.engine.build import broadcast_buffers, build
+from zeroshard.engine.deepspeed_api import DeepSpeedMethods
+from zeroshard.engine.export import ExportMethods
 from zeroshard.engine.state import EngineStateError, TrainingState
 from zeroshard.errors import ZeroshardError
+from zeroshard.stage3.gathered import full_state_dict
 
 log = logging.getLogger(__name__)
 
 
-class Engine:
+class Engine(DeepSpeedMethods, ExportMethods):
     """The training loop's handle: `loss = engine(*batch)`, `engine.backward(loss)`, `engine.step()`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
@@ -158,14 +161,14 @@ class Engine:
         try:
             loss.backward()
             self.reducer.finish()
+            if self.schedule is not None:
+                self.schedule.end_backward()  # waits for prefetches still in flight
+            if not reduce_now:
+                for bucket in self.buckets:
+                    bucket.accumulate_micro_step()
         except BaseException as exc:
             self._fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
             raise
-        if self.schedule is not None:
-            self.schedule.end_backward()
-        if not reduce_now:
-            for bucket in self.buckets:
-                bucket.accumulate_micro_step()
         self.state = TrainingState.STEP_DUE
         self.comm.trace.phase = "step"  # the collectives until the next forward are engine.step()'s
 
@@ -378,18 +381,10 @@ class Engine:
         keep = not rank0_only or self.comm.rank == 0
         if self.schedule is None:
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()} if keep else {}
+        self._check_usable()
         self._enter("full_state_dict", CollectiveError)
-        state = self.module.state_dict(keep_vars=True)
-        keys_of: dict[int, list[str]] = {}
-        for key, tensor in state.items():
-            keys_of.setdefault(id(tensor), []).append(key)
-        full: dict[str, torch.Tensor] = {}
-        for i, unit in enumerate(self.units):
-            self.schedule.need(i)
-            for p in (p for flat in unit.gathered_flats for p in flat.params):
-                for key in keys_of.get(id(p), []) if keep else []:
-                    full[key] = p.detach().clone()
-            self.schedule.release(i)
-        if not keep:
-            return {}
-        return {key: full[key] if key in full else tensor.detach().clone() for key, tensor in state.items()}
+        try:
+            return full_state_dict(self.module, self.schedule, keep)
+        except CollectiveError as exc:
+            self._fail(f"a gather failed in full_state_dict ({exc})")
+            raise

@@ -57,14 +57,15 @@ def gathered_parameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_
     placed = [pl for pl in placements if pl is not None]
     if units or (modifier_rank is not None and placed):  # collectives follow: every rank must be here
         enter(placed[0].comm, "gathered_parameters")
+    gathered_here = [(schedule, i) for schedule, i in units if not schedule.units[i].whole]
     for schedule, i in units:
         schedule.need(i)
     try:
         yield
         if modifier_rank is not None:
             _keep_edits(params, placements, units, modifier_rank)
-    finally:
-        for schedule, i in units:
+    finally:  # units that were whole already (an outer block, a forward) stay whole
+        for schedule, i in gathered_here:
             schedule.release(i)
 
 
@@ -90,3 +91,26 @@ def _keep_edits(params, placements, units, src: int) -> None:
             broadcast(pl.comm, p.data, src=src)
         for owner in {id(pl.owner): pl.owner for _, pl in replicated if pl.owner is not None}.values():
             owner.take_params_into_master()
+
+
+def full_state_dict(module: nn.Module, schedule, keep: bool) -> dict[str, torch.Tensor]:
+    """Stage 3: the module's full state dict (copies), gathering its units one at a time; {} unless `keep`.
+
+    Units that are whole already (inside `gathered_parameters`) stay whole.
+    """
+    state = module.state_dict(keep_vars=True)
+    keys_of: dict[int, list[str]] = {}
+    for key, tensor in state.items():
+        keys_of.setdefault(id(tensor), []).append(key)
+    full: dict[str, torch.Tensor] = {}
+    for i, unit in enumerate(schedule.units):
+        was_whole = unit.whole
+        schedule.need(i)
+        for p in (p for flat in unit.gathered_flats for p in flat.params):
+            for key in keys_of.get(id(p), []) if keep else []:
+                full[key] = p.detach().clone()
+        if not was_whole:
+            schedule.release(i)
+    if not keep:
+        return {}
+    return {key: full[key] if key in full else tensor.detach().clone() for key, tensor in state.items()}

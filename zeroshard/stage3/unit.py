@@ -73,7 +73,11 @@ class Unit:
         """GATHERING -> GATHERED."""
         if self._gather is not None:
             gather, self._gather = self._gather, None
-            gather.wait()
+            try:
+                gather.wait()
+            except BaseException:  # nothing landed: the full buffer must not pass for gathered
+                self.forget()
+                raise
         self.state = UnitState.GATHERED
 
     def mark_reduced(self) -> None:
