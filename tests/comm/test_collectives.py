@@ -1,11 +1,14 @@
 """The recorded collectives equal torch.distributed's own, with every algorithm, and log exact bytes."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.distributed import run_ranks
-from zeroshard.comm import Algorithms, Comm, CommRecorder, all_gather, all_reduce, reduce_scatter
+from zeroshard.comm import Algorithms, CollectiveError, Comm, CommRecorder, all_gather, all_reduce, reduce_scatter
+from zeroshard.comm.collectives import Pending
 
 ALGORITHMS = [Algorithms("native", "native"), Algorithms("all_to_all", "send_recv")]
 CHUNK = 5  # elements per rank
@@ -71,3 +74,17 @@ def test_algorithms_follow_the_backend():
 
 def _algorithms(rank, world, device):
     return dist.get_backend(), Algorithms.for_group(dist.group.WORLD)
+
+
+def test_a_failed_wait_fails_again_and_runs_nothing_after_it():
+    class Lost:
+        def wait(self, timeout=None):
+            raise CollectiveError("the collective was lost")
+
+    pending = Pending(SimpleNamespace(timeout_s=None), "all_gather", Lost())
+    landed = []
+    pending.then(lambda: landed.append(True))
+    for _ in range(2):  # a second wait must not pass for landed
+        with pytest.raises(CollectiveError):
+            pending.wait()
+    assert landed == []

@@ -5,6 +5,7 @@ single-process training in test_parity), values the test writes, and the
 same model run whole in one process.
 """
 
+import pytest
 import torch
 
 from tests.distributed import run_ranks
@@ -58,18 +59,27 @@ def _generate(rank, world, device):
     reference = make_model(device=device)
     engine.eval()
     idx = torch.zeros(1, 1, dtype=torch.long, device=device)
+
+    def fail_once(module, args):  # the model's own error, after units were gathered
+        handle.remove()
+        raise ValueError("the model's own error")
+    handle = engine.module.blocks[1].register_forward_pre_hook(fail_once)
+    with torch.no_grad(), pytest.raises(ValueError):
+        engine(idx)
+    live_after_error = engine.schedule.live_numel()
     with torch.no_grad():
         for _ in range(5):  # greedy generation: many forwards, no backward
             logits = engine(idx)
             assert torch.equal(logits, reference(idx))
             idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return idx.tolist(), engine.schedule.live_numel()
+    return idx.tolist(), engine.schedule.live_numel(), live_after_error
 
 
 def test_no_grad_generation_matches_the_whole_model_and_releases_everything():
-    for tokens, live in run_ranks(_generate, 2):
+    for tokens, live, live_after_error in run_ranks(_generate, 2):
         assert len(tokens[0]) == 6
         assert live == 0
+        assert live_after_error == 0, "an error in the model's forward left units gathered"
 
 
 def _data_bytes() -> int:

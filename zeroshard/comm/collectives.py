@@ -113,6 +113,7 @@ class Pending:
         self._works = work if isinstance(work, list) else [w for w in (work,) if w is not None]
         self._thens: list[Callable[[], object]] = []
         self._done = False
+        self._failure: CollectiveError | None = None
 
     def then(self, fn: Callable[[], object]) -> "Pending":
         """Run `fn` once the collective has landed (at `wait`, or now if it was waited for)."""
@@ -123,9 +124,10 @@ class Pending:
         return self
 
     def wait(self) -> None:
+        if self._failure is not None:  # waited once and failed: it never lands
+            raise self._failure
         if self._done:
             return
-        self._done = True
         start = time.perf_counter()
         comm = self._comm
         for work in self._works:
@@ -136,10 +138,13 @@ class Pending:
                     positions.wait_watched(work, comm, self._index)
                 else:
                     work.wait(timeout=timedelta(seconds=comm.timeout_s))
-            except CollectiveError:
+            except CollectiveError as error:
+                self._failure = error
                 raise
             except RuntimeError as error:
-                raise CollectiveError(_explain(comm, self._index, error)) from error
+                self._failure = CollectiveError(_explain(comm, self._index, error))
+                raise self._failure from error
+        self._done = True
         self._works = []
         self._comm.recorder.add_seconds(self._op, time.perf_counter() - start)
         for fn in self._thens:

@@ -100,6 +100,10 @@ class Engine(DeepSpeedMethods, ExportMethods):
         except CollectiveError as exc:  # a stage-3 gather failed: ranks are out of step
             self._fail(f"a collective failed in forward ({exc})")
             raise
+        except BaseException:  # the model's own error (every rank's, or the stall watch says): free the units
+            if self.schedule is not None:
+                self.schedule.release_all()
+            raise
         finally:
             if self.state is TrainingState.FORWARD:
                 self.state = resume
