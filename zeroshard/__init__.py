@@ -2,6 +2,7 @@
 
 from zeroshard import consolidate
 from zeroshard.checkpoint import CheckpointError
+from zeroshard.checkpoint.pretrained import pretrained
 from zeroshard.comm import CollectiveError
 from zeroshard.comm.group import LaunchError
 from zeroshard.config import Config, ConfigError
@@ -13,10 +14,13 @@ from zeroshard.engine import Engine, EngineStateError, initialize
 from zeroshard.engine.agreement import RankMismatchError
 from zeroshard.errors import ModelError, ZeroshardError
 from zeroshard.stage3.gathered import gathered_parameters
+from zeroshard.stage3.generation import GenerationError
+from zeroshard.stage3.meta import meta_init
 from zeroshard.version import __version__
 
 __all__ = [
-    "CheckpointError", "CollectiveError", "Config", "ConfigError", "Engine", "EngineStateError", "GradientError",
+    "CheckpointError", "CollectiveError", "Config", "ConfigError", "Engine", "EngineStateError", "GenerationError",
+    "GradientError",
     "LaunchError", "LossScaleError", "ModelError", "NonFiniteError", "OptimizerError", "RankMismatchError",
-    "ZeroshardError", "__version__", "consolidate", "gathered_parameters", "initialize",
+    "ZeroshardError", "__version__", "consolidate", "gathered_parameters", "initialize", "meta_init", "pretrained",
 ]

@@ -8,7 +8,7 @@ import struct
 import subprocess
 import sys
 
-from zeroshard.app.cli_estimate import count_preset
+from zeroshard.app.model_count import count_model
 from zeroshard.app.models import GPT, PRESETS
 
 RUNS = {"0": "stage 0", "1": "stage 1", "2": "stage 2"}  # each run is a launch: keep to these
@@ -40,7 +40,7 @@ def test_compare_two_ranks(tmp_path):
     assert [row["name"] for row in rows] == list(RUNS.values())
     # The tiny GPT on this text's alphabet: Ψ counted without building it, then padded to N.
     alphabet = len(set(text.read_text()))
-    psi = count_preset("tiny").numel + (alphabet - PRESETS["tiny"].vocab_size) * PRESETS["tiny"].n_embd
+    psi = count_model("tiny").numel + (alphabet - PRESETS["tiny"].vocab_size) * PRESETS["tiny"].n_embd
     assert psi == GPT(PRESETS["tiny"].__class__(**{**PRESETS["tiny"].__dict__, "vocab_size": alphabet})).num_params()
     for row in rows:
         padded, stage = row["psi_padded"], row["stage"]

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 
 import pytest
 import torch
 
-from zeroshard.config import Config, ConfigError, ConfigFacts, ConfigWarning
+from zeroshard.config import Config, ConfigError, ConfigFacts
 from zeroshard.config.blocks import build_optimizer, build_scheduler
 
 
@@ -30,34 +29,33 @@ def problems(*lines: str) -> str:
 
 # ---- "auto" ----
 
-def test_auto_values_resolve_to_defaults_and_facts():
-    config = Config.load({
-        "gradient_clipping": "auto", "gradient_accumulation_steps": "auto",
-        "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+def test_auto_values_without_facts_are_errors_and_sizes_take_defaults():
+    raw = {
+        "gradient_accumulation_steps": "auto", "train_micro_batch_size_per_gpu": 2, "train_batch_size": "auto",
         "zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", "allgather_bucket_size": "auto"},
-        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
-                                                  "weight_decay": "auto"}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                     "warmup_num_steps": "auto"}},
-    }, ConfigFacts(world_size=4))
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "auto", "warmup_num_steps": 10}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+    }
+    config, report = Config.load_with_report(raw, ConfigFacts(world_size=4))
     d = config.to_dict()
-    assert (d["gradient_clipping"], d["gradient_accumulation_steps"]) == (0.0, 1)
-    assert (d["train_micro_batch_size_per_gpu"], d["train_batch_size"]) == (None, None)
+    assert (d["train_batch_size"], d["gradient_accumulation_steps"]) == (8, 1)
     assert d["zero_optimization"]["reduce_bucket_size"] == 25_000_000
-    assert d["zero_optimization"]["allgather_bucket_size"] == 25_000_000
-    assert d["optimizer"] == {"type": "AdamW", "params": {
-        "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0, "adam_w_mode": True,
-        "torch_adam": False}}
-    assert d["scheduler"] == {"type": "WarmupLR", "params": {
-        "warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log",
-        "last_batch_iteration": -1}}
+    assert d["scheduler"]["params"]["warmup_max_lr"] is None  # the optimizer's lr
+    assert [key for key, _, _ in report.resolved] == [
+        "zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size",
+        "scheduler.params.warmup_max_lr", "train_batch_size", "gradient_accumulation_steps"]
+    assert report.resolved[0][2] == "zeroshard's default (the model has no config.hidden_size)"
+    assert error_of({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}) == problems(
+        'optimizer.params.lr is "auto", which zeroshard cannot work out here; put a value (Hugging Face\'s '
+        "Trainer fills it from its arguments), or pass the optimizer in code to zeroshard.initialize, which "
+        'fills every optimizer.params "auto"')
 
 
 def test_auto_total_num_steps_is_rejected():
     assert error_of({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": "auto"}}}) == problems(
         'scheduler.params.total_num_steps is "auto", which zeroshard cannot work out here; put the number '
         "of optimizer steps of the run (Hugging Face's Trainer computes it from epochs and data, which "
-        "zeroshard.initialize does not see)",
+        "zeroshard.initialize does not see), or pass lr_scheduler= to zeroshard.initialize",
         "scheduler.params.total_num_steps is required for WarmupDecayLR")
 
 
@@ -266,19 +264,6 @@ def test_scheduler_block_errors(block, line):
 
 # ---- strict ----
 
-def test_strict_false_warns_once_per_ignored_key():
-    raw = {"strict": False, "amp": {"enabled": True}, "steps_per_print": 10,
-           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        config = Config.load(raw)
-    assert [str(w.message) for w in caught if w.category is ConfigWarning] == [
-        f"zeroshard ignores the DeepSpeed key '{key}': not supported yet, and the config says "
-        '"strict": false' for key in ("amp", "steps_per_print", "zero_optimization.offload_optimizer")]
-    assert config.stage == 2 and config.strict is False
-    assert "amp" in raw and "offload_optimizer" in raw["zero_optimization"]  # the caller's dict is kept
-
-
 def test_strict_false_still_rejects_unknown_keys():
     with pytest.raises(ConfigError, match=r"unknown key 'gradient_clippin' \(did you mean 'gradient_clipping'"):
         Config.load({"strict": False, "gradient_clippin": 1.0, "fp16": {}})
@@ -298,9 +283,12 @@ def test_config_check_prints_the_effective_config(tmp_path, capsys):
            "optimizer": {"type": "adamw", "params": {"lr": "auto"}}}
     path.write_text(json.dumps(raw))
     assert main(["config", "check", str(path), "--world-size", "4"]) == 0
-    printed = json.loads(capsys.readouterr().out)
-    assert printed == Config.load(raw, ConfigFacts(world_size=4)).to_dict()
+    out, err = capsys.readouterr()
+    printed = json.loads(out)
     assert (printed["train_micro_batch_size_per_gpu"], printed["optimizer"]["type"]) == (2, "AdamW")
+    assert printed["optimizer"]["params"]["lr"] == "auto (at initialize)"
+    assert "    optimizer.params.lr: from the optimizer passed in code (an error if none is passed)" in err
+    assert "    train_micro_batch_size_per_gpu = 2  (derived: " in err
 
 
 def test_config_check_prints_the_error(tmp_path, capsys):
@@ -318,12 +306,15 @@ def test_config_check_lists_what_strict_false_ignores(tmp_path, capsys):
     from zeroshard.app.cli import main
 
     path = tmp_path / "ds.json"
-    path.write_text('{"strict": false, "steps_per_print": 100, "zero_optimization": {"stage": 1}}')
+    path.write_text('{"strict": false, "amp": {"enabled": true}, "steps_per_print": 100, '
+                    '"zero_optimization": {"stage": 1}}')
     assert main(["config", "check", str(path)]) == 0
     out, err = capsys.readouterr()
     assert json.loads(out)["zero_optimization"]["stage"] == 1
-    assert err == ("zeroshard config check: warning: zeroshard ignores the DeepSpeed key 'steps_per_print': "
-                   'not supported yet, and the config says "strict": false\n')
+    assert err == ("zeroshard config:\n  accepted with no effect in zeroshard:\n    steps_per_print: zeroshard prints "
+                   "no periodic progress; log engine.get_lr() and the loss yourself\n"
+                   '  ignored because the config says "strict": false:\n    amp: error: Apex AMP is not supported: '
+                   'use the "bf16" or "fp16" section\n')
 
 
 def test_config_reference_is_generated():

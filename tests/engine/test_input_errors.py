@@ -41,8 +41,8 @@ def _engine_misuse(rank, world, device):
     engine = zeroshard.initialize(model, _sgd(model), {"zero_optimization": {"stage": 2}})
     calls = {
         "save_dir_not_a_path": lambda: engine.save_checkpoint(123),
-        "tag_not_a_string": lambda: engine.save_checkpoint("unused", tag=5),
-        "load_tag_not_a_string": lambda: engine.load_checkpoint(tempfile.mkdtemp(), tag=5),
+        "tag_not_a_string": lambda: engine.save_checkpoint("unused", tag=[5]),
+        "load_tag_not_a_string": lambda: engine.load_checkpoint(tempfile.mkdtemp(), tag=[5]),
         "loss_not_a_scalar": lambda: engine.backward(engine(torch.randn(2, 4))),
         "loss_without_grad": lambda: engine.backward(torch.tensor(1.0)),
         "gathered_not_parameters": lambda: zeroshard.gathered_parameters("weight").__enter__(),
@@ -66,8 +66,9 @@ def _engine_misuse(rank, world, device):
 
 ENGINE = {
     "save_dir_not_a_path": ("CheckpointError", "save_dir must be a path (str or pathlib.Path); got int"),
-    "tag_not_a_string": ("CheckpointError", "checkpoint tag must be a string (a directory name); got int 5"),
-    "load_tag_not_a_string": ("CheckpointError", "checkpoint tag must be a string (a directory name); got int 5"),
+    "tag_not_a_string": ("CheckpointError", "checkpoint tag must be a string or a number (a directory name); got list [5]"),
+    "load_tag_not_a_string": ("CheckpointError",
+                              "checkpoint tag must be a string or a number (a directory name); got list [5]"),
     "loss_not_a_scalar": ("GradientError", "needs a scalar loss tensor that requires grad; got a tensor of shape (2, 1)"),
     "loss_without_grad": ("GradientError", "requires_grad=False"),
     "gathered_not_parameters": ("ModelError", "gathered_parameters takes parameters"),

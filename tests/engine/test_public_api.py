@@ -21,6 +21,7 @@ ERRORS = {  # documented error -> the builtin it has always derived from
     "LaunchError": RuntimeError,
     "ModelError": ValueError,
     "NonFiniteError": FloatingPointError,
+    "GenerationError": ValueError,
 }
 
 

@@ -8,9 +8,8 @@ import pytest
 
 from zeroshard import estimate
 from zeroshard.app.cli import main
-from zeroshard.app.cli_estimate import count_preset
+from zeroshard.app.model_count import count_model
 from zeroshard.app.models import GPT, PRESETS
-from zeroshard.estimate.param_count import hf_count
 
 
 def _estimate_json(capsys, *flags: str) -> dict:
@@ -96,11 +95,10 @@ HF_CONFIGS = {
 
 
 @pytest.mark.parametrize("name", HF_CONFIGS)
-def test_hf_config_counts_match_published_totals(name):
+def test_hf_config_counts_match_published_totals(name, tmp_path):
     config, total = HF_CONFIGS[name]
-    numel, layer = hf_count(config)
-    assert numel == total
-    assert 0 < layer * config.get("num_hidden_layers", config.get("n_layer")) < numel
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert count_model(str(tmp_path / "config.json")).numel == total
 
 
 def test_model_flag_reads_a_config_file(tmp_path, capsys):
@@ -108,17 +106,24 @@ def test_model_flag_reads_a_config_file(tmp_path, capsys):
     path.write_text(json.dumps(HF_CONFIGS["meta-llama/Llama-2-7b-hf"][0]))
     out = _estimate_json(capsys, "--model", str(path), "--gpus", "8")
     assert out["params"] == 6_738_415_616
-    # One Llama-2-7B layer: attention 4 × 4096², gated MLP 3 × 4096 × 11008, two RMSNorms.
-    assert out["largest_unit"] == 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096
+    # By size (each module of 1M elements or more is a unit): every Linear is one, and the largest
+    # units are the token embedding and the untied head, 32000 × 4096 each.
+    assert out["largest_unit"] == 32000 * 4096
     assert out["memory_by_state"]["3"]["params"] == 2 * (-(-out["params"] // 8) + out["largest_unit"])
+    # One unit per decoder layer (4 × 4096² attention, 3 × 4096 × 11008 MLP, two RMSNorms): the model
+    # itself keeps the embedding, the head and the final norm, larger than a layer.
+    out = _estimate_json(capsys, "--model", str(path), "--gpus", "8", "--wrap", "LlamaDecoderLayer")
+    assert 4 * 4096**2 + 3 * 4096 * 11008 + 2 * 4096 < out["largest_unit"] == 2 * 32000 * 4096 + 4096
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_counts_match_the_built_model(name):
     model = GPT(PRESETS[name])
-    counted = count_preset(name)
+    counted = count_model(name)
     assert counted.numel == model.num_params()
-    assert counted.largest_unit == sum(p.numel() for p in model.blocks[0].parameters())
+    # The demo wraps each Block; the model itself keeps the (tied) embeddings and the final norm.
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    assert counted.largest_unit == max(block, counted.numel - len(model.blocks) * block)
 
 
 @pytest.mark.parametrize("stage", estimate.STAGES)
@@ -173,10 +178,15 @@ def test_bad_flags(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("config, message", [
-    ({"model_type": "t5"}, 'model_type "t5" is not one zeroshard can count'),
-    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}, "has no 'intermediate_size'"),
+@pytest.mark.parametrize("config, flags, message", [
+    ({"hidden_size": 64}, (), 'holds no "model_type": it is not a Hugging Face config.json'),
+    ({"model_type": "no-such-model"}, (), "cannot read"),
+    ({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2}, ("--wrap", "Block"),
+     "stage 3 wrap classes ['Block'] match no module"),
 ])
-def test_configs_it_cannot_count(config, message):
-    with pytest.raises(ValueError, match=message):
-        hf_count(config)
+def test_configs_it_cannot_count(tmp_path, capsys, config, flags, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--model", str(tmp_path / "config.json"), "--gpus", "8", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err

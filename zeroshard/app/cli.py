@@ -22,7 +22,7 @@ from zeroshard.app.train import add_arguments, engine_config, to_argv
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.consolidate import write
 from zeroshard.checkpoint.verify import verify
-from zeroshard.config import Config, ConfigError, ConfigFacts
+from zeroshard.config import Config, ConfigError, ConfigFacts, ConfigWarning
 from zeroshard.dtypes import DTYPES
 
 EXAMPLES = """\
@@ -84,17 +84,31 @@ def add_config_command(commands: argparse._SubParsersAction) -> None:
 
 
 def run_config_check(args: argparse.Namespace) -> int:
-    """Print the effective config as JSON (stdout), or the error (stderr); returns the exit status."""
+    """Print the effective config as JSON (stdout) and what loading decided (stderr: "auto" resolved,
+    keys with no effect), or the error (stderr); returns the exit status.
+
+    No model, optimizer or scheduler exists here: an "auto" that only `zeroshard.initialize` can resolve
+    (from the model's dtype, the optimizer passed in code, ...) is printed as "auto (at initialize)" and
+    listed with where initialize takes it from (an error there if nothing resolves it).
+    """
     try:
-        with warnings.catch_warnings(record=True) as ignored:  # "strict": false: one per ignored key
-            warnings.simplefilter("always")
-            config = Config.load(args.file, ConfigFacts(world_size=args.world_size))
+        with warnings.catch_warnings():  # "strict": false: the report lists each ignored key
+            warnings.simplefilter("ignore", ConfigWarning)
+            config, report = Config.load_with_report(args.file, ConfigFacts(world_size=args.world_size,
+                                                                            deferred=True))
     except ConfigError as error:
         print(f"zeroshard config check: {error}", file=sys.stderr)
         return 1
-    for warning in ignored:
-        print(f"zeroshard config check: warning: {warning.message}", file=sys.stderr)
-    print(json.dumps(config.to_dict(), indent=2))
+    effective = config.to_dict()
+    for dotted, _ in report.deferred:
+        *parents, key = dotted.split(".")
+        section = effective
+        for parent in parents:
+            section = section.setdefault(parent, {}) if isinstance(section.get(parent), dict) else {}
+        section[key] = "auto (at initialize)"
+    if report.block():
+        print(report.block(), file=sys.stderr)
+    print(json.dumps(effective, indent=2))
     return 0
 
 
@@ -107,7 +121,8 @@ def add_consolidate_command(commands: argparse._SubParsersAction) -> None:
                     "Runs in one process, on any machine; trained parameters come from the fp32 masters.")
     parser.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="a save directory (its 'latest' tag) or one tag's directory")
-    parser.add_argument("out", metavar="OUT", help="the .safetensors file to write")
+    parser.add_argument("out", metavar="OUT", help="the .safetensors file to write, or a directory for "
+                        "model.safetensors (created if missing); a Hugging Face model's config.json goes beside it")
     parser.add_argument("--tag", default=None, help="the tag to read in CHECKPOINT (default: its 'latest')")
     add_dtype(parser, None, "cast floating-point tensors (default: fp32 masters, frozen ones as stored)")
 
@@ -119,12 +134,12 @@ def run_consolidate(args: argparse.Namespace) -> int:
     try:
         if problems:
             raise CheckpointError(problems[0])
-        count = write(args.checkpoint, args.out, args.tag, DTYPES.get(args.dtype), verified=True)
+        count, files = write(args.checkpoint, args.out, args.tag, DTYPES.get(args.dtype), verified=True)
     except CheckpointError as error:
         for problem in problems or [str(error)]:
             print(f"zeroshard consolidate: {_one_line(problem)}", file=sys.stderr)
         return 1
-    print(f"wrote {count} tensors to {args.out}")
+    print(f"wrote {count} tensors to {files[0]}" + "".join(f", {f.name} beside it" for f in files[1:]))
     return 0
 
 

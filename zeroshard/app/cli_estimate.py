@@ -1,9 +1,9 @@
 """`zeroshard estimate`: model-state memory and communication per ZeRO stage, without a GPU.
 
 The figures come from `zeroshard.estimate.summarize`; this module reads the
-flags, counts Ψ when given a model (a demo preset, built on the meta device, or
-a Hugging Face config.json, by `zeroshard.estimate.param_count`), and prints
-either that object as JSON or a table.
+flags, counts Ψ and the largest unit when given a model (a demo preset or any
+`transformers` model, built on the meta device: `zeroshard.app.model_count`),
+and prints either that object as JSON or a table.
 """
 
 from __future__ import annotations
@@ -11,21 +11,19 @@ from __future__ import annotations
 import argparse
 import json
 import re
-from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from zeroshard import estimate
 from zeroshard.app.flags import add_command, add_dtype, positive_int
-from zeroshard.app.models import GPT, PRESETS
-from zeroshard.estimate.param_count import ParamCount, count_config_file
+from zeroshard.app.model_count import AUTO_WRAP_MIN_PARAMS, DEMO_WRAP, count_model
 
 EXAMPLES = """\
 examples:
   zeroshard estimate --params 7.5e9 --gpus 64              the ZeRO paper's Figure 1
   zeroshard estimate --model llama/config.json --gpus 16 --gpu-mem 80GB
+  zeroshard estimate --model gpt2 --gpus 8 --wrap GPT2Block   a transformers model type, a unit per block
   zeroshard estimate --model demo --gpus 2 --dtype fp32 --json
 """
 
@@ -55,28 +53,6 @@ def memory_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
-def count_preset(name: str) -> ParamCount:
-    """Ψ and one block of the demo GPT preset `name`, built on the meta device (nothing allocated)."""
-    with torch.device("meta"):
-        model = GPT(PRESETS[name])
-    block = sum(p.numel() for p in model.blocks[0].parameters()) if len(model.blocks) else 0
-    return ParamCount(name, sum(p.numel() for p in model.parameters()), block)  # the tied head counts once
-
-
-def count_model(name_or_path: str) -> ParamCount:
-    """Ψ of a preset name (`zeroshard.app.models.PRESETS`), else of a Hugging Face `config.json` file.
-
-    Raises ValueError naming the cause: neither a preset nor a file, or what
-    `count_config_file` finds wrong with the file.
-    """
-    if name_or_path in PRESETS:
-        return count_preset(name_or_path)
-    if not Path(name_or_path).is_file():
-        raise ValueError(f"'{name_or_path}' is neither a preset ({', '.join(sorted(PRESETS))}) nor a "
-                         "config.json file; give one of those, or the count itself with --params")
-    return count_config_file(name_or_path)
-
-
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """Register `zeroshard estimate` and its flags."""
     parser = add_command(
@@ -89,10 +65,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=count, metavar="Ψ", help="parameter count, e.g. 7.5e9 or 7B")
     model.add_argument("--model", metavar="NAME_OR_CONFIG",
-                       help="count Ψ and the largest unit from a preset name or a Hugging Face config.json")
+                       help="count Ψ and the largest unit on the model built on the meta device: a preset, a "
+                            "transformers model type (gpt2, llama, ...), a config.json or a save_pretrained "
+                            "directory")
     parser.add_argument("--largest-unit", type=count, metavar="ELEMENTS", default=None,
-                        help="parameters of the largest unit stage 3 gathers (one layer); default: "
-                             "from --model, else 0")
+                        help="parameters of the largest unit stage 3 gathers; default: from --model, else 0")
+    parser.add_argument("--wrap", nargs="+", default=None, metavar="CLASS",
+                        help="with --model: stage3_wrap_classes, class names that each form a unit (default: "
+                             f"{' '.join(DEMO_WRAP)} for a preset, by size for another model)")
+    parser.add_argument("--auto-wrap-min-params", type=count, default=AUTO_WRAP_MIN_PARAMS, metavar="ELEMENTS",
+                        help="with --model and no --wrap: stage3_auto_wrap_min_params (default: %(default)s)")
     parser.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="GPUs (ranks) in all")
     parser.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="G",
                         help="GPUs per node (default: 8, or --gpus if fewer)")
@@ -112,7 +94,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     name, largest_unit = None, args.largest_unit
     if args.model is not None:
         try:
-            counted = count_model(args.model)
+            counted = count_model(args.model, None if args.wrap is None else tuple(args.wrap),
+                                  args.auto_wrap_min_params)
         except ValueError as error:
             args.command_parser.error(f"argument --model: {error}")
         name, args.params = counted.name, counted.numel

@@ -243,7 +243,7 @@ def train(args: argparse.Namespace, console: Console | None = None) -> RunResult
 def _resume(engine: zeroshard.Engine, schedule: torch.optim.lr_scheduler.LRScheduler,
             args: argparse.Namespace) -> int:
     """Load --resume into the engine and the LR schedule; returns the number of steps already done."""
-    path, client_state = engine.load_checkpoint(args.resume)
+    path, client_state = engine.load_checkpoint(args.resume, must_exist=True)  # --resume names one: no (None, None)
     if "demo_step" not in client_state:
         raise UsageError(f"{path} was not written by the demo (`zeroshard train --save-every`), so it does not "
                          "say which step it ended; load it with engine.load_checkpoint in your own script")

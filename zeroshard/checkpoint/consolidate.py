@@ -3,7 +3,10 @@
 `zeroshard consolidate CKPT model.safetensors` (or `consolidate(...)`) joins
 every rank's pieces into whole tensors, keyed as the model's own
 `state_dict()`, so the result loads into the plain model with
-`model.load_state_dict(safetensors.torch.load_file(path))`. The checkpoint
+`model.load_state_dict(safetensors.torch.load_file(path))`. `write` creates
+the output's directory; an OUT that is not a .safetensors file is a
+directory that gets `model.safetensors`, and for a Hugging Face model
+`config.json` (`model_config.py`), so `from_pretrained(OUT)` loads it. The checkpoint
 is verified first, as a load verifies it (`verify.py`: sizes, headers, save
 ids, checksums), so a damaged one is refused, not joined. Trained
 parameters come from the fp32 masters; `dtype` casts floating-point
@@ -20,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from zeroshard.checkpoint.files import CheckpointError, parse_manifest, resolve
+from zeroshard.checkpoint.model_config import check_config_target, write_config
 from zeroshard.checkpoint.pieces import PieceReader
 from zeroshard.checkpoint.verify import problems_of, raise_first
 from zeroshard.dtypes import MASTER_DTYPE, from_torch_name
@@ -89,17 +93,31 @@ def _consolidate(path: Path, dtype: torch.dtype | None,
     return out, manifest
 
 
-def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: torch.dtype | None = None,
-          verified: bool = False) -> int:
-    """Write the consolidated state dict to a safetensors file; returns the number of tensors.
+WEIGHTS_FILE = "model.safetensors"  # the name transformers reads in a directory
 
-    `verified`: the caller has just verified the checkpoint (`verify.verify`), so it is not read twice.
+
+def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: torch.dtype | None = None,
+          verified: bool = False) -> tuple[int, list[Path]]:
+    """Write the consolidated state dict; returns the number of tensors and the files written.
+
+    `out` ending in .safetensors is the file (its directory is created); any
+    other `out` is a directory, created, that gets model.safetensors. Beside
+    the weights goes config.json when the checkpoint carries a Hugging Face
+    config. `verified`: the caller has just verified the checkpoint
+    (`verify.verify`), so it is not read twice.
     """
     path = resolve(load_dir, tag)
     state, manifest = _consolidate(path, dtype, verify=not verified)
+    out = Path(out)
+    weights = out if out.suffix == ".safetensors" else out / WEIGHTS_FILE
+    config = manifest.get("hf_config")
+    check_config_target(weights.parent, config)
     try:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(out),
-                  metadata={"source": str(path), "global_steps": str(manifest["global_steps"])})
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        # "format": "pt" is what transformers' from_pretrained expects of a safetensors file.
+        save_file({k: v.contiguous() for k, v in state.items()}, str(weights),
+                  metadata={"format": "pt", "source": str(path), "global_steps": str(manifest["global_steps"])})
     except Exception as exc:  # safetensors reports I/O errors in its own error type
-        raise CheckpointError(f"cannot write {out} ({exc}); give a path in an existing, writable directory") from None
-    return len(state)
+        raise CheckpointError(f"cannot write {weights} ({exc}); give an OUT in a writable place") from None
+    written = write_config(weights.parent, config)
+    return len(state), [weights] + ([written] if written else [])

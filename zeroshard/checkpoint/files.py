@@ -94,13 +94,18 @@ def sealed(manifest: dict) -> str:
 # -- writing ----------------------------------------------------------------------
 
 
-def check_tag(tag: str) -> None:
+def check_tag(tag: str | int | float) -> str:
+    """The tag as a directory name. DeepSpeed scripts pass numbers too (a step, `loss.item()`): those
+    become `str(tag)`, as DeepSpeed's tag directories are named."""
+    if isinstance(tag, (int, float)) and not isinstance(tag, bool):
+        tag = str(tag)
     if not isinstance(tag, str):
-        raise CheckpointError(f"checkpoint tag must be a string (a directory name); got {type(tag).__name__} "
-                              f"{tag!r:.60}")
+        raise CheckpointError(f"checkpoint tag must be a string or a number (a directory name); got "
+                              f"{type(tag).__name__} {tag!r:.60}")
     if not tag or tag.startswith(".") or os.sep in tag or (os.altsep and os.altsep in tag):
         raise CheckpointError(f"checkpoint tag '{tag}' must be a plain directory name "
                               "(no path separators, not starting with '.')")
+    return tag
 
 
 def partial_dir(save_dir: Path, tag: str) -> Path:
@@ -153,7 +158,7 @@ def resolve(load_dir: str | Path, tag: str | None) -> Path:
     if not load_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {load_dir} does not exist")
     if tag is not None:
-        check_tag(tag)
+        tag = check_tag(tag)
         path = load_dir / tag
         if not path.is_dir():
             raise CheckpointError(f"{load_dir} has no checkpoint '{tag}'; it has: {', '.join(tags_in(load_dir)) or 'none'}")
@@ -225,7 +230,21 @@ def foreign_hint(path: Path) -> str:
     if any(n.endswith((".safetensors", ".bin", ".pt", ".pth")) for n in names):
         return ("it has no manifest.json and no 'latest' file. If it holds a plain state dict, load it with "
                 "model.load_state_dict() before zeroshard.initialize")
-    return "it has no manifest.json and no 'latest' file (write one with engine.save_checkpoint)"
+    return _NOTHING
+
+
+_NOTHING = "it has no manifest.json and no 'latest' file (write one with engine.save_checkpoint)"
+
+
+def holds_no_checkpoint(load_dir: str | Path) -> bool:
+    """Whether `load_dir` is missing or holds no checkpoint of any kind (zeroshard's, DeepSpeed's, a state
+    dict): a resume-if-present script's first run. A directory with tags but no 'latest' is not empty."""
+    load_dir = Path(load_dir)
+    if not load_dir.exists():
+        return True
+    if not load_dir.is_dir() or (load_dir / MANIFEST).is_file() or (load_dir / LATEST).exists():
+        return False
+    return not tags_in(load_dir) and foreign_hint(load_dir) == _NOTHING
 
 
 def read_manifest(path: Path) -> dict:

@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 
 from zeroshard.checkpoint.checks import agree, holdings, mismatch
+from zeroshard.checkpoint.client_state import from_plain
 from zeroshard.checkpoint.files import (
     DAMAGED_FIX,
     STATE,
     CheckpointError,
+    holds_no_checkpoint,
     read_manifest,
     read_state,
     resolve,
@@ -38,6 +40,7 @@ from zeroshard.checkpoint.verify import (
     share,
     state_problems,
 )
+from zeroshard.comm import all_gather_object
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +68,27 @@ class _Plan:
     optimizer_state: dict | None  # for optimizer.load_state_dict; None: keep the trainer's
 
 
-def load(trainer: Trainer, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True,
-         load_lr_scheduler_states: bool = True, load_module_only: bool = False) -> tuple[Path, dict]:
+def load(trainer: Trainer, load_dir: str | Path, tag: str | int | float | None = None,
+         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+         must_exist: bool = True) -> tuple[Path, dict] | tuple[None, None]:
     """Read a checkpoint into the trainer; returns (the tag directory, the saved client_state).
 
     As DeepSpeed: the weights always; the step counters and fp16 loss scale
     unless `load_module_only`; the optimizer state and param-group settings,
     and the LR scheduler, when their flags say so and not `load_module_only`.
+    With `must_exist` false, `tag` None and no checkpoint of any kind in `load_dir` on any rank
+    (a resume-if-present script's first run), nothing is loaded: every rank warns and returns
+    (None, None), as DeepSpeed does.
     """
     parts = _Parts(load_optimizer_states and not load_module_only, load_lr_scheduler_states and not load_module_only,
                    not load_module_only)
     trainer.check_checkpoint_boundary("load_checkpoint")
     comm, held = trainer.comm, holdings(trainer)
+    if not must_exist and tag is None and all(all_gather_object(comm, holds_no_checkpoint(load_dir))):
+        log.warning("rank %d: no checkpoint in %s yet (no 'latest' file, no tag): nothing loaded, "
+                    "load_checkpoint returns (None, None); pass must_exist=True to make this an error",
+                    comm.rank, load_dir)
+        return None, None
     plan, error = None, None
     try:
         plan = _prepare(trainer, held, load_dir, tag, parts)
@@ -94,7 +106,7 @@ def load(trainer: Trainer, load_dir: str | Path, tag: str | None = None, load_op
     if comm.rank == 0:
         log.info("loaded checkpoint %s (written by %d ranks at stage %d, step %d)", plan.path,
                  plan.manifest["world_size"], plan.manifest["stage"], plan.manifest["global_steps"])
-    return plan.path, plan.state["client_state"]
+    return plan.path, from_plain(plan.state["client_state"])
 
 
 def _prepare(trainer: Trainer, held: Holdings, load_dir: str | Path, tag: str | None, parts: _Parts) -> _Plan:

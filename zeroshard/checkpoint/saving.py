@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from zeroshard.checkpoint.checks import agree, first_not_plain, holdings, nonfinite
+from zeroshard.checkpoint.client_state import NotPlain, to_plain
 from zeroshard.checkpoint.files import (
     FORMAT,
     MANIFEST,
@@ -44,6 +45,7 @@ from zeroshard.checkpoint.files import (
     write_bytes,
 )
 from zeroshard.checkpoint.holdings import Holdings, Span
+from zeroshard.checkpoint.model_config import hf_config
 from zeroshard.checkpoint.protocol import Trainer
 from zeroshard.checkpoint.writer import bytes_entry, write_tensors
 from zeroshard.comm import Comm, all_gather_object
@@ -55,26 +57,31 @@ log = logging.getLogger(__name__)
 # -- save ---------------------------------------------------------------------------
 
 
-def save(trainer: Trainer, save_dir: str | Path, tag: str | None = None,
+def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None = None,
          client_state: dict | None = None, save_latest: bool = True) -> Path:
-    """Write the trainer's training state to `save_dir/tag` (default tag: global_step<N>); returns that path."""
+    """Write the trainer's training state to `save_dir/tag` (default tag: global_step<N>); returns that path.
+
+    A number as tag (DeepSpeed's getting-started loop passes `loss.item()`) names the directory `str(tag)`.
+    Ranks that ask for different tags (each its own loss) write rank 0's, with a warning on rank 0, as
+    DeepSpeed's default tag validation ("Warn") does.
+    """
     trainer.check_checkpoint_boundary("save_checkpoint")
     if not isinstance(save_dir, (str, os.PathLike)):
         raise CheckpointError(f"save_dir must be a path (str or pathlib.Path); got {type(save_dir).__name__}")
-    tag = tag or f"global_step{trainer.counters().global_steps}"
+    tag = f"global_step{trainer.counters().global_steps}" if tag is None else tag
     save_dir = Path(save_dir)
     comm, held = trainer.comm, holdings(trainer)
     save_id = uuid.uuid4().hex if comm.rank == 0 else None  # rank 0's, shared with the tag below
     state, error = None, None
     try:
-        check_tag(tag)
+        tag = check_tag(tag)
     except CheckpointError as exc:  # agreed below, so that no rank waits for one that stopped here
         error = str(exc)
     error = error or nonfinite(trainer, held)
     if comm.rank == 0 and error is None:
         state, error = _serialized_state(trainer, held, client_state, save_id)
     agree(comm, error)
-    save_id = _agreed_tag(comm, tag, save_id)
+    tag, save_id = _agreed_tag(comm, tag, save_id)
     partial = partial_dir(save_dir, tag)
     started: list[int] = []  # the partial directory's creation time: older partial directories are stale
     if comm.rank == 0:
@@ -107,14 +114,14 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | None = None,
     return save_dir / tag
 
 
-def _agreed_tag(comm: Comm, tag: str, save_id: str | None) -> str:
-    """The save id of rank 0, after checking that every rank asked for the same tag (one gather for both)."""
+def _agreed_tag(comm: Comm, tag: str, save_id: str | None) -> tuple[str, str]:
+    """Rank 0's tag and save id (one gather for both); a warning on rank 0 if the ranks asked for different tags."""
     asked = all_gather_object(comm, (tag, save_id))
     tags = [t for t, _ in asked]
-    if len(set(tags)) > 1:
-        raise CheckpointError(f"the ranks asked for different tags ({', '.join(map(repr, tags))}); pass the same "
-                              "tag on every rank (or none: global_step<N>)")
-    return asked[0][1]
+    if len(set(tags)) > 1 and comm.rank == 0:
+        log.warning("the ranks asked for different checkpoint tags (%s); every rank writes rank 0's, '%s' "
+                    "(pass the same tag on every rank, or none: global_step<N>)", ", ".join(map(repr, tags)), tags[0])
+    return asked[0]
 
 
 def _attempt(action, what: str) -> str | None:
@@ -206,11 +213,14 @@ def _serialized_state(trainer: Trainer, held: Holdings, client_state: dict | Non
         "lr_scheduler": trainer.lr_scheduler.state_dict() if trainer.lr_scheduler is not None else None,
         "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         "scalars": scalars,
-        "client_state": client_state if client_state is not None else {},
+        "client_state": {},
         "save_id": save_id,
     }
-    where = first_not_plain(state["client_state"], "client_state") or first_not_plain(
-        state["lr_scheduler"], "the LR scheduler's state_dict()")
+    try:
+        state["client_state"] = to_plain(client_state if client_state is not None else {})
+        where = first_not_plain(state["lr_scheduler"], "the LR scheduler's state_dict()")
+    except NotPlain as exc:
+        where = str(exc)
     buffer = io.BytesIO()
     try:
         if where is None:
@@ -220,7 +230,8 @@ def _serialized_state(trainer: Trainer, held: Holdings, client_state: dict | Non
         where = f"the state ({type(exc).__name__}: {str(exc).splitlines()[0]})"
     if where is not None:
         return None, (f"{where} cannot be stored as plain data. client_state and the LR scheduler's state may "
-                      "hold only tensors, numbers, strings, None, and lists, tuples and dicts of them, so that "
+                      "hold only tensors, numbers, strings, None, and lists, tuples and dicts of them (and, in "
+                      "client_state, pathlib.Path and argparse.Namespace), so that "
                       "checkpoints load without running pickled code; nothing was written")
     return buffer.getvalue(), None
 
@@ -237,6 +248,7 @@ def _manifest(trainer: Trainer, held: Holdings, files: dict[str, dict], save_id:
         "param_groups": len(optimizer.param_groups),
         "params": held.param_table(), "buffers": held.buffer_table(),
         "state_dict": _state_dict_keys(trainer),
+        "hf_config": hf_config(trainer.module),  # a transformers model's config.json, for consolidate
         "save_id": save_id,
         "files": dict(sorted(files.items())),
     }

@@ -1,16 +1,19 @@
-"""Resolving `"auto"` values and the batch-size triple, before a config is validated.
+"""Resolving `"auto"` values before a config is validated.
 
 Hugging Face's Trainer fills DeepSpeed's `"auto"` values from its own
 arguments. zeroshard fills them from what `zeroshard.initialize` is given,
-summarised as `ConfigFacts`, and where nothing given decides a value, from
-the key's default (DeepSpeed's where zeroshard follows it). A value that
-cannot be worked out is an error naming the dotted key and what to put.
+summarised as `ConfigFacts` (world size, the model's dtype and hidden size,
+the optimizer and LR scheduler passed in code). An `"auto"` nothing given
+decides is an error naming the dotted key and what to put, never a silent
+default; the one exception is a speed-only size (bucket sizes) on a model
+without `config.hidden_size`, which takes zeroshard's default and says so.
+Every resolution goes to the `LoadReport`, which rank 0 logs.
 
 Plugging in a key: add one entry to `AUTO_RESOLVERS`, dotted key -> function
-(raw config dict, facts) -> value, `USE_DEFAULT`, or raise `AutoError(what
-to put instead)`. "section.params.*" covers every key of that object. Stage
-3's size keys could use `facts.hidden_size` as Hugging Face does (0.9 x
-hidden^2).
+(raw config dict, facts) -> (value, from what), `(USE_DEFAULT, from what)`,
+`DEFER` (only when `facts.deferred`), or raise `AutoError(what to put)`.
+"section.params.*" covers every key of that object. The batch keys and the
+blocks next to code objects are in batch.py and from_code.py.
 """
 
 from __future__ import annotations
@@ -19,6 +22,10 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from zeroshard.config.batch import resolve_batch
+from zeroshard.config.errors import AutoError
+from zeroshard.config.from_code import OptimizerFacts, check_blocks_against_code, optimizer_value
+from zeroshard.config.report import LoadReport
 from zeroshard.dtypes import DTYPES, torch_name
 
 AUTO = "auto"
@@ -30,84 +37,124 @@ class ConfigFacts:
 
     world_size: int | None = None  # ranks in the data-parallel group
     param_dtype: str | None = None  # the trainable parameters' dtype, torch's name: "float32", "bfloat16", ...
-    hidden_size: int | None = None  # the model's hidden size, for size autos that scale with it
-
-
-class AutoError(Exception):
-    """An "auto" value zeroshard cannot work out; the argument says what to put instead."""
+    hidden_size: int | None = None  # the model's config.hidden_size (Hugging Face models), for size autos
+    optimizer: OptimizerFacts | None = None  # the optimizer passed in code
+    lr_scheduler: str | None = None  # the LR scheduler passed in code, described; None: none passed
+    # `zeroshard config check`: no model or code objects exist; autos that need them are reported
+    # as left to initialize (and their keys take the default only for the check).
+    deferred: bool = False
 
 
 USE_DEFAULT = object()  # drop the key, so the field's default applies
+DEFER = object()  # config check: initialize resolves it
 Resolver = Callable[[dict, ConfigFacts], Any]
+_IN_CODE = "or pass the optimizer in code to zeroshard.initialize, which fills every optimizer.params \"auto\""
 
 
-def _use_default(raw: dict, facts: ConfigFacts) -> Any:
-    return USE_DEFAULT
-
-
-def _warmup_max_lr(raw: dict, facts: ConfigFacts) -> Any:
-    return None  # null = the optimizer's lr, read when the schedule is built (given or from the block)
+def _clipping(raw: dict, facts: ConfigFacts) -> Any:
+    raise AutoError("put the maximum gradient norm, such as 1.0 (Hugging Face's Trainer default, "
+                    "--max_grad_norm), or 0 for no clipping")
 
 
 def _precision_enabled(section: str) -> Resolver:
     """`bf16.enabled` / `fp16.enabled`: whether the model was built in that dtype."""
     def resolve(raw: dict, facts: ConfigFacts) -> Any:
         if facts.param_dtype is None:
+            if facts.deferred:
+                return DEFER, "from the model's dtype"
             raise AutoError("put true or false (from the model's dtype, which is not known here)")
-        return facts.param_dtype == torch_name(DTYPES[section])
+        return facts.param_dtype == torch_name(DTYPES[section]), f"the model's parameters are {facts.param_dtype}"
     return resolve
 
 
-def _total_num_steps(raw: dict, facts: ConfigFacts) -> Any:
-    raise AutoError("put the number of optimizer steps of the run (Hugging Face's Trainer computes "
-                    "it from epochs and data, which zeroshard.initialize does not see)")
+def _hidden_rule(name: str, rule: Callable[[int], int]) -> Resolver:
+    """A speed-only size: Hugging Face's rule on the model's hidden size, else zeroshard's default."""
+    def resolve(raw: dict, facts: ConfigFacts) -> Any:
+        if facts.hidden_size is not None:
+            return rule(facts.hidden_size), f"{name} with the model's hidden size {facts.hidden_size}"
+        if facts.deferred:
+            return DEFER, f"{name} with the model's config.hidden_size, else zeroshard's default"
+        return USE_DEFAULT, "zeroshard's default (the model has no config.hidden_size)"
+    return resolve
+
+
+def _allgather_bucket(raw: dict, facts: ConfigFacts) -> Any:
+    return USE_DEFAULT, "zeroshard's default (a speed-only size)"
+
+
+def _optimizer_param(raw: dict, facts: ConfigFacts, key: str) -> Any:
+    if facts.optimizer is not None:
+        return optimizer_value(facts.optimizer, key)
+    if facts.deferred:
+        return DEFER, "from the optimizer passed in code (an error if none is passed)"
+    raise AutoError(f"put a value (Hugging Face's Trainer fills it from its arguments), {_IN_CODE}")
+
+
+def _scheduler_param(raw: dict, facts: ConfigFacts, key: str) -> Any:
+    # With a scheduler passed in code, from_code.py has already taken the block away.
+    if key == "warmup_max_lr":
+        return None, "null: the optimizer's lr (its first param group), read when the schedule is built"
+    if facts.deferred:
+        return DEFER, "satisfied by an lr_scheduler passed in code, else an error"
+    if key == "total_num_steps":
+        raise AutoError("put the number of optimizer steps of the run (Hugging Face's Trainer computes it "
+                        "from epochs and data, which zeroshard.initialize does not see), or pass "
+                        "lr_scheduler= to zeroshard.initialize")
+    raise AutoError("put a value, or pass lr_scheduler= to zeroshard.initialize (a scheduler passed in "
+                    "code satisfies a block whose params are all \"auto\")")
 
 
 AUTO_RESOLVERS: dict[str, Resolver] = {
-    # Batch sizes: "auto" is as if the key were left out; `resolve_batch` derives
-    # it from the other two and the world size, as DeepSpeed does for a missing key.
-    "train_batch_size": _use_default,
-    "train_micro_batch_size_per_gpu": _use_default,
-    "gradient_accumulation_steps": _use_default,
-    "gradient_clipping": _use_default,  # 0.0: clipping off
-    "zero_optimization.reduce_bucket_size": _use_default,
-    "zero_optimization.allgather_bucket_size": _use_default,
-    # Hugging Face scales these with the hidden size (0.9 h^2, 10 h); zeroshard's defaults
-    # until a facts.hidden_size rule is wanted.
-    "zero_optimization.stage3_prefetch_bucket_size": _use_default,
-    "zero_optimization.stage3_param_persistence_threshold": _use_default,
+    "gradient_clipping": _clipping,
+    # Hugging Face's rules (transformers' deepspeed integration): h*h, 0.9*h*h, 10*h.
+    "zero_optimization.reduce_bucket_size": _hidden_rule("hidden_size^2", lambda h: h * h),
+    "zero_optimization.stage3_prefetch_bucket_size": _hidden_rule("0.9 x hidden_size^2", lambda h: int(0.9 * h * h)),
+    "zero_optimization.stage3_param_persistence_threshold": _hidden_rule("10 x hidden_size", lambda h: 10 * h),
+    "zero_optimization.allgather_bucket_size": _allgather_bucket,
     # Mixed precision follows the dtype the model was built in (Hugging Face: its --bf16/--fp16).
     "bf16.enabled": _precision_enabled("bf16"),
     "fp16.enabled": _precision_enabled("fp16"),
-    "optimizer.params.*": _use_default,  # lr, betas, eps, weight_decay, ...: the type's defaults
-    "scheduler.params.warmup_max_lr": _warmup_max_lr,
-    "scheduler.params.total_num_steps": _total_num_steps,
-    "scheduler.params.*": _use_default,
-}
+}  # and every key of optimizer.params and scheduler.params: _optimizer_param, _scheduler_param
 
 
-def resolve_autos(raw: dict, facts: ConfigFacts) -> tuple[dict, list[str]]:
+def resolve_autos(raw: dict, facts: ConfigFacts, report: LoadReport) -> tuple[dict, list[str]]:
     """A copy of `raw` with every "auto" resolved and the batch sizes derived; and the problems."""
     resolved = copy.deepcopy(raw)
-    problems: list[str] = []
+    problems = check_blocks_against_code(resolved, facts, report)
+    batch_autos = [key for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                   "gradient_accumulation_steps") if resolved.get(key) == AUTO]
+    for key in batch_autos:
+        del resolved[key]  # "auto" is as if the key were left out; resolve_batch derives it
     for path in _auto_paths(resolved):
         dotted = ".".join(path)
-        resolver = AUTO_RESOLVERS.get(dotted) or AUTO_RESOLVERS.get(".".join(path[:-1]) + ".*")
         parent = _parent(resolved, path)
         try:
-            if resolver is None:
-                raise AutoError("put a value (the keys with an \"auto\" rule are listed in "
-                                "docs/deepspeed-config.md)")
-            value = resolver(resolved, facts)
+            value, source = _resolve_one(resolved, facts, path)
         except AutoError as error:
             problems.append(f'{dotted} is "auto", which zeroshard cannot work out here; {error}')
-            value = USE_DEFAULT  # reported once, not again as a bad value
-        if value is USE_DEFAULT:
+            value, source = USE_DEFAULT, None  # reported once, not again as a bad value
+        if value is DEFER:
+            report.deferred.append((dotted, source))
+        elif source is not None:
+            report.resolved.append((dotted, "(default)" if value is USE_DEFAULT else value, source))
+        if value is USE_DEFAULT or value is DEFER:
             del parent[path[-1]]
         else:
             parent[path[-1]] = value
-    problems += resolve_batch(resolved, facts.world_size)
+    problems += resolve_batch(resolved, facts.world_size, batch_autos, report)
     return resolved, problems
+
+
+def _resolve_one(raw: dict, facts: ConfigFacts, path: tuple[str, ...]) -> tuple[Any, str | None]:
+    dotted = ".".join(path)
+    if dotted in AUTO_RESOLVERS:
+        return AUTO_RESOLVERS[dotted](raw, facts)
+    wildcard = ".".join(path[:-1]) + ".*"
+    if wildcard == "optimizer.params.*":
+        return _optimizer_param(raw, facts, path[-1])
+    if wildcard == "scheduler.params.*":
+        return _scheduler_param(raw, facts, path[-1])
+    raise AutoError("put a value (the keys with an \"auto\" rule are listed in docs/deepspeed-config.md)")
 
 
 def _auto_paths(raw: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -115,7 +162,7 @@ def _auto_paths(raw: dict, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]
     for key, value in raw.items():
         if isinstance(value, dict):
             paths += _auto_paths(value, (*prefix, str(key)))
-        elif value == AUTO:
+        elif isinstance(value, str) and value == AUTO:
             paths.append((*prefix, str(key)))
     return paths
 
@@ -124,45 +171,3 @@ def _parent(raw: dict, path: tuple[str, ...]) -> dict:
     for key in path[:-1]:
         raw = raw[key]
     return raw
-
-
-BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-
-
-def resolve_batch(raw: dict, world_size: int | None) -> list[str]:
-    """Derive the batch key left out, or check all three, as DeepSpeed does: train = micro x accum x N.
-
-    Changes `raw` in place; returns the problems. Without a world size, a
-    train_batch_size that needs it to derive another key is an error, and
-    the check waits until `initialize` knows the world size.
-    """
-    values = [raw.get(key) for key in BATCH_KEYS]
-    if not all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0) for v in values):
-        return []  # a bad value: validation reports it
-    train, micro, accum = values
-    if train is None:
-        if micro is not None and world_size is not None:
-            raw["train_batch_size"] = micro * (accum or 1) * world_size
-        return []
-    if world_size is None:
-        if micro is None or accum is None:
-            return ["train_batch_size needs the world size to derive "
-                    f"{'train_micro_batch_size_per_gpu' if micro is None else 'gradient_accumulation_steps'}; "
-                    "let zeroshard.initialize load the config, or give `zeroshard config check "
-                    "--world-size N`"]
-        return []
-    derived = {key for key, value in zip(BATCH_KEYS[1:], (micro, accum)) if value is None}
-    if micro is None:
-        accum = accum or 1
-        micro = train // (accum * world_size)
-    elif accum is None:
-        accum = train // (micro * world_size)
-    if micro * accum * world_size != train or micro == 0 or accum == 0:
-        def shown(key: str, value: int) -> str:
-            return f"{key} {value}{' (derived)' if key in derived else ''}"
-        return [f"train_batch_size {train} is not {shown('train_micro_batch_size_per_gpu', micro)} x "
-                f"{shown('gradient_accumulation_steps', accum)} x world size {world_size} "
-                f"(= {micro * accum * world_size}); change one of them, or leave one of the three "
-                "out (or \"auto\") to have it derived"]
-    raw["train_micro_batch_size_per_gpu"], raw["gradient_accumulation_steps"] = micro, accum
-    return []

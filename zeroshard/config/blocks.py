@@ -272,9 +272,11 @@ def _combination_problems(key: str, kind: str, params: BaseModel) -> list[str]:
     return []
 
 
-def build_optimizer(block: OptimizerBlock, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """The torch optimizer the block describes, over all of the model's parameters in one group."""
-    p, parameters = block.params, list(model.parameters())
+def build_optimizer(block: OptimizerBlock, over: torch.nn.Module | list) -> torch.optim.Optimizer:
+    """The torch optimizer the block describes, over all of a model's parameters in one group, or over
+    a list of parameters or param-group dicts (DeepSpeed's model_parameters; a group's keys override)."""
+    p = block.params
+    parameters = list(over.parameters()) if isinstance(over, torch.nn.Module) else list(over)
     if block.type == "SGD":
         return torch.optim.SGD(parameters, lr=p.lr, momentum=p.momentum, dampening=p.dampening,
                                weight_decay=p.weight_decay, nesterov=p.nesterov)

@@ -9,3 +9,8 @@ class ConfigError(ZeroshardError, ValueError):
 
 class ConfigWarning(UserWarning):
     """A DeepSpeed key that zeroshard ignores because the config says `"strict": false`."""
+
+
+class AutoError(Exception):
+    """An "auto" value zeroshard cannot work out; the argument says what to put instead (auto.py turns it
+    into a line of the ConfigError)."""

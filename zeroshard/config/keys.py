@@ -1,4 +1,4 @@
-"""The keys of a raw config: JSON reading, unknown keys (with a suggestion) and DeepSpeed keys not supported yet.
+"""The keys of a raw config: JSON reading, unknown keys (with a suggestion), and DeepSpeed keys by their status.
 
 Pure functions over dicts; the sections' pydantic models come in as arguments.
 """
@@ -13,39 +13,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from zeroshard.config.deepspeed_keys import RULES, Rule, Status, is_section, keys_below
 from zeroshard.config.errors import ConfigError, ConfigWarning
-
-# DeepSpeed top-level keys that zeroshard rejects until it implements them.
-UNSUPPORTED_TOP_LEVEL_KEYS = frozenset({
-    "activation_checkpointing", "aio", "amp", "autotuning", "checkpoint",
-    "comms_logger", "compression_training", "csv_monitor",
-    "curriculum_learning", "data_efficiency", "data_types", "disable_allgather",
-    "dump_state", "eigenvalue", "elasticity", "flops_profiler",
-    "gradient_predivide_factor", "memory_breakdown", "pipeline",
-    "prescale_gradients", "progressive_layer_drop", "quantize_training",
-    "sparse_attention", "sparse_gradients", "steps_per_print", "tensorboard",
-    "wall_clock_breakdown", "wandb", "zero_allow_untested_optimizer",
-    "zero_force_ds_cpu_optimizer",
-})
-
-# DeepSpeed `zero_optimization` keys that zeroshard rejects until it implements them.
-UNSUPPORTED_ZERO_KEYS = frozenset({
-    "allgather_partitions", "contiguous_gradients", "cpu_offload", "cpu_offload_param",
-    "cpu_offload_use_pin_memory", "elastic_checkpoint", "ignore_unused_parameters",
-    "legacy_stage1", "load_from_fp32_weights", "memory_efficient_linear",
-    "mics_hierarchical_params_gather", "mics_shard_size", "offload_optimizer",
-    "offload_param", "override_module_apply", "pipeline_loading_checkpoint",
-    "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save",
-    "stage3_gather_fp16_weights_on_model_save", "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
-    "stage3_module_granularity_threshold", "stage3_use_all_reduce_for_fetch_params",
-    "sub_group_size", "use_multi_rank_bucket_allreduce", "zero_hpz_partition_size",
-    "zero_quantized_gradients", "zero_quantized_nontrainable_weights",
-    "zero_quantized_weights",
-})
-
-# DeepSpeed `fp16` and `bf16` keys that zeroshard rejects until it implements them.
-UNSUPPORTED_FP16_KEYS = frozenset({"auto_cast", "fp16_master_weights_and_grads"})
-UNSUPPORTED_BF16_KEYS = frozenset({"immediate_grad_update"})
+from zeroshard.config.report import LoadReport
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -89,55 +59,84 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 
-def key_problems(raw: dict[str, Any], model: type[BaseModel],
-                 unsupported_by_section: dict[type[BaseModel], frozenset[str]]) -> list[str]:
-    """One line per unknown key, then one line listing every unsupported DeepSpeed key.
+def key_problems(raw: dict[str, Any], model: type[BaseModel], report: LoadReport) -> list[str]:
+    """One line per unknown key and one line listing the DeepSpeed keys zeroshard rejects.
 
-    Under `"strict": false` the unsupported keys are not problems: each gets a
-    warning, and they are removed from `raw` (in place).
+    Keys with no effect go to `report.no_effect`. Under `"strict": false`
+    the rejected keys are not problems: each goes to `report.ignored` and
+    gets a `ConfigWarning`. Without problems, every DeepSpeed key that is not
+    a schema field is then removed from `raw` (in place).
     """
     unknown: list[str] = []
-    unsupported: list[str] = []
-    _scan_keys(raw, model, "", unknown, unsupported, unsupported_by_section)
-    if unsupported and raw.get("strict", True) is False and not unknown:
-        for dotted in unsupported:
-            warnings.warn(f"zeroshard ignores the DeepSpeed key '{dotted}': not supported yet, and the "
-                          'config says "strict": false', ConfigWarning, stacklevel=4)
-            *parents, key = dotted.split(".")
-            section = raw
-            for parent in parents:
-                section = section[parent]
-            del section[key]
-    elif unsupported:
-        keys = ", ".join(f"'{key}'" for key in unsupported)
-        unknown.append(f"DeepSpeed keys not supported yet by zeroshard: {keys}; "
-                       'remove them from the config (or set "strict": false to ignore them)')
+    rejected: list[tuple[str, Rule]] = []
+    _scan_keys(raw, model, "", unknown, rejected, report, sorted(RULES) + _schema_keys(model, ""))
+    if rejected and raw.get("strict", True) is False and not unknown:
+        for dotted, rule in rejected:
+            why = f"{rule.status.value}: {rule.why}"
+            warnings.warn(f"zeroshard ignores the DeepSpeed key '{dotted}' ({why}), because the config says "
+                          '"strict": false', ConfigWarning, stacklevel=4)
+            report.ignored.append((dotted, why))
+    else:
+        unknown += [f"{dotted} is not supported by zeroshard{' yet' if rule.status is Status.NOT_YET else ''}: "
+                    f"{rule.why}" for dotted, rule in rejected]
+    if not unknown:
+        _drop_deepspeed_keys(raw, model)
     return unknown
 
 
+def _drop_deepspeed_keys(raw: dict[str, Any], model: type[BaseModel]) -> None:
+    """Remove (in place) every key that is not a schema field: each has been reported by now."""
+    for key in list(raw):
+        field = model.model_fields.get(key)
+        if field is None:
+            del raw[key]
+        elif isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel) and isinstance(
+                raw[key], dict):
+            _drop_deepspeed_keys(raw[key], field.annotation)
 
 
-def _scan_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str, unknown: list[str],
-               unsupported: list[str], unsupported_by_section: dict[type[BaseModel], frozenset[str]]) -> None:
-    """Walk `raw` against `model`, appending unknown-key messages and unsupported dotted keys."""
+def _scan_keys(raw: dict[str, Any], model: type[BaseModel] | None, prefix: str, unknown: list[str],
+               rejected: list[tuple[str, Rule]], report: LoadReport, known: list[str]) -> None:
+    """Walk `raw` against `model` (a schema section, or None below it) and the DeepSpeed registry."""
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
-        field = model.model_fields.get(key)
+        field = model.model_fields.get(key) if model is not None else None
         if field is not None:
             nested = field.annotation  # a section such as ZeroConfig, or a plain type
-            is_section = isinstance(nested, type) and issubclass(nested, BaseModel)
-            if is_section and isinstance(value, dict):
-                _scan_keys(value, nested, f"{dotted}.", unknown, unsupported, unsupported_by_section)
-        elif key in unsupported_by_section[model]:
-            unsupported.append(dotted)
+            if isinstance(nested, type) and issubclass(nested, BaseModel) and isinstance(value, dict):
+                _scan_keys(value, nested, f"{dotted}.", unknown, rejected, report, known)
+        elif dotted in RULES:
+            rule = RULES[dotted]
+            if rule.status is Status.NO_EFFECT:
+                report.no_effect.append((dotted, rule.why))
+            elif rule.idle is not None and rule.idle(value):
+                report.no_effect.append((dotted, f"{rule.idle_values} asks for nothing"))
+            else:
+                rejected.append((dotted, rule))
+        elif is_section(dotted) and isinstance(value, dict):
+            _scan_keys(value, None, f"{dotted}.", unknown, rejected, report, known)
         else:
-            unknown.append(_unknown_key_message(str(key), model, prefix, unsupported_by_section[model]))
+            unknown.append(_unknown_key_message(str(key), model, prefix, known))
 
 
-def _unknown_key_message(key: str, model: type[BaseModel], prefix: str, unsupported: frozenset[str]) -> str:
-    allowed = sorted(model.model_fields)
-    # Suggest among DeepSpeed's keys too: a misspelt `fp61` should point at `fp16`.
-    close = difflib.get_close_matches(key, allowed + sorted(unsupported), n=1)
+def _unknown_key_message(key: str, model: type[BaseModel] | None, prefix: str, known: list[str]) -> str:
+    ours = sorted(model.model_fields) if model is not None else []
+    here = ours + keys_below(prefix)
+    # A key of another section (`offload_optimizer` at the top level) points at its place
+    # (`zero_optimization.offload_optimizer`); else the nearest spelling here, DeepSpeed's keys included.
+    elsewhere = [k for k in known if k.rsplit(".", 1)[-1] == key and k != prefix + key]
+    close = elsewhere[:1] or difflib.get_close_matches(key, here, n=1)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     where = f"in '{prefix[:-1]}'" if prefix else "at the top level"
-    return f"unknown key '{prefix}{key}'{hint}; allowed keys {where}: {', '.join(allowed)}"
+    allowed = ", ".join(ours or keys_below(prefix))
+    return f"unknown key '{prefix}{key}'{hint}; allowed keys {where}: {allowed}"
+
+
+def _schema_keys(model: type[BaseModel], prefix: str) -> list[str]:
+    """Every dotted key of the schema, sections' keys included."""
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            keys += _schema_keys(field.annotation, f"{prefix}{name}.")
+    return keys

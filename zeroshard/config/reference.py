@@ -22,7 +22,7 @@ HEADER = """# Configuration reference
 
 Every key zeroshard reads, with its default. Keys use DeepSpeed's JSON names;
 see [the DeepSpeed-compatible config guide](deepspeed-config.md) for `"auto"`,
-`"strict"` and the keys not supported yet."""
+`"strict"` and the status of every DeepSpeed key."""
 
 
 def rows(model: type[BaseModel], prefix: str) -> list[str]:

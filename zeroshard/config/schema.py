@@ -3,13 +3,16 @@
 `Config.load` is the entry point: it takes a dict, a path to a JSON file or a
 `Config`, and returns a frozen `Config` or raises `ConfigError` with one line
 per problem. Keys use DeepSpeed's JSON names. Nothing is silently ignored: an
-unknown key, a DeepSpeed key that zeroshard does not support yet, and a bad
-value are each an error naming the dotted key. Under `"strict": false` the
-DeepSpeed keys not supported yet are ignored instead, with one warning each.
+unknown key, a DeepSpeed key zeroshard rejects (deepspeed_keys.py), an
+"auto" nothing resolves and a bad value are each an error naming the dotted
+key. DeepSpeed keys with no effect here are accepted and reported. Under
+`"strict": false` the rejected DeepSpeed keys are ignored instead, each
+reported and warned.
 
-Loading runs in order: key check, `"auto"` values and batch sizes
-(config_auto.py, from the `ConfigFacts` that `initialize` passes), the
-`optimizer` and `scheduler` blocks (ds_blocks.py), then the typed fields.
+Loading runs in order: key check (keys.py), `"auto"` values and batch sizes
+(auto.py, from the `ConfigFacts` that `initialize` passes), the `optimizer`
+and `scheduler` blocks (blocks.py), then the typed fields.
+`load_with_report` also returns what was decided (report.py).
 """
 
 from __future__ import annotations
@@ -26,14 +29,8 @@ from pydantic_core import PydanticCustomError
 from zeroshard.config.auto import ConfigFacts, resolve_autos
 from zeroshard.config.blocks import OptimizerBlock, SchedulerBlock, parse_block
 from zeroshard.config.errors import ConfigError, ConfigWarning
-from zeroshard.config.keys import (
-    UNSUPPORTED_BF16_KEYS,
-    UNSUPPORTED_FP16_KEYS,
-    UNSUPPORTED_TOP_LEVEL_KEYS,
-    UNSUPPORTED_ZERO_KEYS,
-    key_problems,
-    read_json,
-)
+from zeroshard.config.keys import key_problems, read_json
+from zeroshard.config.report import LoadReport
 from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
 from zeroshard.config.values import NonNegativeInt, PositiveInt, StrictBool, finite_number
 from zeroshard.config.values import describe as _describe
@@ -259,14 +256,17 @@ class Config(BaseModel):
         default_factory=ZeroConfig,
         description="ZeRO settings (see ZeroConfig). DeepSpeed: zero_optimization.")
     optimizer: OptimizerBlock | None = Field(None, description=(
-        "Builds the optimizer when zeroshard.initialize is given none (an error if it is given "
-        "one too); null = none. DeepSpeed: optimizer."))
+        "Builds the optimizer when zeroshard.initialize is given none (over model_parameters when given); "
+        "next to an optimizer passed in code it must agree with it, and its \"auto\" values take the code "
+        "optimizer's; null = none. DeepSpeed: optimizer."))
     scheduler: SchedulerBlock | None = Field(None, description=(
         "Builds the LR schedule on the optimizer, as engine.lr_scheduler, stepped at each "
-        "optimizer step; null = none. DeepSpeed: scheduler."))
+        "optimizer step; an lr_scheduler passed in code replaces a block whose params are all \"auto\"; "
+        "null = none. DeepSpeed: scheduler."))
     strict: StrictBool = Field(True, description=(
-        "false: DeepSpeed keys zeroshard does not support yet are ignored with one warning each, "
-        "instead of being an error (unknown keys stay errors). DeepSpeed: none (zeroshard only)."))
+        "false: DeepSpeed keys zeroshard rejects (status error or not yet in docs/deepspeed-config.md) are "
+        "ignored instead, each listed at start-up and warned; unknown keys, bad values and an \"auto\" "
+        "nothing resolves stay errors. DeepSpeed: none (zeroshard only)."))
     bf16: Annotated[Bf16Config, BeforeValidator(_section(Bf16Config, '{"enabled": true}'))] = Field(
         default_factory=Bf16Config,
         description="bfloat16 mixed precision (see Bf16Config). DeepSpeed: bf16 (default disabled).")
@@ -316,15 +316,23 @@ class Config(BaseModel):
     def load(cls, source: dict[str, Any] | str | Path | Config, facts: ConfigFacts | None = None) -> Config:
         """Build a config from a dict, a path to a JSON file, or a `Config`.
 
-        `facts` (world size, parameter dtype) resolve `"auto"` values and the
-        batch sizes; `zeroshard.initialize` passes them. A `Config` without
-        facts is returned as is; with facts it is checked against them.
-        Raises `ConfigError` for an unreadable file, invalid JSON, unknown or
-        unsupported keys, or bad values; the message lists every problem.
+        `facts` (world size, the model's dtype, the optimizer passed in code,
+        ...) resolve `"auto"` values and the batch sizes; `zeroshard.initialize`
+        passes them. A `Config` without facts is returned as is; with facts it
+        is checked against them. Raises `ConfigError` for an unreadable file,
+        invalid JSON, unknown or rejected keys, an "auto" nothing resolves, or
+        bad values; the message lists every problem.
         """
+        return cls.load_with_report(source, facts)[0]
+
+    @classmethod
+    def load_with_report(cls, source: dict[str, Any] | str | Path | Config,
+                         facts: ConfigFacts | None = None) -> tuple[Config, LoadReport]:
+        """`load`, and what it decided: "auto" resolutions, derived batch keys, keys with no effect."""
+        report = LoadReport()
         if isinstance(source, Config):
             if facts is None:
-                return source
+                return source, report
             raw, origin = source.to_dict(), "Config"
         elif isinstance(source, (str, Path)):
             raw, origin = read_json(Path(source)), f"file '{source}'"
@@ -334,9 +342,9 @@ class Config(BaseModel):
             raise ConfigError("Config.load expects a dict, a path to a JSON file or a Config; "
                               f"got {type(source).__name__}")
         raw = copy.deepcopy(raw)  # strict=false and "auto" change it; the caller's dict stays as it was
-        problems = key_problems(raw, cls, _UNSUPPORTED_BY_SECTION)
+        problems = key_problems(raw, cls, report)
         if not problems:
-            raw, problems = resolve_autos(raw, facts or ConfigFacts())
+            raw, problems = resolve_autos(raw, facts or ConfigFacts(), report)
             raw, block_problems = _parse_blocks(raw)
             problems += block_problems
             try:
@@ -344,7 +352,7 @@ class Config(BaseModel):
             except ValidationError as error:
                 problems += [_describe(detail) for detail in error.errors()]
             if not problems:
-                return config
+                return config, report
         lines = "\n".join(f"  - {problem}" for problem in problems)
         raise ConfigError(f"invalid zeroshard config ({origin}):\n{lines}")
 
@@ -354,15 +362,6 @@ class Config(BaseModel):
         Every key is present, defaults included, so ranks can compare configs.
         """
         return self.model_dump(mode="json")
-
-# The DeepSpeed keys each section knows but zeroshard does not support yet.
-_UNSUPPORTED_BY_SECTION: dict[type[BaseModel], frozenset[str]] = {
-    Config: UNSUPPORTED_TOP_LEVEL_KEYS,
-    ZeroConfig: UNSUPPORTED_ZERO_KEYS,
-    Fp16Config: UNSUPPORTED_FP16_KEYS,
-    Bf16Config: UNSUPPORTED_BF16_KEYS,
-    NonFiniteConfig: frozenset(),
-}
 
 
 def _parse_blocks(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -27,7 +27,9 @@ from zeroshard.core.staging import StagingPool
 from zeroshard.engine.agreement import check_ranks_agree
 from zeroshard.engine.validate import check_device_matches_group, check_model, device_of, mark_wrapped, trainable_groups
 from zeroshard.stage3.gathered import Placement, place
+from zeroshard.stage3.generation import sync_generation
 from zeroshard.stage3.materialize import Materializer, check_materializable, default_device, on_meta
+from zeroshard.stage3.module_state import ModuleStateHooks
 from zeroshard.stage3.schedule import GatherSchedule
 from zeroshard.stage3.unit import Unit, build_units
 from zeroshard.stage3.wrapping import plan_units, unit_modules
@@ -73,8 +75,8 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     names = {id(p): name for name, p in model.named_parameters()}
     units, schedule = [], None
     if switches.shard_params:
-        units, schedule = _build_units(model, groups, config, comm, precision, Materializer(init, device)
-                                       if on_meta(model) else None)
+        units, schedule = _build_units(model, groups, config, comm, precision,
+                                       Materializer.for_model(model, init, device) if on_meta(model) else None)
         buckets = [b for unit in units for b in unit.buckets]
     else:
         buckets = _build_buckets(model, groups, config, comm, precision, switches)
@@ -117,6 +119,8 @@ def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Con
     broadcast_from_rank0(comm, model, [], [f for u in units for f in u.flats])
     schedule = GatherSchedule(units, comm, zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size)
     schedule.install(model)
+    ModuleStateHooks(model, schedule).install()  # module.state_dict() gives full tensors, never empty ones
+    sync_generation(model, comm)  # ranks that stop generating at different lengths keep gathering together
     return units, schedule
 
 

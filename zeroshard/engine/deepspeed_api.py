@@ -1,11 +1,186 @@
 """The engine's DeepSpeed surface: the methods and attributes a DeepSpeed training script calls.
 
 `Engine` inherits `DeepSpeedMethods`; each method here is DeepSpeed's name and
-signature over the engine's own state.
+signature over the engine's own state. What zeroshard cannot honour raises an
+error that says so (docs/migrate-from-deepspeed.md has the whole table).
 """
 
 from __future__ import annotations
 
+import math
+import os
+from contextlib import contextmanager
+from collections.abc import Iterator
+
+import torch
+
+from zeroshard.checkpoint import CheckpointError
+from zeroshard.engine.state import EngineStateError
+
+_MIGRATE = "see docs/migrate-from-deepspeed.md"
+
+
+class AccumulationSteps(int):
+    """`engine.gradient_accumulation_steps`: an int that can also be called.
+
+    DeepSpeed's is a method (`engine.gradient_accumulation_steps()`); zeroshard's
+    was an int attribute. Both spellings give the same number: `steps()` returns
+    a plain int, and `steps` itself is one in arithmetic and comparisons.
+    """
+
+    def __call__(self) -> int:
+        return int(self)
+
 
 class DeepSpeedMethods:
     """Mixed into `Engine`."""
+
+    _inside_no_sync = False  # set by no_sync(); read by check_no_sync() in Engine.backward
+
+    # -- batch sizes and steps ---------------------------------------------------
+
+    @property
+    def gradient_accumulation_steps(self) -> AccumulationSteps:
+        """Micro-steps per optimizer step; an int, and callable as DeepSpeed's method."""
+        return AccumulationSteps(self.config.gradient_accumulation_steps)
+
+    def train_micro_batch_size_per_gpu(self) -> int | None:
+        """Samples per rank per micro-step, as configured (None if the config leaves it out)."""
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int | None:
+        """Samples per optimizer step over all ranks: micro-batch x accumulation steps x N."""
+        micro = self.config.train_micro_batch_size_per_gpu
+        return None if micro is None else micro * self.gradient_accumulation_steps * self.comm.world_size
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Not yet: the accumulation steps are fixed at `initialize` (stage 0-1 buffers are sized by them)."""
+        raise EngineStateError(f"set_train_batch_size({train_batch_size}) is not supported yet: the batch size "
+                               "and gradient_accumulation_steps are fixed by the config at zeroshard.initialize; "
+                               f"build a new engine with the new config ({_MIGRATE})")
+
+    @property
+    def global_samples(self) -> int | None:
+        """Samples over all ranks in the optimizer steps so far (skipped ones included, as DeepSpeed counts)."""
+        batch = self.train_batch_size()
+        return None if batch is None else self.global_steps * batch
+
+    def gradient_clipping(self) -> float:
+        """The config's `gradient_clipping` (0: none)."""
+        return self.config.gradient_clipping
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.stage
+
+    def zero_optimization(self) -> bool:
+        """Whether a ZeRO stage above 0 is on."""
+        return self.config.stage > 0
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
+    # -- the optimizer's values --------------------------------------------------
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each param group, now (after the scheduler's last step)."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list:
+        """Each param group's momentum: Adam's `betas`, or SGD's `momentum`."""
+        return [group["betas"] if "betas" in group else group.get("momentum") for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        """The last step's global gradient L2 norm (before clipping, unscaled), as one process's
+        `torch.nn.utils.clip_grad_norm_` returns it; inf if inf or nan, None before the first step."""
+        return self.global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last optimizer step updated the weights (False before the first, and after a skip)."""
+        return self.global_grad_norm is not None and math.isfinite(self.global_grad_norm)
+
+    # -- where the engine runs ---------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device: where the parameters live and where inputs belong."""
+        return self._device
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the engine's group."""
+        return self.comm.rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node: torchrun's LOCAL_RANK (0 when launched without torchrun)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the engine's group (DeepSpeed's data-parallel world size)."""
+        return self.comm.world_size
+
+    def forward(self, *args, **kwargs):
+        """`engine(*args, **kwargs)`, by DeepSpeed's other name for it."""
+        return self(*args, **kwargs)
+
+    def train(self, mode: bool = True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    # -- gradients ---------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        """No effect, as for ZeRO in DeepSpeed: the window's gradients live in the engine's flat buffers
+        (not in `param.grad`) and are cleared by the `engine.step()` that ends the window."""
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip the gradient reduction of the backward passes inside; gradients accumulate on this rank.
+
+        Stages 0-1 only, as in DeepSpeed (stages 2-3 reduce-scatter every micro-step: an error). zeroshard
+        already reduces only at the window's last micro-step, so the backwards inside must be the ones
+        before it: the window's last `engine.backward` inside `no_sync` raises instead of leaving
+        gradients unreduced (`engine.step()` after every backward, as always).
+        """
+        if self.config.stage >= 2:
+            raise EngineStateError(f"no_sync() is incompatible with gradient partitioning at ZeRO stage "
+                                   f"{self.config.stage} (as in DeepSpeed): gradients are reduce-scattered in every "
+                                   "micro-step. Accumulate with gradient_accumulation_steps instead")
+        if self._inside_no_sync:
+            raise EngineStateError("no_sync() entered again inside no_sync(); re-entry is not supported")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+
+    def check_no_sync(self) -> None:
+        if self._inside_no_sync and self.is_gradient_accumulation_boundary():
+            raise EngineStateError(
+                f"engine.backward() inside no_sync() at micro-step {self.micro_steps}, the last of its window of "
+                f"{self.gradient_accumulation_steps}: its gradients must be reduced before engine.step() applies "
+                "them. Run the window's last backward outside no_sync()")
+
+    # -- checkpoints -------------------------------------------------------------
+
+    def check_checkpoint_options(self, load_module_strict: bool = True, custom_load_fn=None,
+                                 exclude_frozen_parameters: bool = False) -> None:
+        """The DeepSpeed checkpoint options zeroshard does not implement yet: an error on every rank."""
+        if not load_module_strict:
+            raise CheckpointError("load_module_strict=False is not supported yet: a zeroshard checkpoint loads "
+                                  "into the model it was saved from. To load part of a model, load a consolidated "
+                                  "state dict with model.load_state_dict(..., strict=False) before initialize "
+                                  f"({_MIGRATE})")
+        if custom_load_fn is not None:
+            raise CheckpointError(f"custom_load_fn is not supported yet ({_MIGRATE})")
+        if exclude_frozen_parameters:
+            raise CheckpointError("exclude_frozen_parameters=True is not supported yet: zeroshard checkpoints hold "
+                                  "every parameter, frozen ones included; save without it "
+                                  f"({_MIGRATE})")

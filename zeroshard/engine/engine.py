@@ -45,6 +45,7 @@ from zeroshard.core.memory import model_state_bytes
 from zeroshard.core.precision import LossScaler, cast_inputs
 from zeroshard.core.reducer import GradientError
 from zeroshard.engine.build import broadcast_buffers, build
+from zeroshard.engine.compiled import CompileMethods, uncompiled
 from zeroshard.engine.deepspeed_api import DeepSpeedMethods
 from zeroshard.engine.export import ExportMethods
 from zeroshard.engine.state import EngineStateError, TrainingState
@@ -54,11 +55,12 @@ from zeroshard.stage3.gathered import full_state_dict
 log = logging.getLogger(__name__)
 
 
-class Engine(DeepSpeedMethods, ExportMethods):
+class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
     """The training loop's handle: `loss = engine(*batch)`, `engine.backward(loss)`, `engine.step()`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
                  group: dist.ProcessGroup | None = None, init: Callable[[nn.Module], None] | None = None):
+        model = uncompiled(model)  # torch.compile(model) before initialize: its module, compiled in place
         self.module, self.optimizer, self.config = model, optimizer, config
         self.num_params = sum(p.numel() for p in model.parameters())  # as built; stage 3 empties them
         self.micro_steps = 0  # backward passes so far
@@ -108,30 +110,10 @@ class Engine(DeepSpeedMethods, ExportMethods):
             if self.state is TrainingState.FORWARD:
                 self.state = resume
 
-    def train(self, mode: bool = True) -> "Engine":
-        self.module.train(mode)
-        return self
-
-    def eval(self) -> "Engine":
-        return self.train(False)
-
     @property
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 without fp16)."""
         return self.scaler.scale if self.scaler is not None else 1.0
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def train_micro_batch_size_per_gpu(self) -> int | None:
-        """Samples per rank per micro-step, as configured (None if the config leaves it out)."""
-        return self.config.train_micro_batch_size_per_gpu
-
-    def train_batch_size(self) -> int | None:
-        """Samples per optimizer step over all ranks: micro-batch x accumulation steps x N."""
-        micro = self.config.train_micro_batch_size_per_gpu
-        return None if micro is None else micro * self.gradient_accumulation_steps * self.comm.world_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step is the last of its accumulation window."""
@@ -154,6 +136,7 @@ class Engine(DeepSpeedMethods, ExportMethods):
                 if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise GradientError(f"engine.backward(loss) needs a scalar loss tensor that requires grad; got {what} "
                                 "(reduce it with .mean() or .sum(), and compute it outside torch.no_grad())")
+        self.check_no_sync()  # a window's last backward reduces: not inside engine.no_sync()
         reduce_now = self.is_gradient_accumulation_boundary() or self.switches.shard_grads
         self.reducer.begin(reduce_now, 1.0 / (self.comm.world_size * self.gradient_accumulation_steps))
         if self.schedule is not None:
@@ -234,11 +217,6 @@ class Engine(DeepSpeedMethods, ExportMethods):
             raise
         self.state = TrainingState.IDLE
 
-    def get_global_grad_norm(self) -> float | None:
-        """The last step's global gradient L2 norm (before clipping, unscaled), as one process's
-        `torch.nn.utils.clip_grad_norm_` returns it; inf if inf or nan, None before the first step."""
-        return self.global_grad_norm
-
     def _optimizer_step(self, grads: list[torch.Tensor], norm: float) -> None:
         coef = 1.0 / self.loss_scale  # unscale and clip in one multiply
         if self.config.gradient_clipping > 0:
@@ -285,33 +263,40 @@ class Engine(DeepSpeedMethods, ExportMethods):
 
     # -- checkpoints --------------------------------------------------------
 
-    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> Path:
-        """Write a sharded checkpoint to `save_dir/tag` (default tag `global_step<N>`) and point
-        `save_dir/latest` at it (unless `save_latest` is false); returns the tag's directory. Every rank must
-        call it, at an accumulation boundary. `client_state`: your own plain data (tensors, numbers, strings,
-        lists, dicts), given back by `load_checkpoint`; rank 0's is the one stored.
+    def save_checkpoint(self, save_dir: str | Path, tag: str | int | float | None = None,
+                        client_state: dict | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> Path:
+        """Write a sharded checkpoint to `save_dir/tag` (default tag `global_step<N>`; a number becomes
+        `str(tag)`) and point `save_dir/latest` at it (unless `save_latest` is false); returns the tag's
+        directory. Every rank must call it, at an accumulation boundary. `client_state`: your own plain data
+        (tensors, numbers, strings, lists, dicts, `Path`, `Namespace`), given back by `load_checkpoint`;
+        rank 0's is the one stored. `exclude_frozen_parameters=True` is not supported yet (an error).
         See `zeroshard/checkpoint/saving.py`. Called on some ranks only, it raises `CheckpointError` on
         them within `rank_check_timeout` (comm/entry.py) and writes nothing."""
+        self.check_checkpoint_options(exclude_frozen_parameters=exclude_frozen_parameters)
         self._enter("save_checkpoint", CheckpointError, checkpoint_call=True)
         return checkpoint.save(self, save_dir, tag, client_state, save_latest)
 
-    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, *, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True,
-                        load_module_only: bool = False) -> tuple[Path, dict]:
+    def load_checkpoint(self, load_dir: str | Path, tag: str | int | float | None = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Callable | None = None, *,
+                        must_exist: bool = False) -> tuple[Path, dict] | tuple[None, None]:
         """Load a checkpoint written by any world size, stage or dtype; returns (its directory, client_state).
 
-        `tag` None: the one `load_dir/latest` names (or `load_dir` itself if it is a tag's directory).
-        The flags are keyword-only: DeepSpeed's third positional argument is `load_module_strict`.
-        As DeepSpeed's: `load_optimizer_states=False` keeps this engine's optimizer state,
-        `load_lr_scheduler_states=False` its LR scheduler; `load_module_only=True` loads the
-        weights alone (no counters, loss scale, optimizer or scheduler), to fine-tune from them.
+        DeepSpeed's signature. `tag` None: the one `load_dir/latest` names (or `load_dir` itself if it is a
+        tag's directory); with no checkpoint in `load_dir` yet, every rank warns and it returns (None, None),
+        as DeepSpeed does (`must_exist=True` makes that a `CheckpointError`). `load_optimizer_states=False`
+        keeps this engine's optimizer state, `load_lr_scheduler_states=False` its LR scheduler;
+        `load_module_only=True` loads the weights alone (no counters, loss scale, optimizer or scheduler),
+        to fine-tune from them. `load_module_strict=False` and `custom_load_fn` are not supported yet (errors).
         Every rank must call it; on error every rank raises `CheckpointError` and the engine is
         unchanged (called on some ranks only, they raise it within `rank_check_timeout`).
         """
+        self.check_checkpoint_options(load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
         self._enter("load_checkpoint", CheckpointError, checkpoint_call=True)
         return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                               load_module_only)
+                               load_module_only, must_exist)
 
     def _enter(self, call: str, error: type[ZeroshardError], checkpoint_call: bool = False) -> None:
         """Meet every rank in `call` before its first collective (comm/entry.py): a call made on some

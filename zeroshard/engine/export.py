@@ -1,10 +1,94 @@
 """The engine's exports of whole weights: Hugging Face's `save_pretrained` and DeepSpeed's `save_16bit_model`.
 
+Both are collective (every rank calls them; called on some ranks only they
+raise `CheckpointError` within `rank_check_timeout`, `comm/entry.py`) and work
+at every stage: the full state dict is built on rank 0 only (at stage 3 by
+gathering one unit at a time, `engine.full_state_dict(rank0_only=True)`), so
+no other rank ever holds a full copy; rank 0 writes, then tells every rank
+whether it succeeded, so all of them return or raise together.
+
 `Engine` inherits `ExportMethods`.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from zeroshard.checkpoint import CheckpointError
+from zeroshard.comm import all_gather_object
+from zeroshard.errors import ModelError
+
 
 class ExportMethods:
     """Mixed into `Engine`."""
+
+    def save_pretrained(self, save_dir: str | os.PathLike, **kwargs) -> Path:
+        """Write the model as `AutoModel*.from_pretrained(save_dir)` loads it; returns `save_dir`.
+
+        A `transformers` model: its own `save_pretrained(save_dir, state_dict=<full state dict>, **kwargs)`
+        on rank 0 (safetensors weights, sharded past `max_shard_size`, tied weights once, `config.json`,
+        `generation_config.json` when the model has one). Any other module: `save_dir/model.safetensors`
+        with every key of `module.state_dict()`, which `module.load_state_dict(safetensors.torch.load_file(
+        path))` loads; keyword arguments are then an error. Weights are in the training dtype.
+        """
+        transformers = sys.modules.get("transformers")
+        is_transformers = transformers is not None and isinstance(self.module, transformers.PreTrainedModel)
+        if kwargs and not is_transformers:
+            raise ModelError(f"save_pretrained keyword arguments {sorted(kwargs)} are passed to a transformers "
+                             f"model's save_pretrained, but this model is a {type(self.module).__name__}; drop them")
+        self._enter("save_pretrained", CheckpointError)
+        state = self._export_state(exclude_frozen=False)
+        save_dir = Path(save_dir)
+
+        def write() -> None:
+            if is_transformers:
+                self.module.save_pretrained(save_dir, state_dict=state, **kwargs)
+            else:
+                from safetensors.torch import save_file
+
+                save_dir.mkdir(parents=True, exist_ok=True)
+                save_file({k: v.contiguous() for k, v in state.items()}, save_dir / "model.safetensors",
+                          metadata={"format": "pt"})
+
+        self._on_rank0(write, f"save_pretrained({str(save_dir)!r})")
+        return save_dir
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's: `torch.save` the full state dict, in the training dtype (16-bit with bf16 or fp16),
+        to `save_dir/save_filename` on rank 0; returns True. Every rank calls it (stage 3 gathers).
+        `exclude_frozen_parameters`: leave out parameters that do not require grad."""
+        self._enter("save_16bit_model", CheckpointError)
+        state = self._export_state(exclude_frozen=exclude_frozen_parameters)
+        path = Path(save_dir) / save_filename
+
+        def write() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path)
+
+        self._on_rank0(write, f"save_16bit_model({str(path)!r})")
+        return True
+
+    def _export_state(self, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+        """The full state dict on rank 0 (CPU copies), {} elsewhere."""
+        state = self.full_state_dict(rank0_only=True)
+        if exclude_frozen:
+            frozen = {name for name, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
+        return {k: v.cpu() for k, v in state.items()}
+
+    def _on_rank0(self, write, what: str) -> None:
+        """Run `write` on rank 0; every rank raises `CheckpointError` if it failed there."""
+        failure = None
+        if self.comm.rank == 0:
+            try:
+                write()
+            except Exception as exc:  # sent to every rank, so none returns as if it had been written
+                failure = f"{type(exc).__name__}: {exc}"
+        failures = all_gather_object(self.comm, failure)
+        if failures[0] is not None:
+            raise CheckpointError(f"{what} failed on rank 0, which writes it: {failures[0]}")

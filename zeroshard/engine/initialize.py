@@ -2,18 +2,29 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from zeroshard.config import Config, ConfigError
-from zeroshard.config.build import choose_optimizer, config_facts, schedule_for
+from zeroshard.config.build import (
+    SchedulerArg,
+    check_lr_scheduler,
+    choose_optimizer,
+    config_facts,
+    parameter_list,
+    schedule_for,
+)
 from zeroshard.engine.agreement import config_error_everywhere
 from zeroshard.engine.engine import Engine
 from zeroshard.engine.validate import check_arguments
+from zeroshard.logs import show_info
+
+log = logging.getLogger("zeroshard.config")
 
 
 def initialize(
@@ -23,6 +34,9 @@ def initialize(
     group: dist.ProcessGroup | None = None,
     wrap: list[type[nn.Module]] | None = None,
     init: Callable[[nn.Module], None] | None = None,
+    *,
+    model_parameters: Iterable[Any] | None = None,
+    lr_scheduler: SchedulerArg = None,
 ) -> Engine:
     """Wrap `model` and `optimizer` for ZeRO training on `group` (default: the world).
 
@@ -33,24 +47,40 @@ def initialize(
     `init` (stage 3, a model built under `torch.device("meta")`): `init(module)`
     initialises the parameters a module holds directly; the model is
     materialised unit by unit on this rank's device, keeping only shards.
-    Without `optimizer`, the config's "optimizer" block builds one; its
-    "scheduler" block builds `engine.lr_scheduler`, stepped by `engine.step()`
-    after each optimizer step, as DeepSpeed does.
+    Without `optimizer`, the config's "optimizer" block builds one, over
+    `model_parameters` when given (parameters or param-group dicts, as
+    DeepSpeed's; a trainable parameter left out of them is an error naming
+    it: freeze it with requires_grad_(False) or list it). With `optimizer`,
+    an "optimizer" block must agree with it ("auto" takes its values), and
+    `model_parameters`, if given, must hold the same trainable parameters.
+    `lr_scheduler`: a torch LR scheduler built on `optimizer`, or a function
+    optimizer -> scheduler (called on `engine.optimizer`; needed when the
+    block builds the optimizer); else the config's "scheduler" block. Either
+    becomes `engine.lr_scheduler`, stepped by `engine.step()` after each
+    applied optimizer step, as DeepSpeed does.
 
+    Rank 0 logs one block: every "auto" resolved, every batch key derived,
+    every DeepSpeed key with no effect (zeroshard.logs makes it visible).
     A config that fails on one rank only (a typo in that rank's file) raises
     `ConfigError` on every rank, naming the rank, instead of leaving the
     others waiting for it.
     """
     check_arguments(model, optimizer, group, wrap, init)
+    show_info()
     try:
-        config = Config.load(config if config is not None else {}, config_facts(model, group))
+        model_parameters = parameter_list(model_parameters)
+        check_lr_scheduler(lr_scheduler, optimizer)
+        facts = config_facts(model, group, optimizer, lr_scheduler)
+        config, report = Config.load_with_report(config if config is not None else {}, facts)
         if wrap:
             config = _with_wrap_classes(config, wrap)
-        optimizer = choose_optimizer(model, optimizer, config)
+        optimizer = choose_optimizer(model, optimizer, config, model_parameters)
     except ConfigError as error:  # before the group exists: the other ranks would wait for this one
         config_error_everywhere(error, model, group)
     engine = Engine(model, optimizer, config, group, init)
-    engine.lr_scheduler = schedule_for(config, engine.optimizer)
+    engine.lr_scheduler = schedule_for(config, engine.optimizer, lr_scheduler)
+    if engine.comm.rank == 0 and report.block():
+        log.info("%s", report.block())
     return engine
 
 

@@ -33,7 +33,7 @@ def check_arguments(model, optimizer, group, wrap, init) -> None:
     if bad:
         raise ConfigError(f"wrap takes module classes, such as wrap=[Block]; got {bad[0]!r} "
                           "(class names as strings go in zero_optimization.stage3_wrap_classes)")
-    if init is not None and not callable(init):
+    if init is not None and not callable(init) and not hasattr(init, "for_model"):
         raise ModelError(f"init must be a function of one module, such as lambda m: m.reset_parameters(); "
                          f"got {type(init).__name__}")
 

@@ -2,22 +2,30 @@
 
 `zeroshard.initialize(model_on_meta, optimizer, config, init=fn)` at stage 3:
 each unit's parameters get their full buffer on the real device, `fn(module)`
-initialises every module that holds them directly (as `module.reset_parameters`
-would), rank 0's values are broadcast and the buffer is sharded before the
-next unit is made. A model whose full size exceeds one rank's memory never
-exists whole on any rank.
+initialises the modules of the unit, rank 0's values are broadcast and the
+buffer is sharded before the next unit is made. A model whose full size
+exceeds one rank's memory never exists whole on any rank.
+
+Nothing is left silently uninitialised: before `fn` runs, every parameter
+that was on the meta device is filled with a sentinel (NaN), and every
+buffer still on the meta device is replaced by one; a parameter or buffer
+`fn` did not set is a `ModelError` naming it. Without `init=`, a model built
+under `zeroshard.meta_init()` uses its own initialisation (`meta.py`).
+`init` may also be an object with `for_model(model) -> fn` (such as
+`zeroshard.pretrained(path)`), for an initialisation that needs the names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from zeroshard.core.flat import give_memory
 from zeroshard.errors import ModelError
+from zeroshard.stage3.meta import built_by_meta_init, own_init
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -25,42 +33,132 @@ def on_meta(model: nn.Module) -> bool:
 
 
 def default_device() -> torch.device:
-    """This rank's GPU when there is one, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    """This rank's GPU when there is one, else the CPU; the CPU too under a gloo world (CPU ranks on a
+    machine with a GPU)."""
+    gloo = dist.is_initialized() and dist.get_backend() == "gloo"
+    if torch.cuda.is_available() and not gloo:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
-@dataclass(frozen=True)
 class Materializer:
-    """Initialises modules whose parameters were just given real memory."""
+    """Initialises a unit's modules once its parameters have real memory, and checks that it did."""
 
-    init: Callable[[nn.Module], None]
-    device: torch.device
+    def __init__(self, model: nn.Module, init: Callable[[nn.Module], None], device: torch.device):
+        self.init, self.device = init, device
+        self._meta_params = {id(p) for p in model.parameters() if p.is_meta}
+        self._param_names = {id(p): name for name, p in model.named_parameters()}
+        self._module_names = {id(m): name for name, m in model.named_modules()}
+        # Children before parents, as nn.Module.apply and transformers' initialisation visit them; with
+        # the parameters each holds directly and in its subtree.
+        self._modules = [(m, {id(p) for p in m.parameters(recurse=False)}, {id(p) for p in m.parameters()})
+                         for m in _post_order(model)]
+
+    @classmethod
+    def for_model(cls, model: nn.Module, init, device: torch.device) -> "Materializer":
+        """`init` as given to `initialize`: a function of one module, an object with `for_model`, or None
+        for a model built under `meta_init` (its own initialisation)."""
+        if init is None:
+            init = own_init(model)
+        elif hasattr(init, "for_model"):
+            init = init.for_model(model)
+        return cls(model, init, device)
 
     def __call__(self, owners: list[nn.Module], params: list[nn.Parameter]) -> None:
-        """Give `params` still on meta their own memory, then run `init` on each owner module."""
-        for p in params:
-            if p.device.type == "meta":
-                give_memory(p, torch.empty_like(p, device=self.device))
+        """Give `params` still on meta their own memory, then run `init` on the unit's modules.
+
+        The unit's modules: those whose parameters all belong to `params` (a block and its layers,
+        for an init that reaches into children, as GPT-2's does), those holding some of `params`,
+        and `owners`; children first.
+        """
+        ids = {id(p) for p in params}
+        chosen = {id(m) for m in owners}
+        modules = [m for m, direct, subtree in self._modules
+                   if id(m) in chosen or (subtree and (subtree <= ids or direct & ids))]
         with torch.no_grad():
-            for module in owners:
-                for name, buffer in module.named_buffers(recurse=False):
-                    if buffer.device.type == "meta":
-                        setattr(module, name, torch.empty_like(buffer, device=self.device))
+            for p in params:
+                if p.device.type == "meta":
+                    give_memory(p, torch.empty_like(p, device=self.device))
+                if id(p) in self._meta_params:
+                    _fill_sentinel(p)
+            buffers = [self._sentinel_buffer(m, name) for m in modules
+                       for name, b in m.named_buffers(recurse=False) if b.is_meta]
+            for module in modules:
                 self.init(module)
+        self._check(params, buffers)
+
+    def _sentinel_buffer(self, module: nn.Module, name: str) -> tuple[nn.Module, str, torch.Tensor, int]:
+        buffer = torch.empty_like(module._buffers[name], device=self.device)
+        _fill_sentinel(buffer)
+        module._buffers[name] = buffer
+        return module, name, buffer, buffer._version
+
+    def _check(self, params: list[nn.Parameter], buffers: list) -> None:
+        left = [self._param_names[id(p)] for p in params if id(p) in self._meta_params and _holds_sentinel(p)]
+        if left:
+            raise ModelError(
+                f"parameter(s) {', '.join(repr(n) for n in left)} of a model built on the meta device were not "
+                f"initialised: init= left the sentinel (NaN) they were filled with. init(module) is called on "
+                f"each module of a unit, children first; make it set every parameter (a custom nn.Parameter "
+                f"needs its own line), or build the model under zeroshard.meta_init() and drop init= to use "
+                f"the model's own initialisation")
+        unset = [f"{self._module_names[id(m)]}.{name}".lstrip(".") for m, name, buffer, version in buffers
+                 if m._buffers.get(name) is buffer and (buffer._version == version or _holds_sentinel(buffer))]
+        if unset:
+            raise ModelError(
+                f"buffer(s) {', '.join(repr(n) for n in unset)} were on the meta device and init= did not set "
+                f"them: what a module's __init__ computes (a rotary inv_freq, position ids) is lost on the meta "
+                f"device. Build the model under zeroshard.meta_init() instead of torch.device('meta'): "
+                f"parameters go to meta, buffers stay real")
 
 
-def check_materializable(model: nn.Module, init: Callable | None, stage: int) -> None:
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    seen: set[int] = set()
+    order: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        for child in m.children():
+            visit(child)
+        order.append(m)
+
+    visit(module)
+    return order
+
+
+def _fill_sentinel(tensor: torch.Tensor) -> None:
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(float("nan"))
+    elif tensor.dtype != torch.bool:
+        tensor.fill_(torch.iinfo(tensor.dtype).min)
+
+
+def _holds_sentinel(tensor: torch.Tensor) -> bool:
+    """Any NaN left (a float tensor), or every element still the sentinel (an integer one; bool: never)."""
+    with torch.no_grad():
+        if tensor.is_floating_point() or tensor.is_complex():
+            return bool(torch.isnan(tensor).any())
+        if tensor.dtype == torch.bool or tensor.numel() == 0:
+            return False
+        return bool((tensor == torch.iinfo(tensor.dtype).min).all())
+
+
+def check_materializable(model: nn.Module, init, stage: int) -> None:
     if not on_meta(model):
         if init is not None:
             raise ModelError("init= initialises a model built on the meta device, but this model's "
                              "parameters are real; drop init= or build the model under "
-                             "torch.device('meta')")
+                             "zeroshard.meta_init()")
         return
     if stage != 3:
         raise ModelError(f"the model is on the meta device, which only stage 3 can materialise shard by "
                          f"shard; set zero_optimization.stage to 3 (it is {stage}), or build the model "
                          "on a real device")
-    if init is None:
-        raise ModelError("the model is on the meta device: pass init=fn to zeroshard.initialize, where "
-                         "fn(module) initialises the parameters a module holds directly (for example "
-                         "`lambda m: m.reset_parameters() if hasattr(m, 'reset_parameters') else None`)")
+    if init is None and not built_by_meta_init(model):
+        raise ModelError("the model is on the meta device but was not built under zeroshard.meta_init(), so "
+                         "its buffers are lost and zeroshard cannot tell how to initialise it: build it under "
+                         "`with zeroshard.meta_init():` (its own initialisation is used), or pass init=fn to "
+                         "zeroshard.initialize, where fn(module) initialises the parameters and buffers a "
+                         "module holds directly")

@@ -14,6 +14,12 @@ the order recorded on the first step, so ranks that run the same control flow
 prefetch alike. A unit is prefetched only if it has at most
 `max_prefetch_numel` elements and the gathered elements stay within
 `max_live_numel`; a gather that forward or backward needs now always proceeds.
+
+Under torch.compile the forward hooks run eagerly (`torch.compiler.disable`),
+each a graph break: traced, their collectives and the swaps of parameter
+storage would become graph operations that autograd's saved tensors cannot
+follow. The compiled graphs between them take the parameters as inputs, whole
+as the hooks left them.
 """
 
 from __future__ import annotations
@@ -49,10 +55,10 @@ class GatherSchedule:
 
     def install(self, model: nn.Module) -> None:
         for i, unit in enumerate(self.units):
-            unit.module.register_forward_pre_hook(partial(self._pre_forward, i))
-            unit.module.register_forward_hook(partial(self._post_forward, i))
+            unit.module.register_forward_pre_hook(_eager(partial(self._pre_forward, i)))
+            unit.module.register_forward_hook(_eager(partial(self._post_forward, i)))
         # After every unit's own hook: a forward's prefetches that were never used are let go.
-        model.register_forward_hook(self._after_model_forward)
+        model.register_forward_hook(_eager(self._after_model_forward))
 
     # -- hooks ---------------------------------------------------------------
 
@@ -148,6 +154,11 @@ class GatherSchedule:
         if self._next_backward is None and self._backward_seen:
             self._next_forward = _following(self._forward_seen)
             self._next_backward = _following(self._backward_seen)
+
+
+def _eager(hook):
+    """`hook`, run outside torch.compile's graphs: see the module's note on compiled forwards."""
+    return torch.compiler.disable(hook, reason="zeroshard stage 3: gathers and releases run eagerly")
 
 
 def _following(order: list[int]) -> dict[int, int]:

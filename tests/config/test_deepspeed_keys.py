@@ -1,0 +1,82 @@
+"""Every DeepSpeed config key has one status (deepspeed_keys.py), and the docs' key table is the registry's."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from zeroshard.config import RULES, Config, ConfigError, ConfigWarning, Status
+from zeroshard.config.keys import _schema_keys
+from zeroshard.config.keys_table import END, START, table
+
+BUSY = [True, {"enabled": True, "device": "cpu", "autotp_size": 2, "deepcompile": True}, 2, "sum", "bf16"]
+IDLE = [False, {}, 1, -1, "mean", 1.0, None, True]
+
+
+def nested(dotted: str, value) -> dict:
+    *parents, key = dotted.split(".")
+    raw = {key: value}
+    for parent in reversed(parents):
+        raw = {parent: raw}
+    return raw
+
+
+def load(raw: dict):
+    return Config.load_with_report(raw)
+
+
+@pytest.mark.parametrize("key", sorted(RULES))
+def test_each_deepspeed_key_has_its_status(key):
+    rule = RULES[key]
+    if rule.status is Status.NO_EFFECT:
+        _, report = load(nested(key, 1))
+        assert report.no_effect == [(key, rule.why)]
+        return
+    busy = next(v for v in BUSY if rule.idle is None or not rule.idle(v))
+    with pytest.raises(ConfigError) as info:
+        load(nested(key, busy))
+    yet = " yet" if rule.status is Status.NOT_YET else ""
+    assert str(info.value) == f"invalid zeroshard config (dict):\n  - {key} is not supported by zeroshard{yet}: {rule.why}"
+    if rule.idle is not None:
+        idle = next(v for v in IDLE if rule.idle(v))
+        _, report = load(nested(key, idle))
+        assert report.no_effect == [(key, f"{rule.idle_values} asks for nothing")]
+
+
+def test_registry_and_schema_do_not_overlap():
+    schema = set(_schema_keys(Config, ""))
+    assert not schema & set(RULES)
+    for key in RULES:  # a key under a schema section sits under one that exists
+        parent = key.rsplit(".", 1)[0]
+        assert "." not in key or parent in schema or parent.split(".")[0] not in Config.model_fields
+
+
+def test_misplaced_and_misspelt_keys_suggest_the_right_one():
+    for raw, hint in [({"offload_optimizer": {"device": "cpu"}}, "'zero_optimization.offload_optimizer'"),
+                      ({"fp61": {"enabled": True}}, "'fp16'"), ({"amp_": {}}, "'amp'"),
+                      ({"checkpoint": {"tag_validaton": "Warn"}}, "'tag_validation'"),
+                      ({"zero_optimization": {"contiguous_gradient": True}}, "'contiguous_gradients'")]:
+        with pytest.raises(ConfigError, match=f"did you mean {hint}"):
+            Config.load(raw)
+
+
+def test_strict_false_ignores_rejected_keys_and_reports_each():
+    raw = {"strict": False, "amp": {"enabled": True}, "steps_per_print": 10,
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config, report = Config.load_with_report(raw)
+    assert [key for key, _ in report.ignored] == ["amp", "zero_optimization.offload_optimizer"]
+    assert [key for key, _ in report.no_effect] == ["steps_per_print"]
+    assert len([w for w in caught if w.category is ConfigWarning]) == 2
+    assert config.stage == 2 and "amp" in raw  # the caller's dict is kept
+    with pytest.raises(ConfigError, match="gradient_clipping is \"auto\""):  # autos stay errors
+        Config.load({"strict": False, "gradient_clipping": "auto"})
+
+
+def test_docs_key_table_is_the_registry():
+    page = (Path(__file__).parents[2] / "docs" / "deepspeed-config.md").read_text(encoding="utf-8")
+    start, end = page.index(START), page.index(END) + len(END)
+    assert page[start:end] == table(), "regenerate: python -m zeroshard.config.keys_table (paste between the markers)"

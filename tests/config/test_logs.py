@@ -1,0 +1,63 @@
+"""zeroshard.logs: zeroshard's INFO lines are visible without logging set-up; ZEROSHARD_LOG_LEVEL=warning
+(or a level the application sets) turns them off; an application that configured logging decides.
+
+Each test runs with the root logger's handlers taken away (pytest's capture is one), as in a script that
+configured nothing, and puts everything back. The 2-rank test in test_hf_configs.py sees the start-up
+block through the same path, once, on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from zeroshard.logs import show_info
+
+
+@contextlib.contextmanager
+def unconfigured():
+    # In the test body: pytest adds its capture handler to the root logger for each phase.
+    root, logger = logging.getLogger(), logging.getLogger("zeroshard")
+    saved = root.handlers[:], logger.handlers[:], logger.level
+    root.handlers.clear()
+    logger.handlers.clear()
+    logger.setLevel(logging.NOTSET)
+    try:
+        yield logger
+    finally:
+        root.handlers[:], logger.handlers[:] = saved[0], saved[1]
+        logger.setLevel(saved[2])
+
+
+def test_info_is_visible_without_logging_setup(capsys, monkeypatch):
+    monkeypatch.delenv("ZEROSHARD_LOG_LEVEL", raising=False)
+    with unconfigured():
+        show_info()
+        show_info()  # once: a second initialize adds no second handler
+        logging.getLogger("zeroshard.config").info("zeroshard config:\n  resolved: ...")
+    assert capsys.readouterr().err == "zeroshard config:\n  resolved: ...\n"
+
+
+def test_quiet_switch(capsys, monkeypatch):
+    monkeypatch.setenv("ZEROSHARD_LOG_LEVEL", "warning")
+    with unconfigured():
+        show_info()
+        logging.getLogger("zeroshard.config").info("hidden")
+        logging.getLogger("zeroshard.config").warning("shown")
+    assert capsys.readouterr().err == "shown\n"
+
+
+def test_a_level_set_by_the_application_is_kept(capsys, monkeypatch):
+    monkeypatch.delenv("ZEROSHARD_LOG_LEVEL", raising=False)
+    with unconfigured() as logger:
+        logger.setLevel(logging.WARNING)
+        show_info()
+        logging.getLogger("zeroshard.engine").info("hidden")
+        assert capsys.readouterr().err == "" and logger.level == logging.WARNING
+
+
+def test_an_application_that_configured_logging_decides():
+    with unconfigured() as logger:
+        logging.getLogger().addHandler(logging.NullHandler())  # as logging.basicConfig(...) would
+        show_info()
+        assert logger.level == logging.NOTSET and not logger.handlers

@@ -1,0 +1,116 @@
+"""docs/migrate-from-deepspeed.md's API table against the code: every row's name exists (supported, no effect)
+or raises a zeroshard error with a message (error, not yet), every named test exists, and every DeepSpeed name
+that zeroshard.deepspeed refuses in code has its row."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zeroshard
+import zeroshard.deepspeed as deepspeed
+from zeroshard.deepspeed.unsupported import NOT_PROVIDED, ZERO_NOT_PROVIDED
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+PAGE = ROOT / "docs" / "migrate-from-deepspeed.md"
+STATUSES = {"supported", "no effect", "error", "not yet"}
+ROW = re.compile(r"^\| `(?P<api>[^`]+)`(?P<rest>[^|]*) \| (?P<status>[^|]+) \| (?P<what>[^|]+) \| `(?P<test>\w+)` \|$")
+
+
+def rows() -> list[dict]:
+    out = []
+    for line in PAGE.read_text(encoding="utf-8").splitlines():
+        if line.startswith("| `deepspeed.") or line.startswith("| `engine."):
+            match = ROW.match(line)
+            assert match, f"a row of {PAGE.name} that is not | `api` | status | zeroshard | `test` |: {line}"
+            out.append(match.groupdict())
+    return out
+
+
+def _name(api: str) -> str:
+    """`deepspeed.zero.Init(remote_device=...)` -> `deepspeed.zero.Init`; `engine.no_sync()` -> `engine.no_sync`."""
+    return api.split("(")[0]
+
+
+def _engine(stage=0):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    return deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                     "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                                     "zero_optimization": {"stage": stage}})[0]
+
+
+def _enter(context):
+    with context:
+        pass
+
+
+# What each error or not-yet row that is not a missing name does, called.
+CALLS = {
+    "deepspeed.initialize(mpu=...)": lambda: deepspeed.initialize(model=nn.Linear(2, 2), config={}, mpu=object()),
+    "deepspeed.initialize(mesh_param=...)": lambda: deepspeed.initialize(model=nn.Linear(2, 2), config={},
+                                                                          mesh_param=(1, 1)),
+    "deepspeed.init_distributed(init_method=..., rank=..., world_size=...)":
+        lambda: deepspeed.init_distributed(init_method="tcp://localhost:1", rank=0, world_size=1),
+    "deepspeed.zero.Init(remote_device=...)": lambda: deepspeed.zero.Init(remote_device="cpu"),
+    "deepspeed.zero.Init(dtype=...)": lambda: deepspeed.zero.Init(dtype=torch.bfloat16),
+    "engine.set_train_batch_size": lambda: _engine().set_train_batch_size(8),
+    "engine.no_sync() at stage 2 or 3": lambda: _enter(_engine(2).no_sync()),
+    "engine.save_checkpoint(exclude_frozen_parameters=True)":
+        lambda: _engine().save_checkpoint("unused", exclude_frozen_parameters=True),
+    "engine.load_checkpoint(load_module_strict=False)": lambda: _engine().load_checkpoint("unused", None, False),
+    "engine.load_checkpoint(custom_load_fn=...)": lambda: _engine().load_checkpoint("unused", custom_load_fn=print),
+}
+
+
+def _key(row) -> str:
+    return row["api"] + row["rest"]
+
+
+def test_the_table_is_well_formed_and_complete():
+    table = rows()
+    assert len(table) > 60
+    assert {r["status"] for r in table} <= STATUSES, {r["status"] for r in table} - STATUSES
+    keys = [_key(r) for r in table]
+    assert len(keys) == len(set(keys)), "a row is listed twice"
+    listed = {_name(r["api"]) for r in table}
+    in_code = {f"deepspeed.{n}" for n in NOT_PROVIDED} | {f"deepspeed.zero.{n}" for n in ZERO_NOT_PROVIDED}
+    assert in_code <= listed, f"refused in code but not in the table: {sorted(in_code - listed)}"
+    public = {f"deepspeed.{n}" for n in deepspeed.__all__ if n not in ("MissingAPIError", "UnsupportedError", "zero")}
+    assert public <= listed, f"provided but not in the table: {sorted(public - listed)}"
+    tests = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "tests").rglob("test_*.py"))
+    missing = sorted({r["test"] for r in table if f"def {r['test']}(" not in tests})
+    assert not missing, f"tests named in {PAGE.name} that do not exist: {missing}"
+
+
+def test_supported_rows_name_what_exists():
+    engine = _engine()
+    absent = []
+    for row in rows():
+        if row["status"] not in ("supported", "no effect"):
+            continue
+        owner, _, attr = _name(row["api"]).partition(".")
+        target = deepspeed if owner == "deepspeed" else engine
+        obj = target
+        for part in attr.split("."):
+            obj = getattr(obj, part, absent)
+        if obj is absent:
+            absent.append(row["api"])
+    assert not absent, f"rows that say supported but name nothing: {absent}"
+
+
+def test_error_rows_raise():
+    for row in rows():
+        if row["status"] not in ("error", "not yet"):
+            continue
+        key = _key(row)
+        call = CALLS.get(key)
+        if call is None:  # a name zeroshard.deepspeed does not provide
+            owner, _, attr = key.partition(".")
+            module = deepspeed.zero if attr.startswith("zero.") else deepspeed
+            call = (lambda m=module, a=attr.removeprefix("zero."): getattr(m, a))
+        with pytest.raises(zeroshard.ZeroshardError) as info:
+            call()
+        assert len(str(info.value)) > 30, f"{key}: {info.value}"

@@ -1,0 +1,134 @@
+"""`zeroshard.meta_init()` + the model's own initialisation at stage 3, against eager construction.
+
+Acceptance 3 (a): every norm weight and every buffer (a Llama's `inv_freq`,
+BERT's `position_ids`) equals the eagerly built model's exactly; the loss
+falls over 20 steps; a parameter no init sets, and a buffer lost on the meta
+device, are errors naming them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from tests.distributed import run_ranks
+from tests.hf.models import STAGE3, auto_class, batch, config_of, layer_class
+
+KINDS = ["llama", "gpt2", "bert", "qwen2"]
+
+
+def _deterministic(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What eager construction sets without randomness: norm weights and biases, and every buffer."""
+    values = {k: b.clone() for k, b in model.named_buffers()}
+    for name, module in model.named_modules():
+        if "Norm" in type(module).__name__:
+            values.update({f"{name}.{k}": p.detach().clone() for k, p in module.named_parameters(recurse=False)})
+    return values
+
+
+def _train_from_meta(kind, device, rank):
+    import zeroshard
+
+    config = config_of(kind)
+    torch.manual_seed(0)
+    eager = auto_class(kind).from_config(config)
+    with zeroshard.meta_init():
+        model = auto_class(kind).from_config(config)
+    assert all(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+    engine = zeroshard.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), STAGE3,
+                                  wrap=[layer_class(model)])
+    state = engine.full_state_dict()
+    buffers = {k: b.cpu() for k, b in model.named_buffers()}
+    expected = _deterministic(eager)
+    exact = {k: torch.equal(state[k].cpu() if k in state else buffers[k], v) for k, v in expected.items()}
+    finite = all(bool(torch.isfinite(t).all()) for t in state.values())
+    x = batch(rank).to(device)
+    losses = []
+    for _ in range(20):
+        loss = engine(input_ids=x, labels=x).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    # module.state_dict() at stage 3: full tensors, the same as engine.full_state_dict's.
+    module_state = model.state_dict()
+    shapes_ok = all(module_state[k].shape == v.shape for k, v in eager.state_dict().items())
+    same = all(torch.equal(module_state[k], v) for k, v in engine.full_state_dict().items())
+    return exact, finite, losses, shapes_ok, same, sorted(expected)
+
+
+class Scaled(nn.Module):
+    """A layer with a parameter of its own and no reset_parameters: nothing initialises `scale`."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("offsets", torch.arange(4.0))  # computed in __init__
+
+    def forward(self, x):
+        return self.proj(x) * self.scale + self.offsets
+
+
+def _every_parameter(module: nn.Module) -> None:
+    """Sets every parameter of the model above, and no buffer."""
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    if isinstance(module, Scaled):
+        nn.init.ones_(module.scale)
+
+
+def _error(build, init=None) -> str:
+    import zeroshard
+
+    model = build()
+    try:
+        zeroshard.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), STAGE3, init=init)
+    except zeroshard.ModelError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _ranks(rank, world, device):
+    import zeroshard
+
+    results = {kind: _train_from_meta(kind, device, rank) for kind in KINDS}
+
+    def on_meta():
+        with torch.device("meta"):
+            return nn.Sequential(nn.Linear(4, 4), Scaled())
+
+    def under_meta_init():
+        with zeroshard.meta_init():
+            return nn.Sequential(nn.Linear(4, 4), Scaled())
+
+    results["missing"] = _error(under_meta_init)
+    results["buffer"] = _error(on_meta, init=_every_parameter)
+    results["no_init"] = _error(on_meta)
+    try:
+        with zeroshard.meta_init():
+            from transformers import LlamaForCausalLM
+
+            LlamaForCausalLM.from_pretrained("/no/such/dir")  # refused before any file is read
+        results["from_pretrained"] = "no error"
+    except zeroshard.ModelError as exc:
+        results["from_pretrained"] = str(exc)
+    return results
+
+
+def test_meta_init_gives_the_eager_norms_and_buffers_and_trains_and_names_what_no_init_set():
+    for results in run_ranks(_ranks, 2):
+        for kind in KINDS:
+            exact, finite, losses, shapes_ok, same, keys = results[kind]
+            assert exact and all(exact.values()), (kind, [k for k, ok in exact.items() if not ok])
+            assert any("norm" in k.lower() or "ln_" in k for k in keys), keys
+            assert any("inv_freq" in k for k in keys) or kind in ("gpt2", "bert"), keys
+            assert finite, kind
+            assert losses[-1] < 0.5 * losses[0], (kind, losses)
+            assert shapes_ok and same, kind
+        # meta_init, no init=: reset_parameters set the Linear layers, nothing set Scaled.scale.
+        assert "'1.scale'" in results["missing"] and "'1.proj.weight'" not in results["missing"], results["missing"]
+        # torch.device("meta"): the buffer computed in __init__ is lost, and init= did not set it.
+        assert "'1.offsets'" in results["buffer"] and "meta_init" in results["buffer"], results["buffer"]
+        assert "meta_init" in results["no_init"], results["no_init"]
+        # from_pretrained under meta_init would lose the weights it loads: refused, pointing to pretrained().
+        assert "init=zeroshard.pretrained(path)" in results["from_pretrained"], results["from_pretrained"]

@@ -1,0 +1,116 @@
+"""Ψ and the largest stage-3 unit of a model, counted on the model itself, built on the meta device.
+
+`zeroshard estimate --model` takes a demo preset, a `transformers` model type
+("llama": that type's default config), a config.json file, or a directory
+written by `save_pretrained`. The model is instantiated under
+`torch.device("meta")`: nothing is allocated and nothing is downloaded, so any
+architecture the installed transformers knows is counted exactly. Ψ is every
+parameter once (tied weights once, as `model.parameters()` yields them). The
+largest unit is what stage 3 would gather at once: the engine's own rule,
+`zeroshard.stage3.wrapping` (`unit_modules`, then `plan_units`), with the
+config's `stage3_wrap_classes` and `stage3_auto_wrap_min_params`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zeroshard.app.models import GPT, PRESETS
+from zeroshard.app.train import DEMO_CONFIG
+from zeroshard.config.schema import ZeroConfig
+from zeroshard.stage3.wrapping import plan_units, unit_modules
+
+# The engine's defaults, where the caller gives no wrapping rule.
+AUTO_WRAP_MIN_PARAMS: int = ZeroConfig.model_fields["stage3_auto_wrap_min_params"].default
+DEMO_WRAP: tuple[str, ...] = tuple(DEMO_CONFIG["zero_optimization"]["stage3_wrap_classes"])
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Ψ and the largest unit, in elements (parameters), of a named model."""
+
+    name: str
+    numel: int  # Ψ: every parameter once (tied weights count once)
+    largest_unit: int  # elements of the largest stage-3 unit
+
+
+def count_module(name: str, model: torch.nn.Module, wrap: tuple[str, ...] = (),
+                 min_numel: int = AUTO_WRAP_MIN_PARAMS) -> ParamCount:
+    """Ψ of `model` and its largest unit under stage 3's rule (`wrap`: class names; empty: by size)."""
+    plans = plan_units(model, unit_modules(model, wrap, min_numel))
+    largest = max((sum(p.numel() for p in plan.params) for plan in plans), default=0)
+    return ParamCount(name, sum(p.numel() for p in model.parameters()), largest)
+
+
+def count_model(name: str, wrap: tuple[str, ...] | None = None,
+                min_numel: int = AUTO_WRAP_MIN_PARAMS) -> ParamCount:
+    """Count a preset, a transformers model type, a config.json or a save_pretrained directory.
+
+    `wrap` None: the demo's wrap classes for a preset, the size rule for
+    another model. Raises ValueError naming the cause when `name` is none of
+    these or its config cannot be built.
+    """
+    if name in PRESETS:
+        with torch.device("meta"):
+            model = GPT(PRESETS[name])
+        return count_module(name, model, DEMO_WRAP if wrap is None else wrap, min_numel)
+    model = build_hf_model(name)
+    return count_module(f"{type(model).__name__} ({name})", model, wrap or (), min_numel)
+
+
+def build_hf_model(name: str) -> torch.nn.Module:
+    """The transformers model `name` describes, on the meta device (see `hf_config` and `model_class`)."""
+    config = hf_config(name)
+    cls = model_class(config)
+    with torch.device("meta"):
+        return cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)
+
+
+def hf_config(name: str):
+    """The `PretrainedConfig` of a config.json file, a save_pretrained directory or a model type name."""
+    transformers = _transformers()
+    path = Path(name)
+    try:
+        if path.is_dir():
+            return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+        if path.is_file():
+            values = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(values, dict) or "model_type" not in values:
+                raise ValueError(f"'{path}' holds no \"model_type\": it is not a Hugging Face config.json")
+            return transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+        known = transformers.CONFIG_MAPPING  # model types this transformers knows
+        if name in known:
+            return transformers.AutoConfig.for_model(name)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError, TypeError) as error:
+        raise ValueError(f"cannot read '{name}' as a Hugging Face config ({str(error).splitlines()[0]})") from None
+    raise ValueError(f"'{name}' is neither a preset ({', '.join(sorted(PRESETS))}), a config.json file or "
+                     "save_pretrained directory, nor a model type of the installed transformers (such as "
+                     "gpt2, bert, llama); give one of those, or the count itself with --params")
+
+
+def model_class(config):
+    """The class the config names in `architectures`; else, by its type: the sequence-to-sequence LM
+    (t5), the masked LM (bert), the causal LM (gpt2, llama), or the base model, the first that exists."""
+    transformers = _transformers()
+    for architecture in config.architectures or ():
+        cls = getattr(transformers, architecture, None)
+        if cls is not None:
+            return cls
+    for mapping, auto in (("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING", "AutoModelForSeq2SeqLM"),
+                          ("MODEL_FOR_MASKED_LM_MAPPING", "AutoModelForMaskedLM"),
+                          ("MODEL_FOR_CAUSAL_LM_MAPPING", "AutoModelForCausalLM")):
+        if type(config) in getattr(transformers, mapping):
+            return getattr(transformers, auto)
+    return transformers.AutoModel
+
+
+def _transformers():
+    try:
+        import transformers  # only here: the rest of zeroshard runs without it
+    except ImportError:
+        raise ValueError("counting a Hugging Face model needs transformers: pip install 'zeroshard[hf]'") from None
+    return transformers

@@ -1,0 +1,27 @@
+"""`import zeroshard.deepspeed as deepspeed`: a DeepSpeed training script on zeroshard, unchanged.
+
+`initialize` takes DeepSpeed's arguments and returns its 4-tuple (engine,
+optimizer, dataloader, lr_scheduler); the engine answers DeepSpeed's methods
+(`engine/deepspeed_api.py`). `init_distributed` and `add_config_arguments`
+serve the launch; `zero.Init` and `zero.GatheredParameters` serve stage 3.
+A DeepSpeed name not provided here raises `MissingAPIError`, saying what to
+do instead; docs/migrate-from-deepspeed.md has the whole table.
+"""
+
+from zeroshard.deepspeed import zero
+from zeroshard.deepspeed.initialize import initialize
+from zeroshard.deepspeed.launch import add_config_arguments, init_distributed
+from zeroshard.deepspeed.unsupported import (
+    NOT_PROVIDED,
+    MissingAPIError,
+    UnsupportedError,
+    missing,
+)
+from zeroshard.engine import Engine as DeepSpeedEngine
+
+__all__ = ["DeepSpeedEngine", "MissingAPIError", "UnsupportedError", "add_config_arguments", "init_distributed",
+           "initialize", "zero"]
+
+
+def __getattr__(name: str):
+    raise missing("zeroshard.deepspeed", name, NOT_PROVIDED)

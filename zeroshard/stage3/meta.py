@@ -1,0 +1,127 @@
+"""`meta_init()`: build a model with its parameters on the meta device and its buffers real.
+
+Under `torch.device("meta")` everything a module's `__init__` computes is
+lost: a Llama's rotary `inv_freq`, BERT's `position_ids`. `meta_init` moves
+only the parameters to the meta device, as they are registered (as
+`accelerate.init_empty_weights(include_buffers=False)` does), so buffers keep
+the values eager construction gives them. Each module given a meta parameter
+is marked, and `zeroshard.initialize(model, ...)` without `init=` then
+materialises the model with its own initialisation (`own_init`):
+
+- a `transformers` model: its `_init_weights(module)`, dispatched as
+  `PreTrainedModel.initialize_weights` does (a sub-model's own `_init_weights`
+  for its modules), under transformers' guard of the `torch.nn.init`
+  functions; tied weights are already tied by the model's `post_init`;
+- any other module: `reset_parameters()` of each module that has one.
+
+Parameters are created on the CPU first and moved to meta one by one, so
+construction holds at most one parameter in memory. The patch of
+`nn.Module.register_parameter` is process-wide while the block runs: build
+one model at a time.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from zeroshard.errors import ModelError
+
+_BUILT_ON_META = "_zeroshard_meta_init"  # on each module that meta_init gave a meta parameter
+
+
+@contextmanager
+def meta_init(enabled: bool = True) -> Iterator[None]:
+    """Parameters registered inside the block are put on the meta device; buffers stay real.
+
+    `enabled=False` makes the block do nothing (DeepSpeed's `zero.Init(enabled=...)`).
+    """
+    if not enabled:
+        yield
+        return
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is None:
+            return
+        if param.device.type != "meta":  # one already on meta (a tied weight) keeps its identity
+            meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            module._parameters[name] = meta
+        module.__dict__[_BUILT_ON_META] = True
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        with _refusing_from_pretrained():
+            yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+@contextmanager
+def _refusing_from_pretrained() -> Iterator[None]:
+    """`from_pretrained` under meta_init would load weights into parameters that go to meta: lost, silently."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        yield
+        return
+    model_class = transformers.PreTrainedModel
+    original = model_class.__dict__["from_pretrained"]
+
+    def refuse(cls, path, *args, **kwargs):
+        raise ModelError(f"{cls.__name__}.from_pretrained inside zeroshard.meta_init() would put the loaded "
+                         f"weights on the meta device, where they are lost; build the model from its config "
+                         f"(AutoConfig.from_pretrained(path), then from_config) under meta_init and pass "
+                         f"init=zeroshard.pretrained(path) to zeroshard.initialize")
+
+    model_class.from_pretrained = classmethod(refuse)
+    try:
+        yield
+    finally:
+        model_class.from_pretrained = original
+
+
+def built_by_meta_init(model: nn.Module) -> bool:
+    """Whether every module holding a meta parameter got it from `meta_init`."""
+    holders = [m for m in model.modules() if any(p.is_meta for p in m.parameters(recurse=False))]
+    return bool(holders) and all(m.__dict__.get(_BUILT_ON_META, False) for m in holders)
+
+
+def own_init(model: nn.Module) -> Callable[[nn.Module], None]:
+    """`init(module)` as the model itself initialises it: transformers' `_init_weights`, else `reset_parameters`."""
+    transformers = sys.modules.get("transformers")  # a transformers model means it is imported already
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        return _transformers_init(model, transformers.PreTrainedModel)
+    return _reset_parameters
+
+
+def _reset_parameters(module: nn.Module) -> None:
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+def _transformers_init(model: nn.Module, pretrained_class: type) -> Callable[[nn.Module], None]:
+    """Each module is initialised by the innermost `PreTrainedModel` holding it (transformers' `smart_apply`)."""
+    from transformers import initialization
+
+    dispatch: dict[int, nn.Module] = {}
+
+    def assign(module: nn.Module, owner: nn.Module) -> None:
+        owner = module if isinstance(module, pretrained_class) else owner
+        dispatch[id(module)] = owner
+        for child in module.children():
+            assign(child, owner)
+
+    assign(model, model)
+    guard = getattr(initialization, "guard_torch_init_functions", nullcontext)
+
+    def init(module: nn.Module) -> None:
+        with torch.no_grad(), guard():
+            dispatch[id(module)]._init_weights(module)
+
+    return init

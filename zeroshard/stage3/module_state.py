@@ -1,0 +1,123 @@
+"""`module.state_dict()` and `module.load_state_dict()` of a stage-3 model: full tensors, never empty ones.
+
+Between uses a sharded parameter is a 0-element tensor, so torch's own
+`state_dict()` would hand out empty tensors (and `save_pretrained` would
+write an empty model). The engine hooks the model's modules instead:
+
+- `state_dict()` (of the model or any submodule) returns full copies of the
+  sharded parameters, gathered one unit at a time. Every rank must call it,
+  in the same order: called on some ranks only it raises `CollectiveError`
+  within `rank_check_timeout` (`comm/entry.py`) instead of hanging. Each
+  rank then holds the whole model's values: to save, prefer
+  `engine.save_pretrained(dir)` or `engine.full_state_dict(rank0_only=True)`.
+  `state_dict(keep_vars=True)` returns the live parameters themselves,
+  empty between uses (zeroshard's own checkpoint code relies on that).
+- `load_state_dict(sd)` of the model loads into the shards: each unit is
+  gathered, takes the values of rank 0's `sd`, and every rank keeps its
+  shard (the fp32 master too; with 16-bit parameters it restarts from
+  their rounded values). Every rank must call it. Loading into a submodule
+  that holds sharded parameters is a `ModelError`: load the whole model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from zeroshard.comm import broadcast
+from zeroshard.comm.entry import enter
+from zeroshard.errors import ModelError
+
+
+class ModuleStateHooks:
+    """The state-dict hooks of one stage-3 model (`install`)."""
+
+    def __init__(self, model: nn.Module, schedule):
+        self.model, self.schedule = model, schedule
+        self.unit_of = {id(p): i for i, unit in enumerate(schedule.units) for f in unit.flats for p in f.params}
+        self.sharded = {id(p) for unit in schedule.units for f in unit.gathered_flats for p in f.params}
+        self.names = {id(m): name for name, m in model.named_modules()}
+        self._depth = 0  # nesting of the state_dict() calls under way: the outermost gathers
+        self._keep_vars = False
+        self._loading = False  # the model's load_state_dict() is under way
+        self._loaded: list[str] = []
+
+    def install(self) -> None:
+        for module in self.model.modules():
+            module.register_state_dict_pre_hook(self._before_state_dict)
+            # torch marks a post-hook by setting an attribute on it, which a bound method refuses.
+            module.register_state_dict_post_hook(lambda *args: self._after_state_dict(*args))
+            if module is not self.model and any(id(p) in self.sharded for p in module.parameters()):
+                module.register_load_state_dict_pre_hook(self._refuse_partial_load)
+        self.model.register_load_state_dict_pre_hook(self._load)
+        self.model.register_load_state_dict_post_hook(self._after_load)
+
+    # -- state_dict ------------------------------------------------------------
+
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if prefix == "" or self._depth == 0:  # an outermost call (a failed earlier one may have left depth up)
+            self._depth, self._keep_vars = 0, keep_vars
+        self._depth += 1
+
+    def _after_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+        self._depth -= 1
+        if self._depth or self._keep_vars:
+            return
+        keys_of: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if id(p) in self.sharded and prefix + name in state_dict:
+                keys_of.setdefault(self.unit_of[id(p)], []).append(prefix + name)
+        if not keys_of:
+            return
+        enter(self.schedule.comm, "module.state_dict")
+        params = dict(module.named_parameters(remove_duplicate=False))
+        for i in sorted(keys_of):
+            was_whole = self.schedule.units[i].whole
+            self.schedule.need(i)
+            for key in keys_of[i]:
+                state_dict[key] = params[key[len(prefix):]].detach().clone()
+            if not was_whole:
+                self.schedule.release(i)
+
+    # -- load_state_dict -------------------------------------------------------
+
+    def _refuse_partial_load(self, module, state_dict, prefix, *args) -> None:
+        if not self._loading:
+            raise ModelError(f"load_state_dict() on the submodule '{self.names[id(module)]}' of a stage-3 model: its "
+                             "parameters are sharded and only the whole model's load_state_dict() loads into "
+                             "the shards; load the whole model's state dict (or use engine.load_checkpoint)")
+
+    def _load(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs) -> None:
+        """Load every unit's parameters from `state_dict` (rank 0's values) and drop their keys from it."""
+        self._loading, self._loaded = True, []
+        enter(self.schedule.comm, "module.load_state_dict")
+        names: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(prefix + name)
+        for i, unit in enumerate(self.schedule.units):
+            was_whole = unit.whole
+            self.schedule.need(i)
+            with torch.no_grad():
+                for p in (p for f in unit.flats for p in f.params):
+                    key = next((k for k in names[id(p)] if k in state_dict), None)
+                    if key is None:
+                        continue
+                    value = state_dict[key]
+                    if tuple(value.shape) != tuple(p.shape):
+                        error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}"
+                                          f", the shape in the model is {tuple(p.shape)}")
+                        continue
+                    p.copy_(value)
+                    self._loaded.extend(k for k in names[id(p)] if k in state_dict)
+                for flat in unit.flats:  # rank 0's values everywhere, then each rank keeps its shard
+                    broadcast(self.schedule.comm, flat.data, src=0)
+            unit.scatter_edits()
+            if not was_whole:
+                self.schedule.release(i)
+        for key in self._loaded:
+            state_dict.pop(key, None)
+
+    def _after_load(self, module, incompatible_keys) -> None:
+        loaded = set(self._loaded)
+        incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in loaded]
+        self._loading, self._loaded = False, []
