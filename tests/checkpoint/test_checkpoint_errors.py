@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from tests.checkpoint.tamper import reseal
 from tests.distributed import run_ranks
 from tests.recipes import GPT_CFG, Case, loss_of, make_engine, make_model, micro_batch
-from zeroshard import CheckpointError, consolidate
+from zeroshard import CheckpointError, EngineStateError, consolidate
 from zeroshard.app.cli import main as cli_main
 from zeroshard.app.models import GPT
 
@@ -584,6 +584,21 @@ def _two_ranks(rank, world, device, save_dir, empty_dir):
         results["other_model"] = str(exc)
     results["other_model_unchanged"] = all(torch.equal(v, other.full_state_dict()[k]) for k, v in before.items())
     train_step(other, rank=rank, world=world, device=device)  # both ranks still step together
+    # Past the checks, rank 1 fails part-way through installing (its weights are loaded, its counters not).
+    if rank == 1:
+        from zeroshard.checkpoint import loading
+
+        def lost(*args):
+            raise OSError("the disk went away")
+        loading._load_counters = lost
+    try:
+        e.load_checkpoint(save_dir)
+    except CheckpointError as exc:
+        results["part_way"] = str(exc)
+    try:
+        train_step(e, rank=rank, world=world, device=device)
+    except EngineStateError as exc:
+        results["after_part_way"] = str(exc)
     return results
 
 
@@ -598,6 +613,9 @@ def test_two_ranks_fail_together_with_the_same_message(tmp_path):
         assert results.get("one_rank") == (f"rank 1: {empty} is not a zeroshard checkpoint: it has no manifest.json "
                                            "and no 'latest' file (write one with engine.save_checkpoint)"), results
         assert results["one_rank_unchanged"] and results["other_model_unchanged"], results
+        assert results.get("part_way", "").startswith("rank 1: reading "), results
+        assert "failed part-way (OSError: the disk went away)" in results["part_way"]
+        assert "this engine cannot continue: " in results.get("after_part_way", ""), "a rank trains on"
     assert ranks[0] == ranks[1]
 
 

@@ -15,20 +15,12 @@ from __future__ import annotations
 import torch
 
 from tests.distributed import run_ranks
+from tests.memory_cap import MemoryCap
 
 IDS = torch.tensor([[1, 5, 9, 42, 7, 300, 12, 999]])
 
 
-def _data_bytes() -> int:
-    """This process's private writable memory (VmData): what RLIMIT_DATA caps."""
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmData:"))
-    return int(line.split()[1]) * 1024
-
-
 def _load_under_cap(rank, world, device, path):
-    import resource
-
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -37,20 +29,13 @@ def _load_under_cap(rank, world, device, path):
     with zeroshard.meta_init():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     full_bytes = 4 * sum(p.numel() for p in model.parameters())
-    cap = int(0.85 * full_bytes)
-    base = _data_bytes()
-    resource.setrlimit(resource.RLIMIT_DATA, (base + cap, base + cap))
-    try:
-        torch.empty(full_bytes // 4)  # the whole model in fp32 does not fit under the cap
-        whole_fits = True
-    except RuntimeError:
-        whole_fits = False
+    cap = MemoryCap(full_bytes)
     engine = zeroshard.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                   {"zero_optimization": {"stage": 3}}, wrap=[LlamaDecoderLayer],
                                   init=zeroshard.pretrained(path))
     with torch.no_grad():
         logits = engine(input_ids=IDS.to(device)).logits.cpu()
-    return not whole_fits, _data_bytes() - base <= cap, logits
+    return not cap.whole_fits, cap.held(), logits
 
 
 def test_sharded_pretrained_weights_load_at_stage3_on_4_ranks_each_capped_below_the_model(monkeypatch, tmp_path):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
+from tests.memory_cap import MemoryCap
 from tests.recipes import Case, make_engine, make_model, make_optimizer, micro_batch
 
 
@@ -82,16 +83,7 @@ def test_no_grad_generation_matches_the_whole_model_and_releases_everything():
         assert live_after_error == 0, "an error in the model's forward left units gathered"
 
 
-def _data_bytes() -> int:
-    """This process's private writable memory (VmData): what RLIMIT_DATA caps."""
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmData:"))
-    return int(line.split()[1]) * 1024
-
-
 def _train_meta_under_cap(rank, world, device, cfg, steps, out_dir):
-    import resource
-
     import zeroshard
     from zeroshard.app.models.gpt import GPT, Block
 
@@ -103,14 +95,7 @@ def _train_meta_under_cap(rank, world, device, cfg, steps, out_dir):
     with torch.device("meta"):
         model = GPT(cfg)
     full_bytes = 4 * model.num_params()
-    cap = int(0.85 * full_bytes)
-    base = _data_bytes()
-    resource.setrlimit(resource.RLIMIT_DATA, (base + cap, base + cap))
-    try:
-        torch.empty(full_bytes // 4)  # the whole model in fp32 does not fit under the cap
-        whole_fits = True
-    except RuntimeError:
-        whole_fits = False
+    cap = MemoryCap(full_bytes)
     torch.manual_seed(0)
     engine = zeroshard.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
                                   {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
@@ -126,7 +111,7 @@ def _train_meta_under_cap(rank, world, device, cfg, steps, out_dir):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return not whole_fits, _data_bytes() - base <= cap, layout, losses
+    return not cap.whole_fits, cap.held(), layout, losses
 
 
 def _batch(cfg, step):

@@ -8,7 +8,9 @@ optimizer against the checkpoint, its share of the checksums (`verify.py`),
 and the optimizer state it will install. Then the ranks agree: on any
 problem every rank raises the same `CheckpointError` and the trainer is
 bit for bit what it was. Only then does each rank read exactly the elements
-its own shards need (byte ranges of the rank files) into the trainer.
+its own shards need (byte ranges of the rank files) into the trainer; the
+ranks agree once more after, and an I/O failure part-way on any rank fails
+every rank's trainer with one error (`_apply_everywhere`).
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def load(trainer: Trainer, load_dir: str | Path, tag: str | int | float | None =
                  f"{DAMAGED_FIX}")
     try:
         agree(comm, error)
-        _apply(trainer, held, plan, parts)
+        _apply_everywhere(trainer, held, plan, parts)
     finally:
         if plan is not None:
             plan.reader.close()
@@ -135,6 +137,23 @@ def _scaler_problems(trainer: Trainer, path: Path, state: dict, parts: _Parts) -
     lacking = sorted(set(trainer.scaler.state_dict()) - set(saved))
     return [(f"checkpoint file {path / STATE} holds an fp16 loss scale without {', '.join(lacking)}: it is "
              f"damaged or was rewritten; {DAMAGED_FIX}")] if lacking else []
+
+
+def _apply_everywhere(trainer: Trainer, held: Holdings, plan: _Plan, parts: _Parts) -> None:
+    """`_apply`, then agree on how it went: past the checks only I/O can fail (a file that went away, a
+    read error), but then this rank's trainer is partly loaded, so every rank's trainer is failed and
+    every rank raises the same error, instead of the others training on."""
+    why = None
+    try:
+        _apply(trainer, held, plan, parts)
+    except Exception as exc:
+        why = (f"reading {plan.path} failed part-way ({type(exc).__name__}: {exc}); the weights are partly "
+               "loaded, so this engine cannot continue: restart the job and load the checkpoint again")
+    try:
+        agree(trainer.comm, why)
+    except CheckpointError as exc:
+        trainer.fail(f"load_checkpoint failed part-way ({exc})")
+        raise
 
 
 def _apply(trainer: Trainer, held: Holdings, plan: _Plan, parts: _Parts) -> None:

@@ -60,3 +60,6 @@ class Trainer(Protocol):
 
     def params_from_masters(self) -> None:
         """After the masters changed: cast them into the parameters and all-gather where replicated."""
+
+    def fail(self, why: str) -> None:
+        """The trainer cannot go on (a load failed part-way): every later call raises, saying `why`."""

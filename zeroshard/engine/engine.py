@@ -100,7 +100,7 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
             broadcast_buffers(self.comm, self.module)
             return self.module(*args, **kwargs)
         except CollectiveError as exc:  # a stage-3 gather failed: ranks are out of step
-            self._fail(f"a collective failed in forward ({exc})")
+            self.fail(f"a collective failed in forward ({exc})")
             raise
         except BaseException:  # the model's own error (every rank's, or the stall watch says): free the units
             if self.schedule is not None:
@@ -154,12 +154,12 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
                 for bucket in self.buckets:
                     bucket.accumulate_micro_step()
         except BaseException as exc:
-            self._fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
+            self.fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
             raise
         self.state = TrainingState.STEP_DUE
         self.comm.trace.phase = "step"  # the collectives until the next forward are engine.step()'s
 
-    def _fail(self, why: str) -> None:
+    def fail(self, why: str) -> None:
         """Drop this window's partial gradients; the engine refuses to go on (ranks may be out of step)."""
         self.state, self._failure = TrainingState.FAILED, why
         try:
@@ -213,7 +213,7 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
             self.state = TrainingState.IDLE
             raise
         except BaseException as exc:  # a partial update, or a collective some ranks did not finish
-            self._fail(f"the optimizer step failed on this rank ({type(exc).__name__}: {exc})")
+            self.fail(f"the optimizer step failed on this rank ({type(exc).__name__}: {exc})")
             raise
         self.state = TrainingState.IDLE
 
@@ -375,5 +375,5 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
         try:
             return full_state_dict(self.module, self.schedule, keep)
         except CollectiveError as exc:
-            self._fail(f"a gather failed in full_state_dict ({exc})")
+            self.fail(f"a gather failed in full_state_dict ({exc})")
             raise
