@@ -28,7 +28,7 @@ MAX_FUNCTION_LINES = 60
 
 # Bottom to top. Leaves import nothing of zeroshard (zeroshard.dtypes: "a leaf: it imports torch only").
 # The facade holds the two public modules of the package root.
-LEAVES = ("zeroshard.errors", "zeroshard.version", "zeroshard.dtypes", "zeroshard.logs")
+LEAVES = ("zeroshard.errors", "zeroshard.version", "zeroshard.dtypes")
 SUBPACKAGES = ("config", "estimate", "comm", "core", "stage3", "parallel", "checkpoint", "engine")
 FACADE = ("zeroshard", "zeroshard.consolidate",
           # `import zeroshard.deepspeed as deepspeed`: DeepSpeed's names over the engine, beside the facade

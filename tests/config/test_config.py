@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from zeroshard.config import (
     Bf16Config,
+    CheckpointConfig,
     Config,
     ConfigError,
     Fp16Config,
@@ -46,6 +47,8 @@ DEFAULTS = {
     "fp16": {"enabled": False, "loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000,
              "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1.0},
     "communication_data_type": None,
+    "dataloader_drop_last": False,
+    "checkpoint": {"tag_validation": "Warn"},
     "non_finite": {"action": "skip", "max_consecutive_skips": 10},
 }
 
@@ -268,6 +271,35 @@ def test_every_bad_value_reported_once_in_one_error():
     ]
 
 
+def test_tag_validation_takes_deepspeeds_spellings_in_any_case():
+    # DeepSpeed upper-cases the value and accepts WARN, IGNORE and FAIL (runtime/constants.py ValidationMode).
+    for given, stored in [("Warn", "Warn"), ("WARN", "Warn"), ("ignore", "Ignore"), ("FaIl", "Fail")]:
+        assert Config.load({"checkpoint": {"tag_validation": given}}).checkpoint.tag_validation == stored
+    assert Config.load({}).checkpoint.tag_validation == "Warn"
+    assert error_of({"checkpoint": {"tag_validation": "strict"}}) == one_problem(
+        'checkpoint.tag_validation must be one of "Warn", "Ignore", "Fail" (any case); got "strict"')
+    assert error_of({"checkpoint": "Fail"}) == one_problem(
+        'checkpoint must be a JSON object such as {"tag_validation": "Warn"}; got "Fail"')
+
+
+def test_checkpoint_section_keeps_the_other_deepspeed_keys_statuses():
+    config, report = Config.load_with_report({"checkpoint": {
+        "tag_validation": "fail", "load_universal": True, "use_node_local_storage": False,
+        "parallel_write": {"pipeline_stage": True}}})
+    assert config.checkpoint == CheckpointConfig(tag_validation="Fail")
+    assert [key for key, _ in report.no_effect] == [
+        "checkpoint.load_universal", "checkpoint.use_node_local_storage", "checkpoint.parallel_write.pipeline_stage"]
+    assert "checkpoint.use_node_local_storage is not supported" in error_of(
+        {"checkpoint": {"use_node_local_storage": True}})
+
+
+def test_dataloader_drop_last():
+    assert Config.load({}).dataloader_drop_last is False
+    assert Config.load({"dataloader_drop_last": True}).dataloader_drop_last is True
+    assert error_of({"dataloader_drop_last": "true"}) == one_problem(
+        'dataloader_drop_last must be true or false (a JSON boolean); got "true"')
+
+
 # ---- the loaded object ----
 
 def test_config_is_frozen():
@@ -295,7 +327,7 @@ def test_to_dict_round_trip():
 
 
 def test_every_field_documents_its_deepspeed_key():
-    for model in (Config, ZeroConfig, Bf16Config, Fp16Config):
+    for model in (Config, ZeroConfig, Bf16Config, Fp16Config, CheckpointConfig):
         for name, field in model.model_fields.items():
             assert field.description and "DeepSpeed: " in field.description, name
 

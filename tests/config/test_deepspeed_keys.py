@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
 import pytest
 
 from zeroshard.config import RULES, Config, ConfigError, ConfigWarning, Status
+from zeroshard.config.deepspeed_keys import is_section
 from zeroshard.config.keys import _schema_keys
 from zeroshard.config.keys_table import END, START, table
 
@@ -48,9 +50,45 @@ def test_each_deepspeed_key_has_its_status(key):
 def test_registry_and_schema_do_not_overlap():
     schema = set(_schema_keys(Config, ""))
     assert not schema & set(RULES)
-    for key in RULES:  # a key under a schema section sits under one that exists
-        parent = key.rsplit(".", 1)[0]
-        assert "." not in key or parent in schema or parent.split(".")[0] not in Config.model_fields
+    sections = {key.rsplit(".", 1)[0] for key in schema if "." in key}
+    for key in RULES:  # the key scan reaches every rule: no parent is a rule or a schema key that is no section
+        parts = key.split(".")
+        for parent in (".".join(parts[:end]) for end in range(1, len(parts))):
+            assert parent not in RULES and (parent not in schema or parent in sections), key
+
+
+DOCUMENTED = Path(__file__).parent / "data" / "deepspeed_config_keys.txt"
+
+
+def covered(key: str, schema: set[str]) -> bool:
+    """A schema key, a rule, a section of rules, or a key inside a value that a rule or a schema field takes whole."""
+    parts = key.split(".")
+    parents = {".".join(parts[:end]) for end in range(1, len(parts))}
+    whole = {k for k in schema if not any(other.startswith(k + ".") for other in schema)}
+    return key in schema or key in RULES or is_section(key) or bool(parents & (set(RULES) | whole))
+
+
+def test_every_documented_deepspeed_key_is_a_schema_field_or_a_rule():
+    lines = DOCUMENTED.read_text(encoding="utf-8").splitlines()
+    documented = [line for line in lines if line and not line.startswith("#")]
+    assert len(documented) > 200 and len(set(documented)) == len(documented)
+    schema = set(_schema_keys(Config, ""))
+    assert [key for key in documented if not covered(key, schema)] == []
+    for key in documented:  # and the loader agrees: any problem is the value's, never an unknown key
+        for value in (1, {}):
+            try:
+                load(nested(key, value))
+            except ConfigError as error:
+                assert "unknown key" not in str(error), str(error)
+
+
+def test_a_rule_section_given_a_value_that_is_no_object_says_so():
+    for raw, message in [({"data_types": 1}, "data_types must be a JSON object with DeepSpeed's keys "
+                                             "(grad_accum_dtype); got 1"),
+                         ({"checkpoint": {"parallel_write": True}}, "checkpoint.parallel_write must be a JSON "
+                                                                    "object with DeepSpeed's keys (pipeline_stage)")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            Config.load(raw)
 
 
 def test_misplaced_and_misspelt_keys_suggest_the_right_one():

@@ -179,7 +179,7 @@ def _train_hf_zero2(rank, world, device):
     import zeroshard
 
     records = _Records()
-    logging.getLogger("zeroshard").addHandler(records)  # no level set: zeroshard.logs makes INFO visible
+    logging.getLogger("zeroshard").addHandler(records)  # no level set: zeroshard.config.logs makes INFO visible
     model = recipes.make_model(device=device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     engine = zeroshard.initialize(model, opt, without_offload("ds_config_zero2.json"), lr_scheduler=schedule(opt),

@@ -1,4 +1,4 @@
-"""zeroshard.logs: zeroshard's INFO lines are visible without logging set-up; ZEROSHARD_LOG_LEVEL=warning
+"""zeroshard.config.logs: zeroshard's INFO lines are visible without logging set-up; ZEROSHARD_LOG_LEVEL=warning
 (or a level the application sets) turns them off; an application that configured logging decides.
 
 Each test runs with the root logger's handlers taken away (pytest's capture is one), as in a script that
@@ -11,7 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 
-from zeroshard.logs import show_info
+import pytest
+
+from zeroshard.config.logs import show_info
+from zeroshard.errors import ZeroshardError
 
 
 @contextlib.contextmanager
@@ -61,3 +64,17 @@ def test_an_application_that_configured_logging_decides():
         logging.getLogger().addHandler(logging.NullHandler())  # as logging.basicConfig(...) would
         show_info()
         assert logger.level == logging.NOTSET and not logger.handlers
+
+
+def test_a_level_name_in_any_case_and_a_bad_one_names_the_variable_and_the_values(capsys, monkeypatch):
+    monkeypatch.setenv("ZEROSHARD_LOG_LEVEL", " Warning ")
+    with unconfigured():
+        show_info()
+        logging.getLogger("zeroshard.config").info("hidden")
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("ZEROSHARD_LOG_LEVEL", "verbose")
+    with unconfigured(), pytest.raises(ZeroshardError) as info:
+        show_info()
+    assert isinstance(info.value, ValueError)
+    assert str(info.value) == ("the environment variable ZEROSHARD_LOG_LEVEL='verbose' is not a log level: set it "
+                               "to one of debug, info, warning, error (any case), or unset it for info")

@@ -80,6 +80,10 @@ def test_get_lr_follows_the_scheduler_as_torch_does():
 
 
 def test_grad_norm_step_applied_and_samples():
+    """The counters through two windows of 2 and a window with nan, against DeepSpeed's documented semantics:
+    is_gradient_accumulation_boundary() is true before a window's last step(); was_step_applied() is cleared
+    by every step() and set by an applied update (false mid-window and after a skipped step); global_steps
+    and global_samples count skipped steps, skipped_steps only those; micro_steps counts every step()."""
     engine = _engine(accumulation=2)
     assert (engine.get_global_grad_norm(), engine.was_step_applied(), engine.global_samples) == (None, False, 0)
     reference = _model()
@@ -92,6 +96,24 @@ def test_grad_norm_step_applied_and_samples():
     norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item()
     assert math.isclose(engine.get_global_grad_norm(), norm, rel_tol=1e-6)
     assert engine.was_step_applied() and engine.global_samples == 4 and engine.global_steps == 1
+
+    def counters():
+        return (engine.micro_steps, engine.global_steps, engine.skipped_steps, engine.global_samples,
+                engine.is_gradient_accumulation_boundary(), engine.was_step_applied())
+
+    assert counters() == (2, 1, 0, 4, False, True)
+    _micro_step(engine, 2)  # mid-window: no update, and the last step() applied nothing
+    assert counters() == (3, 1, 0, 4, True, False)
+    before = _weights(engine)
+    x, y = _batch(3)
+    engine.backward(nn.functional.mse_loss(engine(x * float("nan")), y))  # nan gradients: the window is skipped
+    engine.step()
+    assert counters() == (4, 2, 1, 8, False, False)
+    assert engine.get_global_grad_norm() == math.inf and torch.equal(_weights(engine), before)
+    _micro_step(engine, 4)
+    assert counters() == (5, 2, 1, 8, True, False)
+    _micro_step(engine, 5)
+    assert counters() == (6, 3, 1, 12, False, True) and not torch.equal(_weights(engine), before)
 
 
 def test_where_the_engine_runs_and_what_it_is():

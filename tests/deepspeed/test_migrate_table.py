@@ -1,7 +1,8 @@
 """docs/migrate-from-deepspeed.md's API table against the code: every row's name exists (supported, no effect)
-or raises a zeroshard error with a message (error, not yet), every named test exists, and every DeepSpeed name
-that zeroshard.deepspeed refuses in code has its row."""
+or raises a zeroshard error with a message (error, not yet), every named test exists and mentions the name
+(and each keyword) its row names, and every DeepSpeed name that zeroshard.deepspeed refuses in code has its row."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -83,6 +84,58 @@ def test_the_table_is_well_formed_and_complete():
     tests = "\n".join(p.read_text(encoding="utf-8") for p in (ROOT / "tests").rglob("test_*.py"))
     missing = sorted({r["test"] for r in table if f"def {r['test']}(" not in tests})
     assert not missing, f"tests named in {PAGE.name} that do not exist: {missing}"
+
+
+def _mentioned(api: str) -> list[str]:
+    """What a row's test must mention: the name's last part and each keyword the row names.
+    `deepspeed.initialize(training_data=..., collate_fn=...)` -> initialize, training_data, collate_fn."""
+    name, _, arguments = api.partition("(")
+    return [name.split(".")[-1]] + re.findall(r"(\w+)=", arguments)
+
+
+def _test_sources() -> dict[str, str]:
+    """Each test function -> its source and that of the helpers it uses: the functions and classes it names,
+    in its file or imported from a tests module (the getting-started loop is in getting_started.py), and theirs."""
+    modules = {}
+    for path in (ROOT / "tests").rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        modules[".".join(path.relative_to(ROOT).with_suffix("").parts)] = tree, path.read_text(encoding="utf-8")
+    sources = {}
+    for module, (tree, text) in modules.items():
+        if not module.rsplit(".", 1)[-1].startswith("test_"):
+            continue
+        scope = {node.name: (node, text) for node in tree.body
+                 if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
+        for node in tree.body:  # from tests.x import helper
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                other_tree, other_text = modules[node.module]
+                defined = {d.name: d for d in other_tree.body if isinstance(d, (ast.FunctionDef, ast.ClassDef))}
+                scope.update({a.asname or a.name: (defined[a.name], other_text) for a in node.names
+                              if a.name in defined})
+        for name, (node, _) in list(scope.items()):
+            if name.startswith("test_"):
+                sources[name] = _with_helpers(node, scope)
+    return sources
+
+
+def _with_helpers(node: ast.AST, scope: dict) -> str:
+    seen, todo, parts = set(), [node], []
+    while todo:
+        current = todo.pop()
+        parts.append(ast.unparse(current))
+        for used in ast.walk(current):
+            if isinstance(used, ast.Name) and used.id in scope and used.id not in seen:
+                seen.add(used.id)
+                todo.append(scope[used.id][0])
+    return "\n".join(parts)
+
+
+def test_each_rows_test_mentions_what_the_row_names():
+    # test_error_rows_raise calls every error and not-yet row itself (CALLS, or the name's lookup)
+    sources = _test_sources()
+    unmentioned = [f"{r['api']} in {r['test']}: {word}" for r in rows() if r["test"] != "test_error_rows_raise"
+                   for word in _mentioned(r["api"]) if not re.search(rf"\b{word}\b", sources[r["test"]])]
+    assert not unmentioned, f"rows whose test does not use what they name: {unmentioned}"
 
 
 def test_supported_rows_name_what_exists():

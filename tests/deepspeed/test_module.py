@@ -4,6 +4,7 @@ zero.GatheredParameters, and the names it does not provide. One rank, in process
 own group: a subprocess)."""
 
 import argparse
+import importlib
 import json
 import subprocess
 import sys
@@ -86,7 +87,12 @@ def test_training_data_gives_this_ranks_share_in_micro_batches():
     got, expected = list(loader), list(reference)
     assert len(got) == len(expected) == 4 and collate_calls == [3, 3, 3, 1]
     assert all(torch.equal(a, b) for g, e in zip(got, expected) for a, b in zip(g, e))
-    assert isinstance(loader.sampler, DistributedSampler)
+    assert isinstance(loader.sampler, DistributedSampler) and not loader.drop_last
+    # dataloader_drop_last: DeepSpeed's DataLoader drops the last incomplete micro-batch (10 rows, 3 a batch: 3)
+    dropping = deepspeed.initialize(model=_model(), config={**CONFIG, "dataloader_drop_last": True},
+                                    training_data=data)[2]
+    assert [len(b[1]) for b in dropping] == [3, 3, 3] and len(dropping) == 3
+    assert all(torch.equal(a, b) for g, e in zip(dropping, expected) for a, b in zip(g, e))
     with pytest.raises(zeroshard.ConfigError, match="needs the micro-batch size"):
         deepspeed.initialize(model=_model(), config={"optimizer": CONFIG["optimizer"]}, training_data=data)
 
@@ -105,6 +111,44 @@ def test_init_distributed_joins_a_one_rank_group_without_torchrun():
         deepspeed.init_distributed(rank=0, world_size=2)
     with pytest.raises(zeroshard.LaunchError, match="'mpi' is not supported"):
         deepspeed.init_distributed(dist_backend="mpi")
+
+
+class _ToRecorder(nn.Linear):
+    """A CPU model that records where initialize moves it, instead of moving (no GPU needed)."""
+
+    def to(self, *args, **kwargs):
+        self.moved_to = args[0]
+        return self
+
+
+class _Stop(Exception):
+    """Raised in place of building the engine (which would need the GPU)."""
+
+
+def test_each_rank_moves_the_model_to_its_own_gpu_before_the_group_exists(monkeypatch):
+    """DeepSpeed's engine puts each rank's model on cuda:LOCAL_RANK, and its getting-started script makes
+    no group before initialize: the current device then is cuda:0 on every rank, which must not be used."""
+    seen = []
+
+    def engine_stand_in(model, *args, **kwargs):
+        seen.append(model.moved_to)
+        raise _Stop
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(importlib.import_module("zeroshard.deepspeed.initialize"), "zeroshard_initialize",
+                        engine_stand_in)
+    # LOCAL_RANK 5 of 4 GPUs: each rank sees only its own (CUDA_VISIBLE_DEVICES), the current device
+    for local_rank in ("0", "1", "3", "5"):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(_Stop):
+            deepspeed.initialize(model=_ToRecorder(2, 2), config=CONFIG)
+    monkeypatch.delenv("LOCAL_RANK")  # no torchrun: the one process's current device
+    with pytest.raises(_Stop):
+        deepspeed.initialize(model=_ToRecorder(2, 2), config=CONFIG)
+    assert seen == [torch.device("cuda", r) for r in (0, 1, 3, 0, 0)]
 
 
 class _WithBuffer(nn.Module):

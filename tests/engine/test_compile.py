@@ -22,6 +22,7 @@ CASES = [(0, "eager"), (2, "eager"), (3, "eager"), (0, "before"), (2, "before"),
          (3, "after"), (3, "torch.compile(engine.module)")]
 MLP_CONFIG = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {
     "stage": 3, "stage3_wrap_classes": ["Linear"], "stage3_param_persistence_threshold": 0}}
+RETRY_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
 
 
 def _compiled_engine(case: Case, how: str, device):
@@ -89,6 +90,23 @@ def _mlp_case(rank, world, device, compiled: bool):
     return losses, weights, counters["stats"]["unique_graphs"]
 
 
+def _retry_after_failed_initialize(device) -> tuple[str, bool, bool]:
+    """initialize(torch.compile(model)) failing in build leaves the module uncompiled; the retry succeeds."""
+    import zeroshard
+
+    model = make_model(device=device)
+    compiled = torch.compile(model, backend="aot_eager")
+    stranger = torch.nn.Parameter(torch.zeros(3, device=device))  # not the model's: the build refuses it
+    try:
+        zeroshard.initialize(compiled, torch.optim.SGD([*model.parameters(), stranger], lr=0.1), RETRY_CONFIG)
+        error = "no error"
+    except zeroshard.ZeroshardError as exc:
+        error = type(exc).__name__
+    left_as_it_was = model._compiled_call_impl is None
+    engine = zeroshard.initialize(compiled, torch.optim.SGD(model.parameters(), lr=0.1), RETRY_CONFIG)
+    return error, left_as_it_was, engine.is_compiled
+
+
 def _train_compiled(rank, world, device, out_dir):
     from torch._dynamo.utils import counters
 
@@ -100,6 +118,7 @@ def _train_compiled(rank, world, device, out_dir):
         out[stage, how]["graphs"] = counters["stats"]["unique_graphs"]
     out["mlp", "eager"] = _mlp_case(rank, world, device, compiled=False)
     out["mlp", "inductor"] = _mlp_case(rank, world, device, compiled=True)
+    out["retry"] = _retry_after_failed_initialize(device)
     torch._dynamo.reset()
     return out
 
@@ -133,3 +152,8 @@ def test_inductor_at_stage3_matches_eager(results):
         assert graphs > 0
         assert torch.allclose(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-6, atol=0)
         assert relative_error(weights, eager_weights) <= 1e-5
+
+
+def test_initialize_of_a_compiled_model_that_fails_leaves_it_uncompiled_for_the_retry(results):
+    for out in results:
+        assert out["retry"] == ("OptimizerError", True, True), out["retry"]

@@ -38,6 +38,8 @@ def _train_from_meta(kind, device, rank):
     engine = zeroshard.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), STAGE3,
                                   wrap=[layer_class(model)])
     state = engine.full_state_dict()
+    # Every buffer where the model runs: meta_init kept them on the CPU, the engine moved them.
+    off_device = [k for k, b in model.named_buffers() if b.device != engine.device]
     buffers = {k: b.cpu() for k, b in model.named_buffers()}
     expected = _deterministic(eager)
     exact = {k: torch.equal(state[k].cpu() if k in state else buffers[k], v) for k, v in expected.items()}
@@ -53,7 +55,7 @@ def _train_from_meta(kind, device, rank):
     module_state = model.state_dict()
     shapes_ok = all(module_state[k].shape == v.shape for k, v in eager.state_dict().items())
     same = all(torch.equal(module_state[k], v) for k, v in engine.full_state_dict().items())
-    return exact, finite, losses, shapes_ok, same, sorted(expected)
+    return exact, finite, losses, shapes_ok, same, sorted(expected), off_device
 
 
 class Scaled(nn.Module):
@@ -118,7 +120,8 @@ def _ranks(rank, world, device):
 def test_meta_init_gives_the_eager_norms_and_buffers_and_trains_and_names_what_no_init_set():
     for results in run_ranks(_ranks, 2):
         for kind in KINDS:
-            exact, finite, losses, shapes_ok, same, keys = results[kind]
+            exact, finite, losses, shapes_ok, same, keys, off_device = results[kind]
+            assert not off_device, (kind, off_device)
             assert exact and all(exact.values()), (kind, [k for k, ok in exact.items() if not ok])
             assert any("norm" in k.lower() or "ln_" in k for k in keys), keys
             assert any("inv_freq" in k for k in keys) or kind in ("gpt2", "bert"), keys
@@ -132,3 +135,22 @@ def test_meta_init_gives_the_eager_norms_and_buffers_and_trains_and_names_what_n
         assert "meta_init" in results["no_init"], results["no_init"]
         # from_pretrained under meta_init would lose the weights it loads: refused, pointing to pretrained().
         assert "init=zeroshard.pretrained(path)" in results["from_pretrained"], results["from_pretrained"]
+
+
+def test_a_meta_model_is_materialised_on_its_local_ranks_gpu_before_the_group_sets_it(monkeypatch):
+    """Under torchrun every rank's current GPU is cuda:0 until the group is joined, when a meta model's
+    device is chosen: it must be LOCAL_RANK's (the current one where the process sees fewer GPUs)."""
+    import torch.distributed as dist
+
+    from zeroshard.stage3.materialize import default_device
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert default_device() == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # CUDA_VISIBLE_DEVICES gave this rank one GPU
+    assert default_device() == torch.device("cuda", 0)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert default_device() == torch.device("cuda", 0)

@@ -48,14 +48,13 @@ class Pretrained:
     def __init__(self, path: str | os.PathLike, *, init_missing: bool = False, ignore_unexpected: bool = False):
         self.path = Path(path)
         self.init_missing, self.ignore_unexpected = init_missing, ignore_unexpected
-        self.bytes_read = 0  # by this rank, from the files
 
     def __repr__(self) -> str:
         return f"zeroshard.pretrained({str(self.path)!r})"
 
     def for_model(self, model: nn.Module) -> Callable[[nn.Module], None]:
         """Check every key and shape, load the model's real buffers now, and return `init(module)`."""
-        self._where = where = tensors_in(self.path)
+        where = tensors_in(self.path)
         source = self._match(model, {key: entry.shape for key, (_, entry) in where.items()})
         missing_init = own_init(model) if self.init_missing else None
         prefixes = {id(m): f"{name}." if name else "" for name, m in model.named_modules()}
@@ -67,10 +66,10 @@ class Pretrained:
                       if isinstance(t, nn.Parameter) or prefix + name in source]
             if missing_init is not None and any(key is None for key, _ in wanted):
                 missing_init(module)
-            self._read([(key, t) for key, t in wanted if key is not None])
+            self._read(where, [(key, t) for key, t in wanted if key is not None])
 
-        self._read([(source[prefixes[id(m)] + n], b) for m in model.modules() for n, b in m.named_buffers(recurse=False)
-                    if not b.is_meta and prefixes[id(m)] + n in source])
+        buffers = [(prefixes[id(m)] + n, b) for m in model.modules() for n, b in m.named_buffers(recurse=False)]
+        self._read(where, [(source[key], b) for key, b in buffers if not b.is_meta and key in source])
         return init
 
     def _match(self, model: nn.Module, shapes: dict[str, tuple[int, ...]]) -> dict[str, str]:
@@ -110,18 +109,18 @@ class Pretrained:
                              f"(AutoConfig.from_pretrained(path))")
         return source
 
-    def _read(self, wanted: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy each file key's tensor into its target, reading only those tensors' bytes."""
+    def _read(self, where: dict[str, tuple[str, Entry]], wanted: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy each file key's tensor (in the file `where` names) into its target, reading only its bytes."""
         by_file: dict[str, list] = {}
         for key, target in wanted:
-            name, entry = self._where[key]
+            name, entry = where[key]
             # A tied parameter of this module may live in another unit, not materialised now (meta, or an
             # empty shard): it is read when its own unit is.
             if not target.is_meta and tuple(target.shape) == entry.shape:
                 by_file.setdefault(name, []).append((entry, target))
         with torch.no_grad():
             for name, entries in by_file.items():
-                self.bytes_read += read(self.path / name, entries)
+                read(self.path / name, entries)
 
 
 def pretrained(path: str | os.PathLike, *, init_missing: bool = False, ignore_unexpected: bool = False) -> Pretrained:

@@ -53,11 +53,10 @@ def entries(path: Path) -> dict[str, Entry]:
     return found
 
 
-def read(path: Path, wanted: list[tuple[Entry, torch.Tensor]]) -> int:
-    """Copy each entry's tensor into its target (cast to the target's dtype); returns the bytes read."""
+def read(path: Path, wanted: list[tuple[Entry, torch.Tensor]]) -> None:
+    """Copy each entry's tensor into its target (cast to the target's dtype, moved to its device)."""
     if sys.byteorder != "little":
         raise ModelError("reading safetensors files needs a little-endian machine")
-    total = 0
     with open(path, "rb") as f:
         for entry, target in wanted:
             raw = torch.empty(entry.nbytes, dtype=torch.uint8)
@@ -65,5 +64,3 @@ def read(path: Path, wanted: list[tuple[Entry, torch.Tensor]]) -> int:
             if f.readinto(memoryview(raw.numpy())) != entry.nbytes:
                 raise ModelError(f"{path} ends before its tensors do: the file is truncated; save it again")
             target.copy_(raw.view(entry.dtype).view(entry.shape))
-            total += entry.nbytes
-    return total

@@ -62,8 +62,9 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None =
     """Write the trainer's training state to `save_dir/tag` (default tag: global_step<N>); returns that path.
 
     A number as tag (DeepSpeed's getting-started loop passes `loss.item()`) names the directory `str(tag)`.
-    Ranks that ask for different tags (each its own loss) write rank 0's, with a warning on rank 0, as
-    DeepSpeed's default tag validation ("Warn") does.
+    Ranks that ask for different tags (each its own loss) follow the config's `checkpoint.tag_validation`,
+    as DeepSpeed's: "Warn" (default) writes rank 0's with a warning on rank 0, "Ignore" writes rank 0's
+    silently, "Fail" raises `CheckpointError` on every rank before anything is written.
     """
     trainer.check_checkpoint_boundary("save_checkpoint")
     if not isinstance(save_dir, (str, os.PathLike)):
@@ -81,7 +82,7 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None =
     if comm.rank == 0 and error is None:
         state, error = _serialized_state(trainer, held, client_state, save_id)
     agree(comm, error)
-    tag, save_id = _agreed_tag(comm, tag, save_id)
+    tag, save_id = _agreed_tag(comm, tag, save_id, trainer.config.checkpoint.tag_validation)
     partial = partial_dir(save_dir, tag)
     started: list[int] = []  # the partial directory's creation time: older partial directories are stale
     if comm.rank == 0:
@@ -114,14 +115,31 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None =
     return save_dir / tag
 
 
-def _agreed_tag(comm: Comm, tag: str, save_id: str | None) -> tuple[str, str]:
-    """Rank 0's tag and save id (one gather for both); a warning on rank 0 if the ranks asked for different tags."""
+def _agreed_tag(comm: Comm, tag: str, save_id: str | None, validation: str) -> tuple[str, str]:
+    """Rank 0's tag and save id (one gather for both). Ranks that asked for different tags: by `validation`
+    (config `checkpoint.tag_validation`), a warning on rank 0 ("Warn"), nothing ("Ignore"), or the same
+    `CheckpointError` on every rank ("Fail"; every rank has every tag, so none waits for another)."""
     asked = all_gather_object(comm, (tag, save_id))
     tags = [t for t, _ in asked]
-    if len(set(tags)) > 1 and comm.rank == 0:
+    if len(set(tags)) == 1 or validation == "Ignore":
+        return asked[0]
+    listed = _tags_by_rank(tags)
+    if validation == "Fail":
+        raise CheckpointError(f"the ranks asked for different checkpoint tags ({listed}) and the config's "
+                              "checkpoint.tag_validation is \"Fail\": pass the same tag on every rank (or none: "
+                              "global_step<N>); nothing was written")
+    if comm.rank == 0:
         log.warning("the ranks asked for different checkpoint tags (%s); every rank writes rank 0's, '%s' "
-                    "(pass the same tag on every rank, or none: global_step<N>)", ", ".join(map(repr, tags)), tags[0])
+                    "(pass the same tag on every rank, or none: global_step<N>; config checkpoint.tag_validation "
+                    "\"Ignore\" silences this, \"Fail\" makes it an error)", listed, tags[0])
     return asked[0]
+
+
+def _tags_by_rank(tags: list[str], shown: int = 4) -> str:
+    """The first few ranks' tags (rank 0: '0.52', rank 1: '0.61', ... (8 ranks)): a thousand ranks' losses
+    would make a message no one reads."""
+    listed = ", ".join(f"rank {rank}: {t!r}" for rank, t in enumerate(tags[:shown]))
+    return listed if len(tags) <= shown else f"{listed}, ... ({len(tags)} ranks)"
 
 
 def _attempt(action, what: str) -> str | None:

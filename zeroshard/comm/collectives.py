@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import positions
-from zeroshard.comm.recorder import CommRecorder
+from zeroshard.comm.recorder import CommRecorder, Scope
 from zeroshard.comm.stall import CollectiveError, Trace, explain, mismatch
 
 _created: dict[str, int] = {}  # comms made per group name in this process, in the same order on every rank
@@ -74,15 +74,17 @@ class Comm:
     rank_check_timeout_s: float = 60.0
     uid: int = 0  # this comm among the comms of its group: the entry checks' keys in the store
     entries: int = 0  # entry checks so far (entry.py); every rank counts the same calls
+    # Where the group lies, for bytes by scope: "node" (inside one node), "cross_node", None (unknown).
+    scope: Scope | None = None
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, recorder: CommRecorder, timeout_s: float | None = None,
-               rank_check_timeout_s: float = 60.0) -> "Comm":
+               rank_check_timeout_s: float = 60.0, scope: Scope | None = None) -> "Comm":
         gloo = dist.get_backend(group) == "gloo"
         name = dist.distributed_c10d._get_process_group_name(group)
         _created[name] = uid = _created.get(name, 0) + 1
         comm = cls(group, recorder, Algorithms.for_group(group), timeout_s=timeout_s if gloo else None,
-                   rank_check_timeout_s=rank_check_timeout_s, uid=uid)
+                   rank_check_timeout_s=rank_check_timeout_s, uid=uid, scope=scope)
         if comm.world_size > 1:  # every rank has a position from the start: one read fetches them all
             positions.publish(group, comm.rank, positions.running(comm.trace))
         return comm
@@ -180,7 +182,7 @@ def _explain(comm: Comm, index: int, error: BaseException) -> str:
 
 def _launch(comm: Comm, op: str, nbytes: int, algorithm: str, call, async_op: bool, what: str = "",
             pollable: bool = True) -> Pending:
-    comm.recorder.record(op, nbytes, algorithm)
+    comm.recorder.record(op, nbytes, algorithm, comm.scope)
     label = f"{op} of {nbytes} bytes" + (f" for {what}" if what else "")
     index = comm.trace.note(label)
     if comm.check_order and comm.world_size > 1:
@@ -198,7 +200,7 @@ def _check_order(comm: Comm, label: str, index: int) -> None:
     """Raise the same `CollectiveError` on every rank if they are not all about to run `label`."""
     mine = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64)
     every = torch.empty(comm.world_size, dtype=torch.int64)
-    comm.recorder.record("order_check", _nbytes(every), "native")
+    comm.recorder.record("order_check", _nbytes(every), "native", comm.scope)
     work = dist.all_gather_single(every, mine, group=comm.group, async_op=True)
     Pending(comm, "order_check", work, index).wait()
     if (every != every[0]).any():
@@ -252,20 +254,22 @@ def reduce_scatter(
     return pending
 
 
-def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True, what: str = "") -> Pending:
+def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True, what: str = "", encoding: str = "") -> Pending:
     """Fill every chunk of `full` (1-D, N equal chunks) from its rank, in place.
 
     On entry this rank's chunk holds its shard. Logical bytes: `full`.
+    `encoding` names what the chunks hold when they are encoded (qwZ's
+    quantized bytes); it is added to the recorded algorithm.
     """
     n, rank = comm.world_size, comm.rank
     nbytes = _nbytes(full)
     if n == 1:
-        return _launch(comm, "all_gather", nbytes, "local", _nothing, async_op, what)
+        return _launch(comm, "all_gather", nbytes, _named("local", encoding), _nothing, async_op, what)
     chunk = full.numel() // n
     if comm.algorithms.all_gather == "native":
         own = full[rank * chunk : (rank + 1) * chunk]
         call = partial(dist.all_gather_single, full, own, group=comm.group, async_op=True)
-        return _launch(comm, "all_gather", nbytes, "native", call, async_op, what)
+        return _launch(comm, "all_gather", nbytes, _named("native", encoding), call, async_op, what)
 
     def exchange():
         comm.p2p_calls += 1
@@ -279,7 +283,12 @@ def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True, what: str 
                 ops.append(dist.P2POp(dist.irecv, theirs, group=comm.group, group_peer=peer, tag=tag))
         return dist.batch_isend_irecv(ops)
 
-    return _launch(comm, "all_gather", nbytes, "send_recv", exchange, async_op, what, pollable=False)
+    return _launch(comm, "all_gather", nbytes, _named("send_recv", encoding), exchange, async_op, what,
+                   pollable=False)
+
+
+def _named(algorithm: str, encoding: str) -> str:
+    return f"{algorithm} of {encoding}" if encoding else algorithm
 
 
 def broadcast(comm: Comm, tensor: torch.Tensor, src: int = 0) -> None:

@@ -24,6 +24,16 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def this_rank_gpu() -> torch.device:
+    """This rank's GPU: torchrun's LOCAL_RANK, the one `ensure_process_group` makes current. Not the current
+    device: asked for before the group is joined, that is cuda:0 on every rank. Without LOCAL_RANK, or with
+    one beyond the GPUs this process sees (each rank given its own by CUDA_VISIBLE_DEVICES), the current
+    device."""
+    count = torch.cuda.device_count()
+    local_rank = int(os.environ.get("LOCAL_RANK", count))
+    return torch.device("cuda", local_rank if local_rank < count else torch.cuda.current_device())
+
+
 def ensure_process_group(device: torch.device, timeout: timedelta | None = None) -> dist.ProcessGroup:
     """The default group, initialized from torchrun's variables if needed.
 
@@ -47,6 +57,6 @@ def ensure_process_group(device: torch.device, timeout: timedelta | None = None)
         )
     else:
         if device.type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(this_rank_gpu())
         dist.init_process_group(backend, **kwargs)
     return dist.group.WORLD

@@ -3,11 +3,20 @@
 Bytes are logical, in the nccl-tests sense of "size": the full buffer of the
 collective (the input of all-reduce and reduce-scatter, the output of
 all-gather and broadcast, the input of all-to-all), whatever algorithm ran it.
+A quantized collective (ZeRO++) counts what it sends: payload and scales.
+
+Bytes are also split by scope when the comm knows where its group lies
+(`Comm.scope`): "node" for a group inside one node, "cross_node" for one
+that spans nodes. A comm of unknown scope adds to `bytes` only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+# Where a comm's group lies (`Comm.scope`): inside one node, or across nodes.
+Scope = Literal["node", "cross_node"]
 
 # order_check: stage 3 on gloo agrees on each collective before running it (comm/stall.py).
 # object_gather: all_gather_object of small picklable objects (checks that ranks agree), bytes pickled.
@@ -24,9 +33,10 @@ class OpStats:
     bytes: int = 0  # logical buffer bytes, summed over calls
     seconds: float = 0.0  # time this rank spent blocked in the call or waiting on it
     algorithms: set[str] = field(default_factory=set)  # how the backend ran it
+    by_scope: dict[Scope, int] = field(default_factory=dict)  # the bytes of calls whose scope is known, by scope
 
     def copy(self) -> "OpStats":
-        return OpStats(self.calls, self.bytes, self.seconds, set(self.algorithms))
+        return OpStats(self.calls, self.bytes, self.seconds, set(self.algorithms), dict(self.by_scope))
 
 
 class CommRecorder:
@@ -35,11 +45,14 @@ class CommRecorder:
     def __init__(self) -> None:
         self._stats = {op: OpStats() for op in OPS}
 
-    def record(self, op: str, nbytes: int, algorithm: str) -> None:
+    def record(self, op: str, nbytes: int, algorithm: str, scope: Scope | None = None) -> None:
+        """One call of `op`: `nbytes` logical bytes, run by `algorithm`, over a group of `scope` (None: unknown)."""
         stats = self._stats[op]
         stats.calls += 1
         stats.bytes += nbytes
         stats.algorithms.add(algorithm)
+        if scope is not None:
+            stats.by_scope[scope] = stats.by_scope.get(scope, 0) + nbytes
 
     def add_seconds(self, op: str, seconds: float) -> None:
         self._stats[op].seconds += seconds

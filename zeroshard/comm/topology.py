@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from zeroshard.comm.recorder import Scope
 from zeroshard.errors import ZeroshardError
 
 Layout = tuple[tuple[int, ...], ...]  # global ranks, node by node, each node in local-index order
@@ -56,6 +57,11 @@ class Topology:
     @property
     def ranks_per_node(self) -> int:
         return len(self.layout[0])
+
+    @property
+    def scope(self) -> Scope:
+        """Where traffic over the whole data-parallel group goes (`Comm.scope`): "cross_node" or "node"."""
+        return "cross_node" if self.nodes > 1 else "node"
 
     @property
     def node(self) -> int:

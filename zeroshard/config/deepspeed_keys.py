@@ -88,6 +88,9 @@ RULES: dict[str, Rule] = {
         _is(False), FALSE),
     "gradient_predivide_factor": error(
         "zeroshard divides once by the world size; remove the key", _is(1.0), "1.0"),
+    "fp32_allreduce": error(
+        'DeepSpeed\'s old name, replaced by communication_data_type in 2021: use "communication_data_type": "fp32" '
+        "for true, and remove the key", _is(False), FALSE),
     "sparse_gradients": error(
         "sparse embedding gradients are not supported: remove the key (gradients are dense)", _is(False), FALSE),
     # ---- precision ----
@@ -106,6 +109,8 @@ RULES: dict[str, Rule] = {
     "bf16.check_grad_overflow": no_effect("every step checks the gradients for inf and nan (see non_finite)"),
     "bfloat16": error('the old name of the "bf16" section: rename it "bf16" (same keys)'),
     "bf16.immediate_grad_update": no_effect("gradients are summed over micro-steps in fp32 either way"),
+    "graph_harvesting": no_effect("the optimizer step captures no CUDA graphs; it computes the same values"),
+    "vocabulary_size": no_effect("DeepSpeed only warns when it is not a multiple of 8; zeroshard reads no vocabulary"),
     "data_types.grad_accum_dtype": error(
         "gradients are always accumulated in fp32; remove the key", lambda v: v in (None, "fp32"), '"fp32" or null'),
     # ---- zero_optimization ----
@@ -169,7 +174,6 @@ RULES: dict[str, Rule] = {
     "expert_parallel": not_yet("expert parallelism is not implemented yet: remove the section", _disabled, DISABLED),
     "seq_parallel_communication_data_type": no_effect("there is no sequence parallelism"),
     "use_data_before_expert_parallelism": no_effect("there is no expert parallelism"),
-    "dataloader_drop_last": no_effect("zeroshard.initialize builds no data loader"),
     "pipeline": no_effect("it configures DeepSpeed's PipelineModule, which zeroshard does not take"),
     "compile": error("DeepCompile is not part of zeroshard: use torch.compile on the model, and remove the section",
                      lambda v: isinstance(v, dict) and v.get("deepcompile", False) is False, "deepcompile false"),
@@ -177,6 +181,9 @@ RULES: dict[str, Rule] = {
     # ---- logging, profiling, monitors ----
     "steps_per_print": no_effect("zeroshard prints no periodic progress; log engine.get_lr() and the loss yourself"),
     "wall_clock_breakdown": no_effect("zeroshard logs no timings; engine.comm_stats() and torch.profiler measure"),
+    "timers": no_effect("zeroshard keeps no throughput timers; time the loop yourself, engine.comm_stats() counts "
+                        "the collectives"),
+    "log_level": no_effect('zeroshard\'s level is ZEROSHARD_LOG_LEVEL or logging.getLogger("zeroshard").setLevel'),
     "dump_state": no_effect("zeroshard logs its resolved config at start-up instead"),
     "memory_breakdown": no_effect("engine.memory_stats() reports the memory per rank"),
     "flops_profiler": error("use torch.profiler or torch.utils.flop_counter, and remove the section",
@@ -206,7 +213,6 @@ RULES: dict[str, Rule] = {
                         _disabled, DISABLED),
     "disable_allgather": error("updated shards are always all-gathered; remove the key", _is(False), FALSE),
     # ---- checkpoints ----
-    "checkpoint.tag_validation": no_effect("every rank saves under one tag, checked when the ranks meet"),
     "checkpoint.load_universal": no_effect("checkpoints always reshard to any world size and stage"),
     "checkpoint.use_node_local_storage": error(
         "checkpoints are written to one shared directory; remove the key", _is(False), FALSE),

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from zeroshard.config.deepspeed_keys import RULES, Rule, Status, is_section, keys_below
 from zeroshard.config.errors import ConfigError, ConfigWarning
 from zeroshard.config.report import LoadReport
+from zeroshard.config.values import show
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -115,6 +116,9 @@ def _scan_keys(raw: dict[str, Any], model: type[BaseModel] | None, prefix: str, 
                 rejected.append((dotted, rule))
         elif is_section(dotted) and isinstance(value, dict):
             _scan_keys(value, None, f"{dotted}.", unknown, rejected, report, known)
+        elif is_section(dotted):  # a known section name: its value is wrong, not its name
+            unknown.append(f"{dotted} must be a JSON object with DeepSpeed's keys "
+                           f"({', '.join(keys_below(dotted + '.'))}); got {show(value)}")
         else:
             unknown.append(_unknown_key_message(str(key), model, prefix, known))
 

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from zeroshard.config.blocks import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, OptimizerBlock, SchedulerBlock
-from zeroshard.config.schema import Bf16Config, Config, Fp16Config, NonFiniteConfig, ZeroConfig
+from zeroshard.config.schema import Bf16Config, CheckpointConfig, Config, Fp16Config, NonFiniteConfig, ZeroConfig
 
 HEADER = """# Configuration reference
 
@@ -49,7 +49,8 @@ def reference() -> str:
     """The whole markdown page."""
     parts = [HEADER, table("Top level", Config, ""), table("zero_optimization", ZeroConfig, "zero_optimization."),
              table("bf16", Bf16Config, "bf16."), table("fp16", Fp16Config, "fp16."),
-             table("non_finite", NonFiniteConfig, "non_finite.")]
+             table("non_finite", NonFiniteConfig, "non_finite."),
+             table("checkpoint", CheckpointConfig, "checkpoint.")]
     seen: set[type[BaseModel]] = set()
     for block, block_model, registry in (("optimizer", OptimizerBlock, OPTIMIZER_PARAMS),
                                          ("scheduler", SchedulerBlock, SCHEDULER_PARAMS)):

@@ -32,14 +32,14 @@ from zeroshard.config.errors import ConfigError, ConfigWarning
 from zeroshard.config.keys import key_problems, read_json
 from zeroshard.config.report import LoadReport
 from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
-from zeroshard.config.values import NonNegativeInt, PositiveInt, StrictBool, finite_number
+from zeroshard.config.values import NonNegativeInt, PositiveInt, StrictBool, any_case_choice, finite_number
 from zeroshard.config.values import describe as _describe
 from zeroshard.config.values import invalid as _invalid
 from zeroshard.config.values import non_negative_float as _non_negative_float
 from zeroshard.config.values import positive_int as _positive_int
 from zeroshard.dtypes import TRAINING_DTYPES, TrainingDtype
 
-__all__ = ["Bf16Config", "Config", "ConfigError", "ConfigFacts", "ConfigWarning", "Fp16Config", "NonFiniteConfig",
+__all__ = ["Bf16Config", "CheckpointConfig", "Config", "ConfigError", "ConfigFacts", "ConfigWarning", "Fp16Config", "NonFiniteConfig",
            "ZeroConfig"]
 
 _SUPPORTED_STAGES = (0, 1, 2, 3)
@@ -219,6 +219,20 @@ class NonFiniteConfig(BaseModel):
         "DeepSpeed: none."))
 
 
+class CheckpointConfig(BaseModel):
+    """The `checkpoint` section: how save_checkpoint treats the tags the ranks pass."""
+
+    model_config = _FROZEN_STRICT
+
+    tag_validation: Annotated[Literal["Warn", "Ignore", "Fail"], BeforeValidator(
+        # DeepSpeed upper-cases the value before checking it, so "WARN" and "warn" mean "Warn".
+        partial(any_case_choice, choices=("Warn", "Ignore", "Fail")))] = Field(
+        "Warn", description=(
+            "What save_checkpoint does when the ranks pass different tags: \"Warn\" warns and writes rank 0's "
+            "tag, \"Ignore\" writes rank 0's tag silently, \"Fail\" raises on every rank. Any case is "
+            "accepted and stored as written here. DeepSpeed: checkpoint.tag_validation (default \"Warn\")."))
+
+
 class Config(BaseModel):
     """The whole training config. Build it with `Config.load`; it is immutable."""
 
@@ -263,6 +277,13 @@ class Config(BaseModel):
         "Builds the LR schedule on the optimizer, as engine.lr_scheduler, stepped at each "
         "optimizer step; an lr_scheduler passed in code replaces a block whose params are all \"auto\"; "
         "null = none. DeepSpeed: scheduler."))
+    dataloader_drop_last: StrictBool = Field(False, description=(
+        "true: the DataLoader zeroshard.deepspeed.initialize builds from training_data drops the last "
+        "incomplete batch. DeepSpeed: dataloader_drop_last (default false)."))
+    checkpoint: Annotated[CheckpointConfig, BeforeValidator(
+        _section(CheckpointConfig, '{"tag_validation": "Warn"}'))] = Field(
+        default_factory=CheckpointConfig,
+        description="Checkpoint settings (see CheckpointConfig). DeepSpeed: checkpoint.")
     strict: StrictBool = Field(True, description=(
         "false: DeepSpeed keys zeroshard rejects (status error or not yet in docs/deepspeed-config.md) are "
         "ignored instead, each listed at start-up and warned; unknown keys, bad values and an \"auto\" "

@@ -66,6 +66,14 @@ def strict_bool(value: Any) -> bool:
     return value
 
 
+def any_case_choice(value: Any, choices: tuple[str, ...]) -> str:
+    """One of `choices` in any case, returned spelled as in `choices`."""
+    spelled = {choice.upper(): choice for choice in choices}
+    if not isinstance(value, str) or value.upper() not in spelled:
+        raise invalid(f"must be one of {', '.join(map(json.dumps, choices))} (any case)", value)
+    return spelled[value.upper()]
+
+
 def finite_number(value: Any, minimum: float, inclusive: bool, meaning: str = "",
                   noun: str = "a finite number") -> float:
     """A finite number above `minimum` (or equal to it, if `inclusive`), stored as a float.

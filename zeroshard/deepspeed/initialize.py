@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from zeroshard.comm.group import LaunchError
+from zeroshard.comm.group import LaunchError, this_rank_gpu
 from zeroshard.config import ConfigError
 from zeroshard.deepspeed.unsupported import UnsupportedError
 from zeroshard.engine import Engine
@@ -75,15 +75,17 @@ def _to_this_rank_gpu(model: nn.Module) -> None:
     nccl = dist.get_backend() == "nccl" if dist.is_initialized() else torch.cuda.is_available()
     on_cpu = [p for p in model.parameters() if p.device.type == "cpu"]
     if nccl and on_cpu:
-        model.to(torch.device("cuda", torch.cuda.current_device()))
+        model.to(this_rank_gpu())
 
 
 def _dataloader(engine: Engine, dataset: Dataset, collate_fn) -> DataLoader:
     """DeepSpeed's: this rank's share of `dataset` (a DistributedSampler, shuffled with seed 0 as torch's default),
-    in micro-batches of `train_micro_batch_size_per_gpu`."""
+    in micro-batches of `train_micro_batch_size_per_gpu`; the last incomplete one dropped when the config's
+    `dataloader_drop_last` is true."""
     micro = engine.train_micro_batch_size_per_gpu()
     if micro is None:
         raise ConfigError("initialize(training_data=...) needs the micro-batch size: set "
                           "train_micro_batch_size_per_gpu (or train_batch_size) in the config")
     sampler = DistributedSampler(dataset, num_replicas=engine.world_size, rank=engine.global_rank)
-    return DataLoader(dataset, batch_size=micro, sampler=sampler, collate_fn=collate_fn)
+    return DataLoader(dataset, batch_size=micro, sampler=sampler, collate_fn=collate_fn,
+                      drop_last=engine.config.dataloader_drop_last)

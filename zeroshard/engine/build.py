@@ -71,12 +71,14 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     switches = StageSwitches.for_stage(config.stage)
     groups = trainable_groups(model, optimizer)  # before any change: a failure leaves all as it was
     check_ranks_agree(comm, model, optimizer, config.to_dict())
+    # Before mark_wrapped: its checks (zeroshard.pretrained's keys and shapes) fail with the model still free
+    # for the retry their message suggests.
+    materialize = Materializer.for_model(model, init, device) if on_meta(model) else None
     mark_wrapped(model)
     names = {id(p): name for name, p in model.named_parameters()}
     units, schedule = [], None
     if switches.shard_params:
-        units, schedule = _build_units(model, groups, config, comm, precision,
-                                       Materializer.for_model(model, init, device) if on_meta(model) else None)
+        units, schedule = _build_units(model, groups, config, comm, precision, materialize)
         buckets = [b for unit in units for b in unit.buckets]
     else:
         buckets = _build_buckets(model, groups, config, comm, precision, switches)

@@ -23,11 +23,16 @@ import torch.nn as nn
 from zeroshard.errors import ModelError
 
 
-def uncompiled(model: nn.Module) -> nn.Module:
-    """The module inside `torch.compile(model)`, compiled in place the same way; any other module as it is."""
+def uncompiled(model: nn.Module) -> tuple[nn.Module, Callable | None]:
+    """The module inside `torch.compile(model)` and its call compiled the same way (None for any other module,
+    returned as it is).
+
+    The module is left untouched: the engine compiles it in place (`module._compiled_call_impl = call`) only
+    once it is built, so an `initialize` that fails can be retried with the same `torch.compile(model)`.
+    """
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # not imported yet: nothing was compiled
     if eval_frame is None or not isinstance(model, eval_frame.OptimizedModule):
-        return model
+        return model, None
     inner = model._orig_mod
     if isinstance(inner, eval_frame.OptimizedModule) or inner._compiled_call_impl is not None:
         raise ModelError("the model is compiled twice (torch.compile of a compiled model); compile it once")
@@ -36,8 +41,7 @@ def uncompiled(model: nn.Module) -> nn.Module:
     if not callable(context):
         raise ModelError(f"cannot take the module out of torch.compile(model) in torch {torch.__version__}; "
                          "pass the model uncompiled to zeroshard.initialize, then call engine.compile()")
-    inner._compiled_call_impl = context(_traced_call(inner))
-    return inner
+    return inner, context(_traced_call(inner))
 
 
 def _traced_call(module: nn.Module) -> Callable:

@@ -7,10 +7,9 @@ error that says so (docs/migrate-from-deepspeed.md has the whole table).
 
 from __future__ import annotations
 
-import math
 import os
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -36,6 +35,7 @@ class DeepSpeedMethods:
     """Mixed into `Engine`."""
 
     _inside_no_sync = False  # set by no_sync(); read by check_no_sync() in Engine.backward
+    _step_applied = False  # cleared by every Engine.step(), set by its optimizer update: was_step_applied()
 
     # -- batch sizes and steps ---------------------------------------------------
 
@@ -98,8 +98,9 @@ class DeepSpeedMethods:
         return self.global_grad_norm
 
     def was_step_applied(self) -> bool:
-        """Whether the last optimizer step updated the weights (False before the first, and after a skip)."""
-        return self.global_grad_norm is not None and math.isfinite(self.global_grad_norm)
+        """Whether the last `engine.step()` updated the weights, as DeepSpeed's: False before the first, after a
+        micro-step inside an accumulation window, and after a step skipped for inf or nan gradients."""
+        return self._step_applied
 
     # -- where the engine runs ---------------------------------------------------
 

@@ -60,7 +60,7 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
                  group: dist.ProcessGroup | None = None, init: Callable[[nn.Module], None] | None = None):
-        model = uncompiled(model)  # torch.compile(model) before initialize: its module, compiled in place
+        model, compiled_call = uncompiled(model)  # torch.compile(model) before initialize: its module
         self.module, self.optimizer, self.config = model, optimizer, config
         self.num_params = sum(p.numel() for p in model.parameters())  # as built; stage 3 empties them
         self.micro_steps = 0  # backward passes so far
@@ -73,6 +73,8 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
         self.state = TrainingState.IDLE
         self._failure: str | None = None  # why the engine is FAILED
         parts = build(model, optimizer, config, group, init, self._on_grad)
+        if compiled_call is not None:  # compiled in place once built: a failed build leaves the module as it was
+            model._compiled_call_impl = compiled_call
         self.comm, self.precision, self.switches = parts.comm, parts.precision, parts.switches
         self._device, self._names, self.pool, self.reducer = parts.device, parts.names, parts.pool, parts.reducer
         self.buckets, self.units, self.schedule = parts.buckets, parts.units, parts.schedule
@@ -193,7 +195,7 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
         self._check_usable()
         if self.state is not TrainingState.STEP_DUE:
             raise EngineStateError("engine.step() was called without engine.backward(loss) since the last step")
-        boundary = self.is_gradient_accumulation_boundary()
+        boundary, self._step_applied = self.is_gradient_accumulation_boundary(), False
         self.micro_steps += 1
         self.state = TrainingState.STEP if boundary else TrainingState.IDLE
         if not boundary:
@@ -234,6 +236,7 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
             bucket.master.grad = None
         self.params_from_masters()
         self._skips.applied()
+        self._step_applied = True
         self._end_step(overflow=False)
 
     def _end_step(self, overflow: bool) -> None:

@@ -19,10 +19,10 @@ from zeroshard.config.build import (
     parameter_list,
     schedule_for,
 )
+from zeroshard.config.logs import show_info
 from zeroshard.engine.agreement import config_error_everywhere
 from zeroshard.engine.engine import Engine
 from zeroshard.engine.validate import check_arguments
-from zeroshard.logs import show_info
 
 log = logging.getLogger("zeroshard.config")
 
@@ -60,7 +60,7 @@ def initialize(
     applied optimizer step, as DeepSpeed does.
 
     Rank 0 logs one block: every "auto" resolved, every batch key derived,
-    every DeepSpeed key with no effect (zeroshard.logs makes it visible).
+    every DeepSpeed key with no effect (zeroshard.config.logs makes it visible).
     A config that fails on one rank only (a typo in that rank's file) raises
     `ConfigError` on every rank, naming the rank, instead of leaving the
     others waiting for it.

@@ -96,21 +96,33 @@ def _keep_edits(params, placements, units, src: int) -> None:
 def full_state_dict(module: nn.Module, schedule, keep: bool) -> dict[str, torch.Tensor]:
     """Stage 3: the module's full state dict (copies), gathering its units one at a time; {} unless `keep`.
 
-    Units that are whole already (inside `gathered_parameters`) stay whole.
+    Every unit is gathered, `keep` or not: the ranks that keep nothing gather with those that do.
     """
-    state = module.state_dict(keep_vars=True)
+    state = module.state_dict(keep_vars=True)  # the live tensors: the sharded parameters are empty
     keys_of: dict[int, list[str]] = {}
     for key, tensor in state.items():
         keys_of.setdefault(id(tensor), []).append(key)
-    full: dict[str, torch.Tensor] = {}
-    for i, unit in enumerate(schedule.units):
-        was_whole = unit.whole
-        schedule.need(i)
-        for p in (p for flat in unit.gathered_flats for p in flat.params):
-            for key in keys_of.get(id(p), []) if keep else []:
-                full[key] = p.detach().clone()
-        if not was_whole:
-            schedule.release(i)
+    listed = {i: [(key, p) for flat in unit.gathered_flats for p in flat.params for key in keys_of.get(id(p), [])]
+              for i, unit in enumerate(schedule.units)}
+    full = gathered_copies(schedule, listed, keep)
     if not keep:
         return {}
     return {key: full[key] if key in full else tensor.detach().clone() for key, tensor in state.items()}
+
+
+def gathered_copies(schedule, listed: dict[int, list[tuple[str, torch.Tensor]]], keep: bool = True
+                    ) -> dict[str, torch.Tensor]:
+    """Key -> a full copy of its parameter, for the (key, parameter) pairs listed under each unit's index,
+    gathering the units one at a time in index order; {} unless `keep` (the units are gathered all the same).
+
+    Units that are whole already (inside `gathered_parameters`, a forward) stay whole.
+    """
+    copies: dict[str, torch.Tensor] = {}
+    for i in sorted(listed):
+        was_whole = schedule.units[i].whole
+        schedule.need(i)
+        for key, p in listed[i] if keep else []:
+            copies[key] = p.detach().clone()
+        if not was_whole:
+            schedule.release(i)
+    return copies

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zeroshard.comm.group import this_rank_gpu
 from zeroshard.core.flat import give_memory
 from zeroshard.errors import ModelError
 from zeroshard.stage3.meta import built_by_meta_init, own_init
@@ -33,12 +34,10 @@ def on_meta(model: nn.Module) -> bool:
 
 
 def default_device() -> torch.device:
-    """This rank's GPU when there is one, else the CPU; the CPU too under a gloo world (CPU ranks on a
-    machine with a GPU)."""
+    """This rank's GPU (`comm/group.py` this_rank_gpu: asked for before the group is joined) when there is
+    one, else the CPU; the CPU too under a gloo world (CPU ranks on a machine with a GPU)."""
     gloo = dist.is_initialized() and dist.get_backend() == "gloo"
-    if torch.cuda.is_available() and not gloo:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return this_rank_gpu() if torch.cuda.is_available() and not gloo else torch.device("cpu")
 
 
 class Materializer:
@@ -57,7 +56,12 @@ class Materializer:
     @classmethod
     def for_model(cls, model: nn.Module, init, device: torch.device) -> "Materializer":
         """`init` as given to `initialize`: a function of one module, an object with `for_model`, or None
-        for a model built under `meta_init` (its own initialisation)."""
+        for a model built under `meta_init` (its own initialisation).
+
+        The model's real buffers (a model built under `meta_init` keeps them on the CPU) move to `device`
+        first, where the model will run: buffers are no unit's, so nothing else moves them.
+        """
+        _buffers_to(model, device)
         if init is None:
             init = own_init(model)
         elif hasattr(init, "for_model"):
@@ -110,6 +114,13 @@ class Materializer:
                 f"them: what a module's __init__ computes (a rotary inv_freq, position ids) is lost on the meta "
                 f"device. Build the model under zeroshard.meta_init() instead of torch.device('meta'): "
                 f"parameters go to meta, buffers stay real")
+
+
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:

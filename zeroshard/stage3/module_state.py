@@ -5,18 +5,31 @@ Between uses a sharded parameter is a 0-element tensor, so torch's own
 write an empty model). The engine hooks the model's modules instead:
 
 - `state_dict()` (of the model or any submodule) returns full copies of the
-  sharded parameters, gathered one unit at a time. Every rank must call it,
+  sharded parameters, gathered one unit at a time (`gathered_copies` in
+  `gathered.py`, as `engine.full_state_dict`). Every rank must call it,
   in the same order: called on some ranks only it raises `CollectiveError`
   within `rank_check_timeout` (`comm/entry.py`) instead of hanging. Each
   rank then holds the whole model's values: to save, prefer
   `engine.save_pretrained(dir)` or `engine.full_state_dict(rank0_only=True)`.
-  `state_dict(keep_vars=True)` returns the live parameters themselves,
-  empty between uses (zeroshard's own checkpoint code relies on that).
-- `load_state_dict(sd)` of the model loads into the shards: each unit is
+- `state_dict(keep_vars=True)` is not hooked: it returns the live
+  parameters themselves, sharded, so 0-element tensors between uses (inside
+  `zeroshard.gathered_parameters` or a forward, their full values). It is
+  how code asks for the tensors themselves rather than their values:
+  zeroshard's own checkpoint code (`engine.full_state_dict` included) maps
+  keys to parameters with it and gathers unit by unit itself; a hook that
+  gathered there would copy the whole model on every rank and hand out
+  copies where the live tensors were asked for. For values, call
+  `state_dict()` without it.
+- `load_state_dict(sd)` of the model loads rank 0's `sd`: each unit is
   gathered, takes the values of rank 0's `sd`, and every rank keeps its
   shard (the fp32 master too; with 16-bit parameters it restarts from
-  their rounded values). Every rank must call it. Loading into a submodule
-  that holds sharded parameters is a `ModelError`: load the whole model.
+  their rounded values); the other tensors (buffers, parameters in no unit)
+  take rank 0's values too. Rank 0's `sd` alone counts: its missing and
+  unexpected keys and shape mismatches are every rank's, so every rank
+  returns the same result or raises the same error, and the other ranks may
+  pass `{}` (`model.load_state_dict(sd if rank == 0 else {})`). Every rank
+  must call it. Loading into a submodule that holds sharded parameters is a
+  `ModelError`: load the whole model.
 """
 
 from __future__ import annotations
@@ -24,9 +37,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from zeroshard.comm import broadcast
+from zeroshard.comm import all_gather_object, broadcast
 from zeroshard.comm.entry import enter
 from zeroshard.errors import ModelError
+from zeroshard.stage3.gathered import gathered_copies
 
 
 class ModuleStateHooks:
@@ -41,6 +55,7 @@ class ModuleStateHooks:
         self._keep_vars = False
         self._loading = False  # the model's load_state_dict() is under way
         self._loaded: list[str] = []
+        self._errors: list[str] = []  # the error messages of the load under way (torch's list)
 
     def install(self) -> None:
         for module in self.model.modules():
@@ -63,21 +78,13 @@ class ModuleStateHooks:
         self._depth -= 1
         if self._depth or self._keep_vars:
             return
-        keys_of: dict[int, list[str]] = {}
+        listed: dict[int, list[tuple[str, nn.Parameter]]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             if id(p) in self.sharded and prefix + name in state_dict:
-                keys_of.setdefault(self.unit_of[id(p)], []).append(prefix + name)
-        if not keys_of:
-            return
-        enter(self.schedule.comm, "module.state_dict")
-        params = dict(module.named_parameters(remove_duplicate=False))
-        for i in sorted(keys_of):
-            was_whole = self.schedule.units[i].whole
-            self.schedule.need(i)
-            for key in keys_of[i]:
-                state_dict[key] = params[key[len(prefix):]].detach().clone()
-            if not was_whole:
-                self.schedule.release(i)
+                listed.setdefault(self.unit_of[id(p)], []).append((prefix + name, p))
+        if listed:
+            enter(self.schedule.comm, "module.state_dict")
+            state_dict.update(gathered_copies(self.schedule, listed))
 
     # -- load_state_dict -------------------------------------------------------
 
@@ -89,7 +96,7 @@ class ModuleStateHooks:
 
     def _load(self, module, state_dict, prefix, local_metadata, strict, missing, unexpected, error_msgs) -> None:
         """Load every unit's parameters from `state_dict` (rank 0's values) and drop their keys from it."""
-        self._loading, self._loaded = True, []
+        self._loading, self._loaded, self._errors = True, [], error_msgs
         enter(self.schedule.comm, "module.load_state_dict")
         names: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
@@ -118,6 +125,15 @@ class ModuleStateHooks:
             state_dict.pop(key, None)
 
     def _after_load(self, module, incompatible_keys) -> None:
+        """Every rank ends as rank 0 did: its values (the rest of the model's tensors too), and its missing
+        keys, unexpected keys and errors, so every rank returns the same result or raises the same error."""
         loaded = set(self._loaded)
-        incompatible_keys.missing_keys[:] = [k for k in incompatible_keys.missing_keys if k not in loaded]
-        self._loading, self._loaded = False, []
+        missing = [k for k in incompatible_keys.missing_keys if k not in loaded]
+        outcome = (missing, list(incompatible_keys.unexpected_keys), list(self._errors))
+        missing, unexpected, errors = all_gather_object(self.schedule.comm, outcome)[0]
+        incompatible_keys.missing_keys[:], incompatible_keys.unexpected_keys[:] = missing, unexpected
+        self._errors[:] = errors
+        with torch.no_grad():
+            for tensor in [*(p for p in module.parameters() if id(p) not in self.unit_of), *module.buffers()]:
+                broadcast(self.schedule.comm, tensor.data, src=0)
+        self._loading, self._loaded, self._errors = False, [], []

@@ -1,6 +1,6 @@
 """Make zeroshard's INFO lines visible when the application configured no logging (as transformers does).
 
-`show_info()` (called by `zeroshard.initialize` and the CLI) gives the
+`show_info()` (called by `zeroshard.initialize`) gives the
 "zeroshard" logger a stderr handler and the level INFO, unless the
 application already decided: a level set on the "zeroshard" logger, or a
 handler on the root logger (`logging.basicConfig`, pytest's capture), is
@@ -8,8 +8,9 @@ left alone. The handler also stays silent whenever the root logger has a
 handler by the time a line is written, so nothing is printed twice.
 
 Quiet switch: the environment variable ZEROSHARD_LOG_LEVEL (debug, info,
-warning, error; default info), or `logging.getLogger("zeroshard").setLevel(
-logging.WARNING)` before `initialize`. A leaf: it imports nothing of zeroshard.
+warning, error, in any case; default info), or
+`logging.getLogger("zeroshard").setLevel(logging.WARNING)` before `initialize`. In config/, not a leaf, so that a bad
+value is a `ConfigError` (leaves import nothing of zeroshard, errors.py included).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+
+from zeroshard.config.errors import ConfigError
 
 ENV = "ZEROSHARD_LOG_LEVEL"
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
@@ -36,9 +39,11 @@ def show_info() -> None:
     logger = logging.getLogger("zeroshard")
     if any(isinstance(h, _FallbackHandler) for h in logger.handlers):
         return
-    name = os.environ.get(ENV, "info").strip().lower()
+    given = os.environ.get(ENV, "info")
+    name = given.strip().lower()
     if name not in _LEVELS:
-        raise ValueError(f"{ENV}={name!r} is not a log level; use one of {', '.join(_LEVELS)}")
+        raise ConfigError(f"the environment variable {ENV}={given!r} is not a log level: set it to one of "
+                          f"{', '.join(_LEVELS)} (any case), or unset it for info")
     if logger.level != logging.NOTSET or logging.getLogger().handlers:
         return  # the application decided
     logger.setLevel(_LEVELS[name])
