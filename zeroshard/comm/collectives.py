@@ -98,7 +98,29 @@ class Comm:
         return dist.get_rank(self.group)
 
 
-class Pending:
+class Landing:
+    """What to run once something in flight has landed: `then` before or after, `_landed` runs them once."""
+
+    def __init__(self):
+        self._thens: list[Callable[[], object]] = []
+        self._done = False
+
+    def then(self, fn: Callable[[], object]):
+        """Run `fn` once it has landed (at `wait`, or now if it was waited for); returns self."""
+        if self._done:
+            fn()
+        else:
+            self._thens.append(fn)
+        return self
+
+    def _landed(self) -> None:
+        self._done = True
+        for fn in self._thens:
+            fn()
+        self._thens.clear()
+
+
+class Pending(Landing):
     """An asynchronous collective: the backend's work handle and what to do once it lands.
 
     Waiting is explicit for every backend. On gloo a wait that outlasts a
@@ -108,22 +130,13 @@ class Pending:
     """
 
     def __init__(self, comm: Comm, op: str, work=None, index: int = 0, pollable: bool = True):
+        super().__init__()
         self._comm, self._op = comm, op
         self._index = index  # its position in the comm's trace of the step
         self._pollable = pollable
         # Backend work handles: one per collective, several for a batch of sends and receives.
         self._works = work if isinstance(work, list) else [w for w in (work,) if w is not None]
-        self._thens: list[Callable[[], object]] = []
-        self._done = False
         self._failure: CollectiveError | None = None
-
-    def then(self, fn: Callable[[], object]) -> "Pending":
-        """Run `fn` once the collective has landed (at `wait`, or now if it was waited for)."""
-        if self._done:
-            fn()
-        else:
-            self._thens.append(fn)
-        return self
 
     def wait(self) -> None:
         if self._failure is not None:  # waited once and failed: it never lands
@@ -146,12 +159,9 @@ class Pending:
             except RuntimeError as error:
                 self._failure = CollectiveError(_explain(comm, self._index, error))
                 raise self._failure from error
-        self._done = True
         self._works = []
         self._comm.recorder.add_seconds(self._op, time.perf_counter() - start)
-        for fn in self._thens:
-            fn()
-        self._thens.clear()
+        self._landed()
 
 
 class PendingGroup:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from zeroshard.comm.collectives import Comm, Pending, _launch
+from zeroshard.comm.collectives import Comm, Landing, Pending, _launch
 from zeroshard.comm.messages import decode_rows, encode_rows, encoding
 from zeroshard.comm.quantize import BlockCodec, CodecError
 from zeroshard.comm.topology import Topology, TopologyError
@@ -79,24 +79,15 @@ class Hops:
         return self.node.world_size * self.cross_node.world_size
 
 
-class HopsPending:
+class HopsPending(Landing):
     """qgZ in flight: hop 1 launched; hop 2 needs hop 1's sums on the CPU, so `wait` launches it."""
 
     def __init__(self, first: Pending | None, second: Callable[[], Pending | None]):
+        super().__init__()
         self._first = first
         # None once hop 2 is launched: a wait after a failure waits for the same hop 2, never a second one.
         self._second: Callable[[], Pending | None] | None = second
         self._last: Pending | None = None
-        self._thens: list[Callable[[], object]] = []
-        self._done = False
-
-    def then(self, fn: Callable[[], object]) -> "HopsPending":
-        """Run `fn` once the shard holds the mean (at `wait`, or now if it was waited for)."""
-        if self._done:
-            fn()
-        else:
-            self._thens.append(fn)
-        return self
 
     def wait(self) -> None:
         if self._done:
@@ -108,10 +99,7 @@ class HopsPending:
             self._second = None
         if self._last is not None:
             self._last.wait()
-        self._done = True
-        for fn in self._thens:
-            fn()
-        self._thens.clear()
+        self._landed()  # the shard holds the mean
 
 
 def qgz_reduce_scatter(hops: Hops, shard: torch.Tensor, full: torch.Tensor, codec: BlockCodec,
