@@ -8,12 +8,10 @@ step) in the same transformers model, run whole in one process.
 
 import copy
 
-import pytest
 import torch
+import transformers
 
 from tests.distributed import run_ranks
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 64
 
