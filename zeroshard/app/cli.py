@@ -106,8 +106,8 @@ def run_config_check(args: argparse.Namespace) -> int:
         for parent in parents:
             section = section.setdefault(parent, {}) if isinstance(section.get(parent), dict) else {}
         section[key] = "auto (at initialize)"
-    if report.block():
-        print(report.block(), file=sys.stderr)
+    if block := report.block():
+        print(block, file=sys.stderr)
     print(json.dumps(effective, indent=2))
     return 0
 

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from zeroshard.checkpoint.files import CheckpointError, parse_manifest, resolve
 from zeroshard.checkpoint.model_config import check_config_target, write_config
 from zeroshard.checkpoint.pieces import PieceReader
+from zeroshard.checkpoint.safetensors_files import WEIGHTS_FILE
 from zeroshard.checkpoint.verify import problems_of, raise_first
 from zeroshard.dtypes import MASTER_DTYPE, from_torch_name
 
@@ -91,9 +92,6 @@ def _consolidate(path: Path, dtype: torch.dtype | None,
         out[key] = tensor.clone() if id(tensor) in used else tensor  # safetensors stores no aliases
         used.add(id(tensor))
     return out, manifest
-
-
-WEIGHTS_FILE = "model.safetensors"  # the name transformers reads in a directory
 
 
 def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: torch.dtype | None = None,

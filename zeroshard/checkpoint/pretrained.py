@@ -35,11 +35,12 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from zeroshard.checkpoint.safetensors_files import Entry, entries, read
+from zeroshard.checkpoint.safetensors_files import WEIGHTS_FILE, Entry, entries, read
 from zeroshard.errors import ModelError
+from zeroshard.stage3.gathered import keys_by_tensor
 from zeroshard.stage3.meta import own_init
 
-_SINGLE, _INDEX = "model.safetensors", "model.safetensors.index.json"
+_INDEX = WEIGHTS_FILE + ".index.json"
 
 
 class Pretrained:
@@ -76,9 +77,7 @@ class Pretrained:
         """Model key -> file key, for every key with a tensor in the files; raises on what does not fit."""
         tensors = model.state_dict(keep_vars=True)
         prefix = getattr(model, "base_model_prefix", "") or ""
-        names: dict[int, list[str]] = {}
-        for key, t in tensors.items():
-            names.setdefault(id(t), []).append(key)
+        names = keys_by_tensor(tensors)
         source, missing, mismatched = {}, [], []
         for keys in names.values():
             found = {key: f for key in keys if (f := _file_key(key, prefix, shapes)) is not None}
@@ -133,11 +132,12 @@ def tensors_in(path: Path) -> dict[str, tuple[str, Entry]]:
     """Key -> (the safetensors file in `path` that holds it, where in that file) for a save_pretrained directory."""
     if (path / _INDEX).is_file():
         names = sorted(set(json.loads((path / _INDEX).read_text())["weight_map"].values()))
-    elif (path / _SINGLE).is_file():
-        names = [_SINGLE]
+    elif (path / WEIGHTS_FILE).is_file():
+        names = [WEIGHTS_FILE]
     else:
         present = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-        raise ModelError(f"{path} holds neither {_SINGLE} nor {_INDEX} (it has: {', '.join(present) or 'nothing'}); "
+        raise ModelError(f"{path} holds neither {WEIGHTS_FILE} nor {_INDEX} "
+                         f"(it has: {', '.join(present) or 'nothing'}); "
                          "zeroshard.pretrained reads safetensors as save_pretrained writes them: load the model in "
                          "one process and save it again with model.save_pretrained(path)")
     return {key: (name, entry) for name in names for key, entry in entries(path / name).items()}

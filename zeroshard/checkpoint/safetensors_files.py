@@ -20,6 +20,8 @@ import torch
 
 from zeroshard.errors import ModelError
 
+WEIGHTS_FILE = "model.safetensors"  # the name transformers reads in a directory
+
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

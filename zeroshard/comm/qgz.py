@@ -42,10 +42,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from zeroshard.comm.collectives import Comm, Landing, Pending, _launch
+from zeroshard.comm.collectives import Comm, Landing, Pending, _launch, _named
 from zeroshard.comm.messages import decode_rows, encode_rows, encoding
 from zeroshard.comm.quantize import BlockCodec, CodecError
 from zeroshard.comm.topology import Topology, TopologyError
+from zeroshard.estimate.formulas import shard_numel
 
 
 @dataclass(frozen=True)
@@ -82,7 +83,7 @@ class Hops:
 class HopsPending(Landing):
     """qgZ in flight: hop 1 launched; hop 2 needs hop 1's sums on the CPU, so `wait` launches it."""
 
-    def __init__(self, first: Pending | None, second: Callable[[], Pending | None]):
+    def __init__(self, first: Pending | None, second: Callable[[], Pending | None] | None):
         super().__init__()
         self._first = first
         # None once hop 2 is launched: a wait after a failure waits for the same hop 2, never a second one.
@@ -111,7 +112,7 @@ def qgz_reduce_scatter(hops: Hops, shard: torch.Tensor, full: torch.Tensor, code
     computed in fp32 and cast once). `full` is read at the call.
     """
     n, d, k = hops.world_size, hops.node.world_size, hops.cross_node.world_size
-    size = -(-full.numel() // n)
+    size = shard_numel(full.numel(), n)
     if not full.is_floating_point() or shard.dim() != 1 or shard.numel() != size:
         raise CodecError(f"qgZ reduces a floating-point tensor of {full.numel()} elements ({full.dtype}) over "
                          f"{n} ranks into a 1-D shard of {size} elements, not {tuple(shard.shape)}")
@@ -126,27 +127,27 @@ def qgz_reduce_scatter(hops: Hops, shard: torch.Tensor, full: torch.Tensor, code
         if k == 1:
             finish(partials[0])
             return None
-        pending, received = _hop(hops.cross_node, partials, codec, size, what, "hop 2")
+        pending, received = _hop(hops.cross_node, partials, codec, what, "hop 2")
         return pending.then(lambda: finish(decode_rows(received, size, codec).sum(0)))
 
     def node_sums() -> torch.Tensor:  # hop 1 landed: (D senders, K chunks, S) summed over the senders
         return decode_rows(received, size, codec).view(d, k, size).sum(0)
 
     if d == 1:  # no hop 1: hop 2 starts now, from this rank's own chunks
-        result = HopsPending(second(by_peer.float()), lambda: None)
+        result = HopsPending(second(by_peer.float()), None)
     else:
-        pending, received = _hop(hops.node, by_peer, codec, size, what, "hop 1")
+        pending, received = _hop(hops.node, by_peer, codec, what, "hop 1")
         result = HopsPending(pending, lambda: second(node_sums()))
     if not async_op:
         result.wait()
     return result
 
 
-def _hop(comm: Comm, rows: torch.Tensor, codec: BlockCodec, size: int, what: str, hop: str):
+def _hop(comm: Comm, rows: torch.Tensor, codec: BlockCodec, what: str, hop: str):
     """Launch the all-to-all of `rows` (W x m rows of `size` values, m for each of the W ranks) as quantized
     messages; returns its pending and the buffer that receives W x m encoded rows, by sender."""
     sent = encode_rows(rows, codec)
     received = torch.empty_like(sent)
     call = partial(dist.all_to_all_single, received, sent, group=comm.group, async_op=True)
-    algorithm = f"all_to_all+sum of {encoding(codec)}, qgZ {hop}"
+    algorithm = _named("all_to_all+sum", encoding(codec)) + f", qgZ {hop}"
     return _launch(comm, "reduce_scatter", sent.numel(), algorithm, call, True, what), received

@@ -26,9 +26,8 @@ from zeroshard.config.batch import resolve_batch
 from zeroshard.config.errors import AutoError
 from zeroshard.config.from_code import OptimizerFacts, check_blocks_against_code, optimizer_value
 from zeroshard.config.report import LoadReport
+from zeroshard.config.values import AUTO
 from zeroshard.dtypes import DTYPES, torch_name
-
-AUTO = "auto"
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ def choose_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
     if optimizer is not None:
         if model_parameters is not None:
             listed = _trainable_ids(model_parameters)
-            held = _trainable_ids([g for g in optimizer.param_groups])
+            held = _trainable_ids(optimizer.param_groups)
             if listed != held:
                 raise ConfigError("model_parameters and the optimizer passed to zeroshard.initialize hold "
                                   f"different trainable parameters ({len(listed)} and {len(held)}); the optimizer "

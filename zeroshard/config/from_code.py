@@ -18,9 +18,7 @@ from typing import Any
 
 from zeroshard.config.errors import AutoError
 from zeroshard.config.report import LoadReport
-from zeroshard.config.values import show
-
-AUTO = "auto"
+from zeroshard.config.values import AUTO, show
 
 
 @dataclass(frozen=True)
@@ -90,10 +88,10 @@ def check_blocks_against_code(raw: dict, facts: Any, report: LoadReport) -> list
         report.deferred.append(("scheduler", "a block with \"auto\" params: satisfied by an lr_scheduler passed "
                                 "in code, else each \"auto\" but warmup_max_lr is an error"))
     elif facts.lr_scheduler is not None and isinstance(block, dict):
-        set_here = [k for k, v in params.items() if v != AUTO]
+        set_here = {k: v for k, v in params.items() if v != AUTO}
         problems += [f"scheduler.params.{k} is {show(v)} but an lr_scheduler ({facts.lr_scheduler}) is passed in code, "
                      "which decides the schedule; write \"auto\" there, or remove the scheduler block"
-                     for k, v in params.items() if k in set_here]
+                     for k, v in set_here.items()]
         if not set_here:
             del raw["scheduler"]
             report.resolved.append(("scheduler", f"{block.get('type')} with params \"auto\"",

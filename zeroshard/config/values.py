@@ -14,6 +14,8 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, ConfigDict
 from pydantic_core import ErrorDetails, PydanticCustomError
 
+AUTO = "auto"  # DeepSpeed's value for "fill this in from what is known"
+
 # extra="forbid" and strict=True are a backstop: `Config.load` checks the keys
 # itself and every field has a validator, with clearer messages.
 FROZEN_STRICT = ConfigDict(frozen=True, extra="forbid", strict=True)

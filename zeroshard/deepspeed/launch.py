@@ -8,13 +8,12 @@ one-rank group when the script runs as a plain `python train.py`.
 from __future__ import annotations
 
 import argparse
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm.group import LaunchError, ensure_process_group
+from zeroshard.comm.group import LaunchError, ensure_process_group, this_rank_gpu
 from zeroshard.deepspeed.unsupported import UnsupportedError
 
 
@@ -39,7 +38,7 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         raise LaunchError("dist_backend 'nccl' needs CUDA, and none is available: use 'gloo' on the CPU")
     if dist_init_required is False or dist.is_initialized():
         return
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if backend == "nccl" else torch.device("cpu")
+    device = this_rank_gpu() if backend == "nccl" else torch.device("cpu")
     ensure_process_group(device, timeout)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from zeroshard.checkpoint import CheckpointError
+from zeroshard.checkpoint.safetensors_files import WEIGHTS_FILE
 from zeroshard.comm import all_gather_object
 from zeroshard.errors import ModelError
 
@@ -51,7 +52,7 @@ class ExportMethods:
                 from safetensors.torch import save_file
 
                 save_dir.mkdir(parents=True, exist_ok=True)
-                save_file({k: v.contiguous() for k, v in state.items()}, save_dir / "model.safetensors",
+                save_file({k: v.contiguous() for k, v in state.items()}, save_dir / WEIGHTS_FILE,
                           metadata={"format": "pt"})
 
         self._on_rank0(write, f"save_pretrained({str(save_dir)!r})")

@@ -79,8 +79,8 @@ def initialize(
         config_error_everywhere(error, model, group)
     engine = Engine(model, optimizer, config, group, init)
     engine.lr_scheduler = schedule_for(config, engine.optimizer, lr_scheduler)
-    if engine.comm.rank == 0 and report.block():
-        log.info("%s", report.block())
+    if engine.comm.rank == 0 and (block := report.block()):
+        log.info("%s", block)
     return engine
 
 

@@ -93,15 +93,21 @@ def _keep_edits(params, placements, units, src: int) -> None:
             owner.take_params_into_master()
 
 
+def keys_by_tensor(state: dict[str, torch.Tensor]) -> dict[int, list[str]]:
+    """id(tensor) -> its keys in `state` (a tied tensor has several)."""
+    keys: dict[int, list[str]] = {}
+    for key, tensor in state.items():
+        keys.setdefault(id(tensor), []).append(key)
+    return keys
+
+
 def full_state_dict(module: nn.Module, schedule, keep: bool) -> dict[str, torch.Tensor]:
     """Stage 3: the module's full state dict (copies), gathering its units one at a time; {} unless `keep`.
 
     Every unit is gathered, `keep` or not: the ranks that keep nothing gather with those that do.
     """
     state = module.state_dict(keep_vars=True)  # the live tensors: the sharded parameters are empty
-    keys_of: dict[int, list[str]] = {}
-    for key, tensor in state.items():
-        keys_of.setdefault(id(tensor), []).append(key)
+    keys_of = keys_by_tensor(state)
     listed = {i: [(key, p) for flat in unit.gathered_flats for p in flat.params for key in keys_of.get(id(p), [])]
               for i, unit in enumerate(schedule.units)}
     full = gathered_copies(schedule, listed, keep)
@@ -119,10 +125,18 @@ def gathered_copies(schedule, listed: dict[int, list[tuple[str, torch.Tensor]]],
     """
     copies: dict[str, torch.Tensor] = {}
     for i in sorted(listed):
-        was_whole = schedule.units[i].whole
-        schedule.need(i)
-        for key, p in listed[i] if keep else []:
-            copies[key] = p.detach().clone()
-        if not was_whole:
-            schedule.release(i)
+        with whole_unit(schedule, i):
+            for key, p in listed[i] if keep else []:
+                copies[key] = p.detach().clone()
     return copies
+
+
+@contextmanager
+def whole_unit(schedule, i: int):
+    """Unit `i` whole for the block; released after it unless it was whole before (an outer block, a
+    forward keeps it)."""
+    was_whole = schedule.units[i].whole
+    schedule.need(i)
+    yield schedule.units[i]
+    if not was_whole:
+        schedule.release(i)

@@ -40,7 +40,7 @@ import torch.nn as nn
 from zeroshard.comm import all_gather_object, broadcast
 from zeroshard.comm.entry import enter
 from zeroshard.errors import ModelError
-from zeroshard.stage3.gathered import gathered_copies
+from zeroshard.stage3.gathered import gathered_copies, whole_unit
 
 
 class ModuleStateHooks:
@@ -101,28 +101,28 @@ class ModuleStateHooks:
         names: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(prefix + name)
-        for i, unit in enumerate(self.schedule.units):
-            was_whole = unit.whole
-            self.schedule.need(i)
-            with torch.no_grad():
-                for p in (p for f in unit.flats for p in f.params):
-                    key = next((k for k in names[id(p)] if k in state_dict), None)
-                    if key is None:
-                        continue
-                    value = state_dict[key]
-                    if tuple(value.shape) != tuple(p.shape):
-                        error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}"
-                                          f", the shape in the model is {tuple(p.shape)}")
-                        continue
-                    p.copy_(value)
-                    self._loaded.extend(k for k in names[id(p)] if k in state_dict)
-                for flat in unit.flats:  # rank 0's values everywhere, then each rank keeps its shard
-                    broadcast(self.schedule.comm, flat.data, src=0)
-            unit.scatter_edits()
-            if not was_whole:
-                self.schedule.release(i)
+        for i in range(len(self.schedule.units)):
+            with whole_unit(self.schedule, i) as unit, torch.no_grad():
+                self._load_unit(unit, names, state_dict, error_msgs)
         for key in self._loaded:
             state_dict.pop(key, None)
+
+    def _load_unit(self, unit, names: dict[int, list[str]], state_dict, error_msgs: list[str]) -> None:
+        """One whole unit: this rank's values where `state_dict` has them, then rank 0's everywhere."""
+        for p in (p for f in unit.flats for p in f.params):
+            key = next((k for k in names[id(p)] if k in state_dict), None)
+            if key is None:
+                continue
+            value = state_dict[key]
+            if tuple(value.shape) != tuple(p.shape):
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)}"
+                                  f", the shape in the model is {tuple(p.shape)}")
+                continue
+            p.copy_(value)
+            self._loaded.extend(k for k in names[id(p)] if k in state_dict)
+        for flat in unit.flats:  # rank 0's values everywhere, then each rank keeps its shard
+            broadcast(self.schedule.comm, flat.data, src=0)
+        unit.scatter_edits()
 
     def _after_load(self, module, incompatible_keys) -> None:
         """Every rank ends as rank 0 did: its values (the rest of the model's tensors too), and its missing
