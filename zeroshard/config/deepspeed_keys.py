@@ -72,7 +72,8 @@ _OFFLOAD = ("zeroshard keeps the optimizer state and parameters on the training 
             'remove the block (or set "device": "none")')
 _MONITOR = ("zeroshard has no built-in monitor: log engine.get_lr(), the loss and engine.get_global_grad_norm() "
             'with your own tool, and remove the section (or set "enabled": false)')
-_ZERO_PP = "ZeRO++ is not implemented yet: remove the key"
+_ZERO_PP = ("this part of ZeRO++ is not implemented yet (qwZ, hpZ and qgZ are: zero_quantized_weights, "
+            "zero_hpz_partition_size, zero_quantized_gradients): remove the key")
 
 RULES: dict[str, Rule] = {
     # ---- batch, optimizer, communication ----
@@ -149,9 +150,6 @@ RULES: dict[str, Rule] = {
     "zero_optimization.use_multi_rank_bucket_allreduce": no_effect("buckets are reduced one collective each"),
     "zero_optimization.log_trace_cache_warnings": no_effect("stage 3 keeps no trace cache"),
     "zero_optimization.save_muon_momentum_buffer_in_memory": no_effect("there is no Muon optimizer or NVMe offload"),
-    "zero_optimization.zero_hpz_partition_size": not_yet(_ZERO_PP, _is(1), "1"),
-    "zero_optimization.zero_quantized_weights": not_yet(_ZERO_PP, _is(False), FALSE),
-    "zero_optimization.zero_quantized_gradients": not_yet(_ZERO_PP, _is(False), FALSE),
     "zero_optimization.zero_quantized_nontrainable_weights": not_yet(_ZERO_PP, _is(False), FALSE),
     "zero_optimization.mics_shard_size": not_yet("MiCS is not implemented yet: remove the key", _is(-1), "-1"),
     "zero_optimization.mics_hierarchical_params_gather": not_yet(

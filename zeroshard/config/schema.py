@@ -37,25 +37,16 @@ from zeroshard.config.values import describe as _describe
 from zeroshard.config.values import invalid as _invalid
 from zeroshard.config.values import non_negative_float as _non_negative_float
 from zeroshard.config.values import positive_int as _positive_int
+from zeroshard.config.zero import ZeroConfig
 from zeroshard.dtypes import TRAINING_DTYPES, TrainingDtype
 
 __all__ = ["Bf16Config", "CheckpointConfig", "Config", "ConfigError", "ConfigFacts", "ConfigWarning", "Fp16Config", "NonFiniteConfig",
            "ZeroConfig"]
 
-_SUPPORTED_STAGES = (0, 1, 2, 3)
-
-
 # ---- value checks: each raises "<requirement>; got <value as JSON>[ <note>]" ----
 
 def _optional_positive_int(value: Any) -> int | None:
     return None if value is None else _positive_int(value)
-
-
-def _stage(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value not in _SUPPORTED_STAGES:
-        stages = ", ".join(str(stage) for stage in _SUPPORTED_STAGES)
-        raise _invalid(f"must be one of {stages}", value)
-    return value
 
 
 # torch.distributed adds a timeout to the clock in 64-bit nanoseconds: from about 7.5e9 s on it
@@ -70,12 +61,6 @@ def _positive_seconds(value: Any) -> float:
         raise _invalid("must be at most 1e9 seconds (31 years; longer overflows torch.distributed's clocks): "
                        "use 1e9 for no practical limit", value)
     return seconds
-
-
-def _class_names(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
-        raise _invalid('must be a list of module class names such as ["Block"]', value)
-    return tuple(value)
 
 
 def _clip_norm(value: Any) -> float:
@@ -106,54 +91,6 @@ def _communication_dtype(value: Any) -> str | None:
     if value is not None and value not in TRAINING_DTYPES:
         raise _invalid(f"must be one of {', '.join(map(json.dumps, TRAINING_DTYPES))} or null", value)
     return value
-
-
-class ZeroConfig(BaseModel):
-    """The `zero_optimization` section: which model states are sharded, and how."""
-
-    model_config = _FROZEN_STRICT
-
-    stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_stage)] = Field(0, description=(
-        "ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
-        "2 = also shard gradients, 3 = also shard parameters (gathered per unit on demand). "
-        "DeepSpeed: zero_optimization.stage (default 0)."))
-    reduce_scatter: StrictBool = Field(True, description=(
-        "true: gradients are reduce-scattered (each rank receives only its shard); "
-        "false: all-reduce then slice, for comparison. "
-        "DeepSpeed: zero_optimization.reduce_scatter (default true)."))
-    # Not DeepSpeed's 5e8: at stage 2 a 5e8-element staging bucket would hold the
-    # whole gradient of any model under 500M parameters, undoing stage 2's saving.
-    reduce_bucket_size: PositiveInt = Field(25_000_000, description=(
-        "Gradient elements reduced per bucket, per rank (bytes = elements x dtype size). "
-        "DeepSpeed: zero_optimization.reduce_bucket_size (default 5e8)."))
-    # Not DeepSpeed's 5e8, for the same reason: the gather buffer would be a full
-    # replica of the parameters of most models.
-    allgather_bucket_size: PositiveInt = Field(25_000_000, description=(
-        "Parameter elements all-gathered per bucket after the step, per rank. "
-        "DeepSpeed: zero_optimization.allgather_bucket_size (default 5e8)."))
-    # DeepSpeed defaults to false for stages 1-2; we overlap because it is faster
-    # and the extra buffers are accounted in the memory report.
-    overlap_comm: StrictBool = Field(True, description=(
-        "true: bucket reductions run asynchronously during backward. "
-        "DeepSpeed: zero_optimization.overlap_comm (default false for stages 1-2)."))
-    stage3_wrap_classes: Annotated[tuple[str, ...], BeforeValidator(_class_names)] = Field((), description=(
-        "Stage 3: module class names whose instances each form a unit, gathered together "
-        "(e.g. [\"Block\"]); empty = by size (stage3_auto_wrap_min_params). Same as "
-        "initialize(..., wrap=[Block]). DeepSpeed: none (it gathers module by module)."))
-    stage3_auto_wrap_min_params: PositiveInt = Field(1_000_000, description=(
-        "Stage 3 without wrap classes: a module becomes a unit once it holds this many parameter "
-        "elements outside inner units. DeepSpeed: none (FSDP's size_based_auto_wrap_policy)."))
-    stage3_param_persistence_threshold: NonNegativeInt = Field(100_000, description=(
-        "Stage 3: parameters with fewer elements stay whole on every rank (gathered after each "
-        "step, like stage 2), saving many small gathers; 0 = shard every parameter. "
-        "DeepSpeed: zero_optimization.stage3_param_persistence_threshold (default 1e5)."))
-    stage3_max_live_parameters: PositiveInt = Field(1_000_000_000, description=(
-        "Stage 3: prefetching stops when it would bring the gathered elements over this number "
-        "(a unit that forward or backward needs now is always gathered). "
-        "DeepSpeed: zero_optimization.stage3_max_live_parameters (default 1e9)."))
-    stage3_prefetch_bucket_size: PositiveInt = Field(50_000_000, description=(
-        "Stage 3: the largest unit (elements) that is gathered ahead of its use. "
-        "DeepSpeed: zero_optimization.stage3_prefetch_bucket_size (default 5e7)."))
 
 
 class Bf16Config(BaseModel):

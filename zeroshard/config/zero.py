@@ -1,0 +1,164 @@
+"""The `zero_optimization` section: the ZeRO stage, its buckets and units, and ZeRO++.
+
+ZeRO++ (stage 3) is three switches with DeepSpeed's names,
+`zero_quantized_weights` (qwZ), `zero_hpz_partition_size` (hpZ) and
+`zero_quantized_gradients` (qgZ), and zeroshard keys for what DeepSpeed
+leaves implicit: the quantization block, the gradient bits, the Hadamard
+rotation and the ranks per node. Their defaults come from
+benchmarks/quantize_error.py (docs/zeropp.md has the figures).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
+from zeroshard.config.values import NonNegativeInt, PositiveInt, StrictBool
+from zeroshard.config.values import invalid as _invalid
+from zeroshard.config.values import positive_int as _positive_int
+
+_SUPPORTED_STAGES = (0, 1, 2, 3)
+ZEROPP_KEYS = ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
+
+
+def _optional_positive_int(value: Any) -> int | None:
+    return None if value is None else _positive_int(value)
+
+
+def _bits(value: Any) -> int:
+    if isinstance(value, bool) or value not in (4, 8):
+        raise _invalid("must be 4 or 8", value)
+    return value
+
+
+def _stage(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value not in _SUPPORTED_STAGES:
+        stages = ", ".join(str(stage) for stage in _SUPPORTED_STAGES)
+        raise _invalid(f"must be one of {stages}", value)
+    return value
+
+
+def _class_names(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise _invalid('must be a list of module class names such as ["Block"]', value)
+    return tuple(value)
+
+
+class ZeroConfig(BaseModel):
+    """The `zero_optimization` section: which model states are sharded, and how."""
+
+    model_config = _FROZEN_STRICT
+
+    stage: Annotated[Literal[0, 1, 2, 3], BeforeValidator(_stage)] = Field(0, description=(
+        "ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
+        "2 = also shard gradients, 3 = also shard parameters (gathered per unit on demand). "
+        "DeepSpeed: zero_optimization.stage (default 0)."))
+    reduce_scatter: StrictBool = Field(True, description=(
+        "true: gradients are reduce-scattered (each rank receives only its shard); "
+        "false: all-reduce then slice, for comparison. "
+        "DeepSpeed: zero_optimization.reduce_scatter (default true)."))
+    # Not DeepSpeed's 5e8: at stage 2 a 5e8-element staging bucket would hold the
+    # whole gradient of any model under 500M parameters, undoing stage 2's saving.
+    reduce_bucket_size: PositiveInt = Field(25_000_000, description=(
+        "Gradient elements reduced per bucket, per rank (bytes = elements x dtype size). "
+        "DeepSpeed: zero_optimization.reduce_bucket_size (default 5e8)."))
+    # Not DeepSpeed's 5e8, for the same reason: the gather buffer would be a full
+    # replica of the parameters of most models.
+    allgather_bucket_size: PositiveInt = Field(25_000_000, description=(
+        "Parameter elements all-gathered per bucket after the step, per rank. "
+        "DeepSpeed: zero_optimization.allgather_bucket_size (default 5e8)."))
+    # DeepSpeed defaults to false for stages 1-2; we overlap because it is faster
+    # and the extra buffers are accounted in the memory report.
+    overlap_comm: StrictBool = Field(True, description=(
+        "true: bucket reductions run asynchronously during backward. "
+        "DeepSpeed: zero_optimization.overlap_comm (default false for stages 1-2)."))
+    stage3_wrap_classes: Annotated[tuple[str, ...], BeforeValidator(_class_names)] = Field((), description=(
+        "Stage 3: module class names whose instances each form a unit, gathered together "
+        "(e.g. [\"Block\"]); empty = by size (stage3_auto_wrap_min_params). Same as "
+        "initialize(..., wrap=[Block]). DeepSpeed: none (it gathers module by module)."))
+    stage3_auto_wrap_min_params: PositiveInt = Field(1_000_000, description=(
+        "Stage 3 without wrap classes: a module becomes a unit once it holds this many parameter "
+        "elements outside inner units. DeepSpeed: none (FSDP's size_based_auto_wrap_policy)."))
+    stage3_param_persistence_threshold: NonNegativeInt = Field(100_000, description=(
+        "Stage 3: parameters with fewer elements stay whole on every rank (gathered after each "
+        "step, like stage 2), saving many small gathers; 0 = shard every parameter. "
+        "DeepSpeed: zero_optimization.stage3_param_persistence_threshold (default 1e5)."))
+    stage3_max_live_parameters: PositiveInt = Field(1_000_000_000, description=(
+        "Stage 3: prefetching stops when it would bring the gathered elements over this number "
+        "(a unit that forward or backward needs now is always gathered). "
+        "DeepSpeed: zero_optimization.stage3_max_live_parameters (default 1e9)."))
+    stage3_prefetch_bucket_size: PositiveInt = Field(50_000_000, description=(
+        "Stage 3: the largest unit (elements) that is gathered ahead of its use. "
+        "DeepSpeed: zero_optimization.stage3_prefetch_bucket_size (default 5e7)."))
+
+    # ---- ZeRO++ (stage 3) ----
+    zero_quantized_weights: StrictBool = Field(False, description=(
+        "ZeRO++ qwZ: stage 3's parameter all-gathers send each shard as int8, one fp32 scale per "
+        "zeropp_block_size elements, dequantized into the compute dtype; master weights stay exact. "
+        "DeepSpeed: zero_optimization.zero_quantized_weights (default false)."))
+    zero_hpz_partition_size: PositiveInt = Field(1, description=(
+        "ZeRO++ hpZ: > 1 keeps, after a unit's forward gather, a secondary shard over the node's ranks "
+        "(this many; it must be the ranks per node), so later gathers until the step stay inside the node. "
+        "1 = off. DeepSpeed: zero_optimization.zero_hpz_partition_size (default 1)."))
+    zero_quantized_gradients: StrictBool = Field(False, description=(
+        "ZeRO++ qgZ: stage 3's gradient reduce-scatter becomes a two-hop all-to-all of quantized "
+        "gradients (inside the node, then across nodes), reduced in fp32 to the exact mean. "
+        "DeepSpeed: zero_optimization.zero_quantized_gradients (default false)."))
+    # 128, not larger: int8 weights cost 0.516 of 16-bit and int4 gradients 0.266 (the paper's 0.5 and 0.25
+    # plus one fp32 scale a block); larger blocks save little more and lose more to outliers.
+    zeropp_block_size: PositiveInt = Field(128, description=(
+        "ZeRO++: elements per quantization block (one fp32 scale each), for qwZ and qgZ. DeepSpeed: "
+        "none (zeroshard only; DeepSpeed's groups are per tensor)."))
+    # int4 is the paper's 0.25M; the rotation halves its error on heavy-tailed gradients (docs/zeropp.md).
+    zeropp_gradient_bits: Annotated[Literal[4, 8], BeforeValidator(_bits)] = Field(4, description=(
+        "ZeRO++ qgZ: bits per gradient value on the wire, 4 or 8. DeepSpeed: none (zeroshard only; "
+        "DeepSpeed sends int4)."))
+    zeropp_gradient_hadamard: StrictBool = Field(True, description=(
+        "ZeRO++ qgZ: rotate each block by the Walsh-Hadamard matrix before quantizing gradients "
+        "(zeropp_block_size must be a power of two). DeepSpeed: none (zeroshard only)."))
+    zeropp_ranks_per_node: Annotated[int | None, BeforeValidator(_optional_positive_int)] = Field(
+        None, description=(
+            "Data-parallel ranks per node, for hpZ and qgZ and for bytes by scope in comm_stats(); "
+            "null = zero_hpz_partition_size when > 1, else torchrun's LOCAL_WORLD_SIZE. Set it to "
+            "emulate nodes on one machine. DeepSpeed: none (zeroshard only)."))
+
+    @property
+    def zeropp(self) -> bool:
+        """Whether any part of ZeRO++ is on."""
+        return self.zero_quantized_weights or self.zero_hpz_partition_size > 1 or self.zero_quantized_gradients
+
+    @property
+    def ranks_per_node(self) -> int | None:
+        """The configured ranks per node (None: torchrun's LOCAL_WORLD_SIZE decides)."""
+        if self.zeropp_ranks_per_node is not None:
+            return self.zeropp_ranks_per_node
+        return self.zero_hpz_partition_size if self.zero_hpz_partition_size > 1 else None
+
+    @model_validator(mode="after")
+    def _zeropp_combinations(self) -> "ZeroConfig":
+        on = [key for key, value in zip(ZEROPP_KEYS, (self.zero_quantized_weights, self.zero_hpz_partition_size > 1,
+                                                      self.zero_quantized_gradients)) if value]
+        if on and self.stage != 3:
+            raise PydanticCustomError("zeroshard", "{keys} (ZeRO++) need stage 3, not stage {stage}: set "
+                                      "zero_optimization.stage to 3 or remove them", {"keys": ", ".join(on),
+                                                                                     "stage": self.stage})
+        if self.zero_quantized_gradients and not self.reduce_scatter:
+            raise PydanticCustomError("zeroshard", "zero_quantized_gradients replaces the reduce-scatter, so it "
+                                      "cannot run with reduce_scatter false: remove one of them")
+        block = self.zeropp_block_size
+        if self.zero_quantized_gradients and self.zeropp_gradient_hadamard and block & (block - 1):
+            raise PydanticCustomError("zeroshard", "zeropp_gradient_hadamard needs a power-of-two "
+                                      "zeropp_block_size, not {block}: use 64, 128, 256, ... or set "
+                                      "zeropp_gradient_hadamard false", {"block": block})
+        if self.zero_quantized_gradients and self.zeropp_gradient_bits == 4 and block % 2:
+            raise PydanticCustomError("zeroshard", "int4 gradients pack two values a byte, so zeropp_block_size "
+                                      "must be even, not {block}", {"block": block})
+        hpz, rpn = self.zero_hpz_partition_size, self.zeropp_ranks_per_node
+        if hpz > 1 and rpn is not None and hpz != rpn:
+            raise PydanticCustomError("zeroshard", "zero_hpz_partition_size {hpz} differs from zeropp_ranks_per_node "
+                                      "{rpn}: hpZ's secondary shards span one node; set both to the ranks per node",
+                                      {"hpz": hpz, "rpn": rpn})
+        return self
