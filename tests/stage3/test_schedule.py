@@ -83,17 +83,17 @@ def _record(engine, sizes: dict[str, int]):
     log = {"into": None, "outside": []}
     needing: list[int] = []
 
-    def need(i, _need=schedule.need):
+    def need(i, exact=True, _need=schedule.need):
         needing.append(i)
         try:
-            _need(i)
+            _need(i, exact)
         finally:
             needing.pop()
 
     schedule.need = need
     for i, unit in enumerate(units):
-        def start_gather(comm, i=i, unit=unit, _start=unit.start_gather):
-            _start(comm)
+        def start_gather(gathers, exact=True, i=i, unit=unit, _start=unit.start_gather):
+            _start(gathers, exact)
             live = sum(sizes[u.name] for u in units if u.state in (UnitState.GATHERING, UnitState.GATHERED))
             entry = (unit.name, not (needing and needing[-1] == i), live)
             (log["into"] if log["into"] is not None else log["outside"]).append(entry)

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from zeroshard import estimate
 from zeroshard.app.flags import add_command, add_dtype, positive_int
-from zeroshard.app.model_count import AUTO_WRAP_MIN_PARAMS, DEMO_WRAP, count_model
+from zeroshard.app.model_count import AUTO_WRAP_MIN_PARAMS, DEMO_WRAP, PERSISTENCE_THRESHOLD, count_model
 
 EXAMPLES = """\
 examples:
@@ -25,6 +25,8 @@ examples:
   zeroshard estimate --model llama/config.json --gpus 16 --gpu-mem 80GB
   zeroshard estimate --model gpt2 --gpus 8 --wrap GPT2Block   a transformers model type, a unit per block
   zeroshard estimate --model demo --gpus 2 --dtype fp32 --json
+  zeroshard estimate --params 7B --gpus 32 --gpus-per-node 8 --zeropp    stage 3 by scope, with ZeRO++
+  zeroshard estimate --model gpt2 --gpus 4 --gpus-per-node 2 --hpz --qgz --gradient-bits 8
 """
 
 _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
@@ -43,6 +45,11 @@ def count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number of elements such as 7.5e9 or 7B, "
                                          f"got '{text}'")
     return int(value)
+
+
+def threshold(text: str) -> int:
+    """argparse type: a count of elements or 0 (a persistence threshold of 0: nothing stays whole)."""
+    return 0 if text.strip() == "0" else count(text)
 
 
 def memory_size(text: str) -> int:
@@ -85,24 +92,51 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                              "Adam's, 12 with bf16/fp16, 8 with fp32)")
     parser.add_argument("--gpu-mem", type=memory_size, default=None, metavar="SIZE",
                         help="memory per GPU, e.g. 80GB or 80GiB: also print the largest model that fits")
+    parser.add_argument("--persistence-threshold", type=threshold, default=None, metavar="ELEMENTS",
+                        help="with --model: stage3_param_persistence_threshold, parameters under it stay whole "
+                             f"(default: 0 for a preset, {PERSISTENCE_THRESHOLD} for another model)")
+    _add_zeropp(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (bytes; see zeroshard.estimate.summarize)")
 
 
+def _add_zeropp(parser: argparse.ArgumentParser) -> None:
+    """ZeRO++'s parts (stage 3), as the config's zero_quantized_weights, zero_hpz_partition_size and
+    zero_quantized_gradients turn them on; a node is --gpus-per-node ranks."""
+    zeropp = parser.add_argument_group("ZeRO++ (stage 3)")
+    zeropp.add_argument("--zeropp", action="store_true", help="all three parts: --qwz --hpz --qgz")
+    zeropp.add_argument("--qwz", action="store_true", help="int8 block-quantized weights in the forward all-gather")
+    zeropp.add_argument("--hpz", action="store_true",
+                        help="a secondary shard per node: later all-gathers stay inside the node "
+                             "(zero_hpz_partition_size = --gpus-per-node)")
+    zeropp.add_argument("--qgz", action="store_true", help="hierarchical block-quantized gradient reduce-scatter")
+    zeropp.add_argument("--gradient-bits", type=int, choices=(4, 8), default=4,
+                        help="qgZ's bits per gradient element (zeropp_gradient_bits; default: %(default)s)")
+    zeropp.add_argument("--block-size", type=positive_int, default=128, metavar="B",
+                        help="elements per quantization block (zeropp_block_size; default: %(default)s)")
+
+
+def zeropp_parts(args: argparse.Namespace) -> estimate.ZeroPP:
+    """The ZeRO++ parts the flags ask for (none: plain stage 3)."""
+    return estimate.ZeroPP(qwz=args.zeropp or args.qwz, hpz=args.zeropp or args.hpz, qgz=args.zeropp or args.qgz,
+                           block_size=args.block_size, gradient_bits=args.gradient_bits)
+
+
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
     """Compute and print the estimate; returns the exit status."""
-    name, largest_unit = None, args.largest_unit
+    name, largest_unit, flats = None, args.largest_unit, None
     if args.model is not None:
         try:
             counted = count_model(args.model, None if args.wrap is None else tuple(args.wrap),
-                                  args.auto_wrap_min_params)
+                                  args.auto_wrap_min_params, args.persistence_threshold)
         except ValueError as error:
             args.command_parser.error(f"argument --model: {error}")
-        name, args.params = counted.name, counted.numel
+        name, args.params, flats = counted.name, counted.numel, list(counted.flats)
         largest_unit = counted.largest_unit if largest_unit is None else largest_unit
     try:
         summary = estimate.summarize(args.params, args.gpus, args.gpus_per_node, args.dtype,
-                                     args.optimizer_bytes, largest_unit or 0, args.gpu_mem)
+                                     args.optimizer_bytes, largest_unit or 0, args.gpu_mem, flats,
+                                     zeropp_parts(args))
     except ValueError as error:
         args.command_parser.error(str(error))
     console = console or Console()
@@ -131,8 +165,9 @@ def human_count(n: int) -> str:
 def _formulas(summary: dict) -> dict[str, str]:
     """Each stage's memory formula with this setup's bytes per element."""
     p, g, k = (*estimate.DTYPE_BYTES[summary["dtype"]][:2], summary["optimizer_bytes"])
+    hpz = f" + {p}Ψ/D" if "hpz_secondary" in summary["memory_by_state"]["3"] else ""  # D: GPUs per node
     return {"0": f"{p + g + k}Ψ", "1": f"{p + g}Ψ + {k}Ψ/N", "2": f"{p}Ψ + {g + k}Ψ/N",
-            "3": f"{p + g + k}Ψ/N + {2 * p}U"}
+            "3": f"{p + g + k}Ψ/N + {2 * p}U{hpz}"}
 
 
 def print_summary(console: Console, summary: dict, name: str | None = None) -> None:
@@ -156,16 +191,57 @@ def print_summary(console: Console, summary: dict, name: str | None = None) -> N
         row += [human_bytes(summary["cross_node_bytes"][stage])] * (nodes > 1)
         table.add_row(*row, *([human_count(fits[stage])] if fits is not None else []))
     console.print(table)
-    if nodes > 1:
+    if nodes > 1 and summary["cross_node_bytes_zeropp"] is not None:
+        model = summary["stage3_model_bytes"]
         console.print(f"stage 3 with ZeRO++ (qwZ + hpZ + qgZ): cross-node "
                       f"{human_bytes(summary['cross_node_bytes_zeropp'])} per GPU per step instead of "
-                      f"{human_bytes(summary['cross_node_bytes']['3'])} (3M -> 0.75M)")
+                      f"{human_bytes(summary['cross_node_bytes']['3'])} "
+                      f"(3M -> {summary['cross_node_bytes_zeropp'] / model:.3g}M)")
+    print_stage3(console, summary)
     notes = ["memory: model states per GPU (no activations or buffers); U: the largest unit",
              "comm: logical bytes per step summed over collectives, as engine.comm_stats() records "
              "them (an all-reduce counts its buffer once)",
              "sent: bytes each rank sends on rings, the paper's 2Ψ (stages 0-2) or 3Ψ (stage 3) "
              "elements × (N-1)/N"]
     notes += ["cross-node: per GPU, in the papers' M units"] * (nodes > 1)
+    notes.append("stage 3 by scope: logical bytes per step (one micro-step) as engine.comm_stats() records them "
+                 "by scope; M = parameter bytes of the model")
     if fits is not None:
         notes.append(f"max Ψ: the largest model whose states fit {human_bytes(summary['gpu_mem_bytes'])} per GPU")
     console.print("[dim]" + "\n".join(notes) + "[/]")
+
+
+def _parts_name(parts: dict) -> str:
+    return "+".join(name for key, name in (("qwz", "qwZ"), ("hpz", "hpZ"), ("qgz", "qgZ")) if parts[key])
+
+
+def print_stage3(console: Console, summary: dict) -> None:
+    """Stage 3's logical bytes per step by op and scope, plain and with the chosen ZeRO++ parts, in M too."""
+    setups = summary["stage3_comm_by_scope"]
+    model = summary["stage3_model_bytes"] or 1
+    flats, parts = summary["stage3_flats"], summary["zeropp"]
+    caption = f"[bold]stage 3 per step by scope[/], {flats} flat buffer{'s' * (flats != 1)}"
+    if parts:
+        caption += (f"; ZeRO++ blocks of {parts['block_size']}"
+                    + f", int{parts['gradient_bits']} gradients" * parts["qgz"])
+    console.print(caption)
+    table = Table(show_edge=False)
+    table.add_column("op")
+    table.add_column("scope")
+    names = {"plain": "plain", "zeropp": _parts_name(parts) if parts else ""}
+    for setup in setups:
+        table.add_column(names[setup], justify="right", no_wrap=True)
+    rows = [(op, scope) for op in ("all_gather", "reduce_scatter") for scope in ("node", "cross_node")
+            if any(scope in setups[s][op] for s in setups)]
+    cell = lambda b: f"{human_bytes(b)} ({b / model:.4g}M)"  # noqa: E731
+    for op, scope in rows:
+        table.add_row(op, scope, *[cell(setups[s][op].get(scope, 0)) for s in setups])
+    for scope in ("node", "cross_node"):
+        totals = [estimate.by_scope(setups[s]).get(scope, 0) for s in setups]
+        if any(totals):
+            table.add_row("total", scope, *map(cell, totals))
+    console.print(table)
+    secondary = summary["memory_by_state"]["3"].get("hpz_secondary")
+    if secondary is not None:
+        console.print(f"hpZ secondary shards: {human_bytes(secondary)} per GPU from the first forward to the step "
+                      f"({secondary / model:.4g}M, 1/D of the parameters; in stage 3's memory above)")

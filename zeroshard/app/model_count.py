@@ -9,6 +9,11 @@ parameter once (tied weights once, as `model.parameters()` yields them). The
 largest unit is what stage 3 would gather at once: the engine's own rule,
 `zeroshard.stage3.wrapping` (`unit_modules`, then `plan_units`), with the
 config's `stage3_wrap_classes` and `stage3_auto_wrap_min_params`.
+
+The flat buffers stage 3 would build from that plan (`plan_flats`, the
+split of `stage3.unit.build_units`) let the estimator count stage 3's
+collectives exactly; `stage3_flats` reads the same list off an engine's
+built units, so a test can hold the measured `comm_stats()` against it.
 """
 
 from __future__ import annotations
@@ -16,17 +21,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
 from zeroshard.app.models import GPT, PRESETS
 from zeroshard.app.train import DEMO_CONFIG
 from zeroshard.config.schema import ZeroConfig
-from zeroshard.stage3.wrapping import plan_units, unit_modules
+from zeroshard.estimate import FROZEN, PERSISTENT, SHARDED, Flat
+from zeroshard.stage3.wrapping import UnitPlan, plan_units, unit_modules
 
 # The engine's defaults, where the caller gives no wrapping rule.
 AUTO_WRAP_MIN_PARAMS: int = ZeroConfig.model_fields["stage3_auto_wrap_min_params"].default
 DEMO_WRAP: tuple[str, ...] = tuple(DEMO_CONFIG["zero_optimization"]["stage3_wrap_classes"])
+PERSISTENCE_THRESHOLD: int = ZeroConfig.model_fields["stage3_param_persistence_threshold"].default
+DEMO_PERSISTENCE_THRESHOLD: int = DEMO_CONFIG["zero_optimization"]["stage3_param_persistence_threshold"]
 
 
 @dataclass(frozen=True)
@@ -36,30 +45,62 @@ class ParamCount:
     name: str
     numel: int  # Ψ: every parameter once (tied weights count once)
     largest_unit: int  # elements of the largest stage-3 unit
+    flats: tuple[Flat, ...] = ()  # stage 3's flat buffers under the same plan (`plan_flats`)
 
 
 def count_module(name: str, model: torch.nn.Module, wrap: tuple[str, ...] = (),
-                 min_numel: int = AUTO_WRAP_MIN_PARAMS) -> ParamCount:
-    """Ψ of `model` and its largest unit under stage 3's rule (`wrap`: class names; empty: by size)."""
+                 min_numel: int = AUTO_WRAP_MIN_PARAMS,
+                 persistence_threshold: int = PERSISTENCE_THRESHOLD) -> ParamCount:
+    """Ψ of `model`, its largest unit and its flat buffers under stage 3's rule (`wrap`: class names;
+    empty: by size)."""
     plans = plan_units(model, unit_modules(model, wrap, min_numel))
     largest = max((sum(p.numel() for p in plan.params) for plan in plans), default=0)
-    return ParamCount(name, sum(p.numel() for p in model.parameters()), largest)
+    return ParamCount(name, sum(p.numel() for p in model.parameters()), largest,
+                      tuple(plan_flats(plans, persistence_threshold)))
+
+
+def plan_flats(plans: list[UnitPlan], persistence_threshold: int = PERSISTENCE_THRESHOLD) -> list[Flat]:
+    """The flat buffers `build_units` makes of these plans, with one param group (every parameter that
+    requires grad): per unit, per dtype, one of the sharded parameters and one of those under
+    `persistence_threshold` elements (persistent); parameters that need no grad form frozen flats,
+    the small ones among them stay as they are (not flattened, never communicated)."""
+    flats = []
+    for plan in plans:
+        for trainable in (True, False):
+            mine = [p for p in plan.params if p.requires_grad == trainable]
+            for dtype in dict.fromkeys(p.dtype for p in mine):
+                for persistent in (False, True):
+                    numel = sum(p.numel() for p in mine
+                                if p.dtype == dtype and (p.numel() < persistence_threshold) == persistent)
+                    if numel and (trainable or not persistent):
+                        flats.append(Flat(numel, (PERSISTENT if persistent else SHARDED) if trainable else FROZEN))
+    return flats
+
+
+def stage3_flats(units: Iterable) -> list[Flat]:
+    """The flat buffers of an engine's stage-3 units (`zeroshard.stage3.unit.Unit`: `buckets`, whose
+    `switches.shard_params` is False for persistent ones, and `frozen` flats), for the estimator."""
+    return [Flat(b.flat.numel, SHARDED if b.switches.shard_params else PERSISTENT)
+            for unit in units for b in unit.buckets] + [Flat(f.numel, FROZEN) for unit in units for f in unit.frozen]
 
 
 def count_model(name: str, wrap: tuple[str, ...] | None = None,
-                min_numel: int = AUTO_WRAP_MIN_PARAMS) -> ParamCount:
+                min_numel: int = AUTO_WRAP_MIN_PARAMS, persistence_threshold: int | None = None) -> ParamCount:
     """Count a preset, a transformers model type, a config.json or a save_pretrained directory.
 
     `wrap` None: the demo's wrap classes for a preset, the size rule for
-    another model. Raises ValueError naming the cause when `name` is none of
+    another model; `persistence_threshold` None: the demo's for a preset
+    (0: nothing persistent), the engine's default for another model. Raises ValueError naming the cause when `name` is none of
     these or its config cannot be built.
     """
     if name in PRESETS:
         with torch.device("meta"):
             model = GPT(PRESETS[name])
-        return count_module(name, model, DEMO_WRAP if wrap is None else wrap, min_numel)
+        return count_module(name, model, DEMO_WRAP if wrap is None else wrap, min_numel,
+                            DEMO_PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold)
     model = build_hf_model(name)
-    return count_module(f"{type(model).__name__} ({name})", model, wrap or (), min_numel)
+    return count_module(f"{type(model).__name__} ({name})", model, wrap or (), min_numel,
+                        PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold)
 
 
 def build_hf_model(name: str) -> torch.nn.Module:

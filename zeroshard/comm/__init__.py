@@ -14,13 +14,13 @@ from zeroshard.comm.collectives import (
     wait_all,
 )
 from zeroshard.comm.group import ensure_process_group
-from zeroshard.comm.qgz import Hops, HopsPending, qgz_reduce_scatter
+from zeroshard.comm.qgz import Hops, HopsPending, Qgz, qgz_reduce_scatter
 from zeroshard.comm.qwz import qwz_all_gather
 from zeroshard.comm.recorder import OPS, CommRecorder, OpStats
 from zeroshard.comm.stall import CollectiveError
 
 __all__ = [
     "OPS", "Algorithms", "CollectiveError", "Comm", "CommRecorder", "Hops", "HopsPending", "OpStats", "Pending",
-    "PendingGroup", "all_gather", "all_gather_object", "all_reduce", "broadcast", "ensure_process_group",
+    "PendingGroup", "Qgz", "all_gather", "all_gather_object", "all_reduce", "broadcast", "ensure_process_group",
     "qgz_reduce_scatter", "qwz_all_gather", "reduce_scatter", "step_check", "wait_all",
 ]

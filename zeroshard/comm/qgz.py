@@ -80,6 +80,18 @@ class Hops:
         return self.node.world_size * self.cross_node.world_size
 
 
+@dataclass(frozen=True)
+class Qgz:
+    """qgZ as a bucket uses it: the hops and how gradients travel."""
+
+    hops: Hops
+    codec: BlockCodec
+
+    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, what: str = "") -> "HopsPending":
+        """`qgz_reduce_scatter` over these hops: the mean over all N ranks, not the sum."""
+        return qgz_reduce_scatter(self.hops, shard, full, self.codec, what=what)
+
+
 class HopsPending(Landing):
     """qgZ in flight: hop 1 launched; hop 2 needs hop 1's sums on the CPU, so `wait` launches it."""
 

@@ -106,6 +106,25 @@ def build_topology(group: dist.ProcessGroup, ranks_per_node: int | None = None) 
     return Topology(layouts[mine["ranks"]], rank, node_group, cross_node_group)
 
 
+def declared_scope(group: dist.ProcessGroup, ranks_per_node: int | None = None) -> Scope | None:
+    """Where `group`'s traffic goes, from `ranks_per_node` or torchrun's LOCAL_WORLD_SIZE, without communicating.
+
+    For bytes by scope when ZeRO++ builds no topology. None when neither says, or
+    when LOCAL_WORLD_SIZE gives machines unequal shares (only hpZ and qgZ need equal nodes).
+    """
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks_per_node is not None:
+        layout = _explicit_layout(ranks, ranks_per_node)
+    elif "LOCAL_WORLD_SIZE" in os.environ:
+        try:
+            layout = _torchrun_layout(ranks, _positive(os.environ["LOCAL_WORLD_SIZE"]))
+        except TopologyError:
+            return None
+    else:
+        return None
+    return "cross_node" if len(layout) > 1 else "node"
+
+
 def _layouts(every: list[dict]) -> dict[tuple[int, ...], Layout]:
     """Each data-parallel group's layout, checked for every group on every rank, so all raise or none."""
     groups = sorted({facts["ranks"] for facts in every})
@@ -114,9 +133,13 @@ def _layouts(every: list[dict]) -> dict[tuple[int, ...], Layout]:
         raise TopologyError(f"the data-parallel groups overlap ({by_rank}); every rank must pass its own "
                             "data-parallel group, and the groups must not share ranks")
     explicit = _agreed(every, "ranks_per_node", "ranks_per_node")
-    if explicit is not None:
-        return {ranks: _explicit_layout(ranks, explicit) for ranks in groups}
     local_world_size = _agreed(every, "local_world_size", "LOCAL_WORLD_SIZE")
+    if explicit is not None:
+        if local_world_size is not None and _positive(local_world_size) % explicit:
+            raise TopologyError(f"nodes of {explicit} ranks do not fit machines of LOCAL_WORLD_SIZE "
+                                f"{local_world_size} ranks: a node would span two machines; set the ranks per node "
+                                "(zeropp_ranks_per_node, zero_hpz_partition_size) to a divisor of the ranks per machine")
+        return {ranks: _explicit_layout(ranks, explicit) for ranks in groups}
     if local_world_size is None:
         if any(len(ranks) > 1 for ranks in groups):
             raise TopologyError("the ranks per node are unknown: LOCAL_WORLD_SIZE is not set; launch with torchrun "

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.comm import Comm, Pending, all_gather, all_reduce, reduce_scatter
+from zeroshard.comm import Comm, Pending, Qgz, all_gather, all_reduce, reduce_scatter
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.precision import Precision
 from zeroshard.core.staging import StagingPool
@@ -69,8 +69,9 @@ class Bucket:
     """
 
     def __init__(self, flat: FlatParams, switches: StageSwitches, use_reduce_scatter: bool, param_group: int,
-                 name: str = "", precision: Precision = FP32, accumulation: int = 1):
+                 name: str = "", precision: Precision = FP32, accumulation: int = 1, qgz: Qgz | None = None):
         self.flat = flat
+        self.qgz = qgz  # stage 3 with ZeRO++: gradients reduced by qgZ's two quantized hops
         self.name = name  # for messages: "bucket 3", "unit 'blocks.1', param group 0"
         self.switches = switches
         self.use_reduce_scatter = use_reduce_scatter  # false: all-reduce + slice, for comparison
@@ -178,12 +179,16 @@ class Bucket:
 
     def _reduce_staged(self, comm: Comm, pool: StagingPool, scale: float) -> Pending:
         staging = self._staging_with_zeros(pool)
-        before, after = self.precision.reduce_factors(comm.world_size, scale)
+        # qgZ sums in fp32 and returns the mean itself: no pre-scaling, and N x scale after.
+        before, after = (1.0, scale * comm.world_size) if self.qgz else self.precision.reduce_factors(
+            comm.world_size, scale)
         if before != 1.0:
             staging.mul_(before)
         direct = not self._accumulated and self.grad_shard.dtype == staging.dtype  # reduce into grad_shard
         out = self.grad_shard if direct else pool.acquire(self.flat.shard_numel, staging.dtype, staging.device)
-        if self.use_reduce_scatter:
+        if self.qgz is not None:
+            pending = self.qgz.reduce_scatter(out, staging, what=self.name)
+        elif self.use_reduce_scatter:
             scratch = self._scratch(comm, pool)
             pending = reduce_scatter(comm, out, staging, scratch, what=self.name)
             pending.then(lambda: self._release(pool, scratch))

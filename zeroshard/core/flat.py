@@ -12,6 +12,10 @@ tensors, so reading one outside forward shows an empty tensor instead of
 freed memory; `shard_data`, this rank's copy of its shard, is what persists.
 Because the storage object itself survives, tensors autograd saved during
 forward see the values again once the buffer is gathered back.
+
+With ZeRO++'s hpZ a flat also keeps a secondary shard between its gathers:
+part d of D of the gathered buffer (D ranks per node, d this rank's place
+in its node), from which the node alone can gather the buffer again.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class FlatParams:
                     view.copy_(p.data)
                     p.data = view
         self.shard_data: torch.Tensor | None = None  # stage 3: the persistent shard
+        self.secondary: torch.Tensor | None = None  # hpZ: this rank's part of the node's copy, until the step
 
     # -- stage 3: the full buffer exists only while gathered --------------------
 
@@ -79,16 +84,26 @@ class FlatParams:
         for p in self.params:
             p.data = empty
 
-    def restore_full(self) -> None:
-        """Give the full buffer its memory back, this rank's shard in place (the rest undefined)."""
+    def restore_full(self, node: tuple[int, int] | None = None) -> None:
+        """Give the full buffer its memory back, this rank's shard in place (the rest undefined).
+
+        `node` = (d, D): put the secondary shard in part d of D instead (hpZ's gather inside the node).
+        """
         storage = self.data.untyped_storage()
         storage.resize_(self.padded_numel * self.data.element_size())
         # Autograd saved views of this buffer in forward; refilling it is not an in-place
         # edit of their values, so their version counter must not move.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.data):
-            self.shard(self.data).copy_(self.shard_data)
+            if node is None:
+                self.shard(self.data).copy_(self.shard_data)
+            else:
+                self.data.view(node[1], -1)[node[0]].copy_(self.secondary)
         for p, view in zip(self.params, self.views(self.data)):
             p.data = view
+
+    def keep_secondary(self, index: int, parts: int) -> None:
+        """hpZ: keep a copy of part `index` of `parts` of the gathered full buffer (`parts` divides N)."""
+        self.secondary = self.data.view(parts, -1)[index].clone()
 
     def cast_(self, dtype: torch.dtype) -> None:
         """Hold the parameters in `dtype`: a new buffer (the old one is dropped), parameters re-pointed."""

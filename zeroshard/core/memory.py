@@ -4,7 +4,9 @@ Counted from the tensors themselves, each storage once: parameter storage
 shared with the fp32 master shard (fp32 training) counts under `params` only.
 At stage 3 `params` is the persistent shards plus whatever is gathered now.
 With 16-bit parameters the fp32 master is a storage of its own, and the fp32
-sum of several micro-steps' gradients counts under `grads`.
+sum of several micro-steps' gradients counts under `grads`. ZeRO++'s hpZ
+secondary shards (held from a unit's first gather after a step until the
+next step) count under `hpz_secondary`, 0 without hpZ.
 """
 
 from __future__ import annotations
@@ -62,4 +64,6 @@ def model_state_bytes(
     master = _storage_bytes([b.master for b in buckets], seen)
     opt = _storage_bytes(state_tensors(optimizer), seen)
     staging = _storage_bytes(pool.tensors(), seen)
-    return MemoryStats(params=params, grads=grads, master=master, optimizer=opt, staging=staging)
+    secondary = _storage_bytes([f.secondary for f in flats], seen)
+    return MemoryStats(params=params, grads=grads, master=master, optimizer=opt, staging=staging,
+                       hpz_secondary=secondary)

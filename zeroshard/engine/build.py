@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zeroshard.comm import Comm, CommRecorder, broadcast, ensure_process_group
+from zeroshard.comm import Comm, CommRecorder, Hops, Qgz, broadcast, ensure_process_group
+from zeroshard.comm.quantize import BlockCodec
+from zeroshard.comm.topology import build_topology, declared_scope
 from zeroshard.config import Config
 from zeroshard.core.bucket import Bucket, StageSwitches
 from zeroshard.core.bucketing import bucket_params
@@ -27,6 +29,7 @@ from zeroshard.core.staging import StagingPool
 from zeroshard.engine.agreement import check_ranks_agree
 from zeroshard.engine.validate import check_device_matches_group, check_model, device_of, mark_wrapped, trainable_groups
 from zeroshard.stage3.gathered import Placement, place
+from zeroshard.stage3.gathers import Gathers
 from zeroshard.stage3.generation import sync_generation
 from zeroshard.stage3.materialize import Materializer, check_materializable, default_device, on_meta
 from zeroshard.stage3.module_state import ModuleStateHooks
@@ -65,7 +68,8 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     check_device_matches_group(device, group)
     if device.type == "cuda":  # NCCL's object collectives run on the current device
         torch.cuda.set_device(device)
-    comm = Comm.create(group, CommRecorder(), config.collective_timeout, config.rank_check_timeout)
+    comm = Comm.create(group, CommRecorder(), config.collective_timeout, config.rank_check_timeout,
+                       scope=declared_scope(group, config.zero_optimization.ranks_per_node))
     # Ranks running different units would make gloo abort on a message size: check first.
     comm.check_order = config.stage == 3 and dist.get_backend(group) == "gloo"
     switches = StageSwitches.for_stage(config.stage)
@@ -78,7 +82,8 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     names = {id(p): name for name, p in model.named_parameters()}
     units, schedule = [], None
     if switches.shard_params:
-        units, schedule = _build_units(model, groups, config, comm, precision, materialize)
+        gathers, qgz = zeropp(comm, config)
+        units, schedule = _build_units(model, groups, config, gathers, qgz, precision, materialize)
         buckets = [b for unit in units for b in unit.buckets]
     else:
         buckets = _build_buckets(model, groups, config, comm, precision, switches)
@@ -108,18 +113,37 @@ def _build_buckets(model: nn.Module, groups: list[list[nn.Parameter]], config: C
                    config.gradient_accumulation_steps) for i, (flat, b) in enumerate(zip(flats, buckets))]
 
 
-def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, comm: Comm,
-                 precision: Precision, materialize: Materializer | None) -> tuple[list[Unit], GatherSchedule]:
-    """Stage 3: plan the units, then flatten, broadcast and shard them one by one."""
+def zeropp(comm: Comm, config: Config) -> tuple[Gathers, Qgz | None]:
+    """Stage 3's gathers and gradient reduction, with the ZeRO++ parts the config switches on.
+
+    hpZ and qgZ need the node topology (a collective over the default group); qwZ alone does not.
+    """
     zero = config.zero_optimization
+    block = zero.zeropp_block_size
+    weights = BlockCodec(8, block) if zero.zero_quantized_weights else None
+    if zero.zero_hpz_partition_size == 1 and not zero.zero_quantized_gradients:
+        return Gathers(comm, weights), None
+    hops = Hops.create(comm, build_topology(comm.group, zero.ranks_per_node))
+    node = hops.node if zero.zero_hpz_partition_size > 1 else None
+    qgz = None
+    if zero.zero_quantized_gradients:
+        qgz = Qgz(hops, BlockCodec(zero.zeropp_gradient_bits, block, zero.zeropp_gradient_hadamard))
+    return Gathers(comm, weights, node), qgz
+
+
+def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, gathers: Gathers,
+                 qgz: Qgz | None, precision: Precision, materialize: Materializer | None
+                 ) -> tuple[list[Unit], GatherSchedule]:
+    """Stage 3: plan the units, then flatten, broadcast and shard them one by one."""
+    zero, comm = config.zero_optimization, gathers.comm
     plans = plan_units(model, unit_modules(model, zero.stage3_wrap_classes, zero.stage3_auto_wrap_min_params))
     units = build_units(plans, groups, comm, zero.stage3_param_persistence_threshold, materialize, precision,
-                        config.gradient_accumulation_steps, zero.reduce_scatter)
+                        config.gradient_accumulation_steps, zero.reduce_scatter, qgz)
     if materialize:  # modules that hold buffers but no parameters
         materialize([m for m in model.modules() if any(b.is_meta for b in m.buffers(recurse=False))], [])
     # The units' flat buffers were broadcast before sharding, one by one.
     broadcast_from_rank0(comm, model, [], [f for u in units for f in u.flats])
-    schedule = GatherSchedule(units, comm, zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size)
+    schedule = GatherSchedule(units, gathers, zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size)
     schedule.install(model)
     ModuleStateHooks(model, schedule).install()  # module.state_dict() gives full tensors, never empty ones
     sync_generation(model, comm)  # ranks that stop generating at different lengths keep gathering together

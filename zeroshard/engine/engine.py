@@ -242,6 +242,8 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
     def _end_step(self, overflow: bool) -> None:
         for bucket in self.buckets:
             bucket.zero_grad(self.pool)
+        if self.schedule is not None:  # hpZ's secondary shards live for one step, applied or skipped
+            self.schedule.drop_secondaries()
         step = self.global_steps
         self.global_steps += 1
         if self.scaler is not None:
@@ -349,6 +351,8 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
             self.schedule.release_all()
 
     def params_from_masters(self) -> None:
+        if self.schedule is not None:  # after a load: hpZ's secondary shards are stale
+            self.schedule.drop_secondaries()
         for bucket in self.buckets:
             bucket.cast_master_to_params()
         wait_all([bucket.gather_params(self.comm) for bucket in self.buckets if bucket.gathers_after_step])

@@ -17,14 +17,28 @@ from zeroshard.estimate.formulas import (
     shard_numel,
     state_bytes_per_element,
     step_check_bytes,
-    summarize,
     wire_bytes,
 )
-from zeroshard.estimate.zeropp import qgz_reduce_scatter_bytes, quantized_bytes, qwz_all_gather_bytes
+from zeroshard.estimate.summary import summarize
+from zeroshard.estimate.zeropp import (
+    FROZEN,
+    PERSISTENT,
+    SHARDED,
+    Flat,
+    ZeroPP,
+    by_scope,
+    hpz_secondary_bytes,
+    qgz_reduce_scatter_bytes,
+    quantized_bytes,
+    qwz_all_gather_bytes,
+    stage3_comm_bytes,
+    stage3_comm_calls,
+)
 
 __all__ = [
     "DTYPE_BYTES", "STAGES", "comm_bytes_per_step", "cross_node_bytes", "largest_model", "memory_per_gpu",
     "model_state_bytes", "order_check_bytes", "precision_bytes", "shard_numel", "state_bytes_per_element",
     "step_check_bytes", "summarize", "wire_bytes", "quantized_bytes", "qwz_all_gather_bytes",
-    "qgz_reduce_scatter_bytes",
+    "qgz_reduce_scatter_bytes", "FROZEN", "PERSISTENT", "SHARDED", "Flat", "ZeroPP", "by_scope",
+    "hpz_secondary_bytes", "stage3_comm_bytes", "stage3_comm_calls",
 ]

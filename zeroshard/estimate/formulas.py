@@ -6,12 +6,10 @@ and the stage, following the ZeRO paper (Rajbhandari et al., 2020), section 3
 analysis", and the ZeRO++ paper (Wang et al., 2023) for the cross-node
 volume. Every figure is in bytes. The engine's measured `memory_stats()` and
 per-step `comm_stats()` deltas must equal these. `summarize` gathers them
-for one setup into the object `zeroshard estimate --json` prints.
+for one setup into the object `zeroshard estimate --json` prints (estimate/summary.py).
 """
 
 from __future__ import annotations
-
-import math
 
 from zeroshard.dtypes import BYTES, DTYPES, MASTER_DTYPE, TRAINING_DTYPES
 
@@ -48,7 +46,7 @@ def shard_numel(numel: int, world_size: int) -> int:
 def model_state_bytes(
     numel: int, world_size: int, stage: int, param_bytes: int = 4, grad_bytes: int = 4,
     master_bytes: int = 0, optimizer_bytes: int = 8, optimizer_scalar_bytes: int = 0,
-    largest_unit: int = 0,
+    largest_unit: int = 0, hpz_partition_size: int = 1,
 ) -> dict[str, int]:
     """Bytes of model states one rank holds: {"params", "grads", "master", "optimizer"}.
 
@@ -65,18 +63,26 @@ def model_state_bytes(
     (autograd's gradients have the parameter's dtype). `optimizer_scalar_bytes`
     is per-rank scalar state not divided by N (torch's Adam keeps a 4-byte
     step counter per optimizer tensor).
+
+    `hpz_partition_size` D > 1 (ZeRO++'s hpZ, stage 3 only) adds the key
+    "hpz_secondary": the secondary shard this rank keeps from the first
+    forward to the step, 1/D of the padded parameters (zeropp.hpz_secondary_bytes
+    for several flats). Without hpZ the key is absent.
     """
     _check(numel, world_size, stage)
     shard = shard_numel(numel, world_size)
     sharded_states = shard if stage >= 1 else numel
     grads = shard if stage >= 2 else numel
     unit = largest_unit if stage == 3 else 0
-    return {
+    states = {
         "params": param_bytes * ((shard if stage == 3 else numel) + unit),
         "grads": grad_bytes * grads + param_bytes * unit,
         "master": master_bytes * sharded_states,
         "optimizer": optimizer_bytes * sharded_states + optimizer_scalar_bytes,
     }
+    if hpz_partition_size > 1 and stage == 3:
+        states["hpz_secondary"] = param_bytes * (shard * world_size // hpz_partition_size)
+    return states
 
 
 def state_bytes_per_element(training: str = "fp32", communication: str | None = None,
@@ -186,22 +192,23 @@ def _dtype(dtype: str) -> str:
 
 
 def memory_per_gpu(numel: int, world_size: int, stage: int, dtype: str = "bf16",
-                   optimizer_bytes: int | None = None, largest_unit: int = 0) -> int:
+                   optimizer_bytes: int | None = None, largest_unit: int = 0, hpz_partition_size: int = 1) -> int:
     """Bytes of model states per GPU: the sum of `model_state_bytes` for this dtype and K."""
     states = model_state_bytes(numel, world_size, stage, largest_unit=largest_unit,
-                               **precision_bytes(dtype, optimizer_bytes))
+                               hpz_partition_size=hpz_partition_size, **precision_bytes(dtype, optimizer_bytes))
     return sum(states.values())
 
 
 def largest_model(gpu_mem: int, world_size: int, stage: int, dtype: str = "bf16",
-                  optimizer_bytes: int | None = None, largest_unit: int = 0) -> int:
+                  optimizer_bytes: int | None = None, largest_unit: int = 0, hpz_partition_size: int = 1) -> int:
     """The largest Ψ (elements) whose model states fit in `gpu_mem` bytes per GPU; 0 if none does.
 
     Exact for `memory_per_gpu` (shards rounded up): a bisection, since
     memory grows with Ψ. At stage 3 the gathered unit keeps `largest_unit`.
     """
     def fits(numel: int) -> bool:
-        return memory_per_gpu(numel, world_size, stage, dtype, optimizer_bytes, largest_unit) <= gpu_mem
+        return memory_per_gpu(numel, world_size, stage, dtype, optimizer_bytes, largest_unit,
+                              hpz_partition_size) <= gpu_mem
 
     low, high = 0, gpu_mem * world_size + 1  # every parameter costs at least 1 byte / N per GPU
     if not fits(low):
@@ -218,7 +225,9 @@ def cross_node_bytes(numel: int, stage: int, elem_bytes: int, nodes: int, zeropp
     One node: 0. Several: every collective spans the nodes, so stages 0-2
     move 2M (an all-reduce, or a reduce-scatter and an all-gather) and stage 3
     moves 3M (two gathers and a reduce-scatter); the ring factor (N-1)/N is
-    left out, as the papers do. `zeropp` (stage 3 only): 0.75M.
+    left out, as the papers do. `zeropp` (stage 3 only): the papers' nominal
+    0.75M; `summarize` gives the exact figure as the engine records it
+    (zeropp.stage3_comm_bytes).
     """
     _check(numel, 1, stage)
     if zeropp and stage != 3:
@@ -229,45 +238,3 @@ def cross_node_bytes(numel: int, stage: int, elem_bytes: int, nodes: int, zeropp
     if zeropp:
         return round(_ZEROPP_CROSS_NODE * model)
     return (3 if stage == 3 else 2) * model
-
-
-def summarize(numel: int, gpus: int, gpus_per_node: int | None = None, dtype: str = "bf16",
-              optimizer_bytes: int | None = None, largest_unit: int = 0,
-              gpu_mem: int | None = None) -> dict:
-    """The estimate for one setup, JSON-ready: what `zeroshard estimate --json` prints.
-
-    Keys "0".."3" are stages. `memory_bytes`: model-state bytes per GPU;
-    `memory_by_state`: the same split into params, grads, master, optimizer.
-    `comm_bytes`: logical bytes per optimizer step summed over collectives,
-    the convention of `engine.comm_stats()` (an all-reduce counts its buffer
-    once); `comm_by_op`: per collective; `wire_bytes_per_rank`: bytes each
-    rank sends on rings, the paper's 2Ψ (stages 0-2) and 3Ψ (stage 3)
-    elements × (N-1)/N. `cross_node_bytes` per GPU (see `cross_node_bytes`),
-    `cross_node_bytes_zeropp` for stage 3 with ZeRO++. `max_params`: the
-    largest Ψ that fits `gpu_mem` bytes per GPU (null without `gpu_mem`).
-    """
-    gpus_per_node = min(gpus, 8) if gpus_per_node is None else gpus_per_node
-    if gpus_per_node < 1:
-        raise ValueError(f"gpus_per_node must be >= 1; got {gpus_per_node}")
-    per_element = precision_bytes(dtype, optimizer_bytes)
-    nodes = math.ceil(gpus / gpus_per_node)
-    elem = per_element["param_bytes"]  # 16-bit training reduces and gathers in 16 bits
-    by_state = {str(s): model_state_bytes(numel, gpus, s, largest_unit=largest_unit, **per_element)
-                for s in STAGES}
-    by_op = {str(s): comm_bytes_per_step(numel, s, elem_bytes=elem) for s in STAGES}
-    k = per_element["master_bytes"] + per_element["optimizer_bytes"]
-    return {
-        "params": numel, "largest_unit": largest_unit, "gpus": gpus, "gpus_per_node": gpus_per_node,
-        "nodes": nodes, "dtype": dtype, "optimizer_bytes": k,
-        "memory_bytes": {s: sum(states.values()) for s, states in by_state.items()},
-        "memory_by_state": by_state,
-        "comm_bytes": {s: sum(ops.values()) for s, ops in by_op.items()},
-        "comm_by_op": by_op,
-        "wire_bytes_per_rank": {s: round(sum(wire_bytes(b, gpus, op) for op, b in ops.items()))
-                                for s, ops in by_op.items()},
-        "cross_node_bytes": {str(s): cross_node_bytes(numel, s, elem, nodes) for s in STAGES},
-        "cross_node_bytes_zeropp": cross_node_bytes(numel, 3, elem, nodes, zeropp=True),
-        "gpu_mem_bytes": gpu_mem,
-        "max_params": None if gpu_mem is None else {
-            str(s): largest_model(gpu_mem, gpus, s, dtype, k, largest_unit) for s in STAGES},
-    }

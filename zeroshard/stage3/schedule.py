@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from zeroshard.comm import Comm
+from zeroshard.stage3.gathers import Gathers
 from zeroshard.stage3.unit import Unit, UnitState
 
 
@@ -43,8 +43,8 @@ class Pass(Enum):
 
 
 class GatherSchedule:
-    def __init__(self, units: list[Unit], comm: Comm, max_live_numel: int, max_prefetch_numel: int):
-        self.units, self.comm = units, comm
+    def __init__(self, units: list[Unit], gathers: Gathers, max_live_numel: int, max_prefetch_numel: int):
+        self.units, self.gathers, self.comm = units, gathers, gathers.comm
         self.max_live_numel = max_live_numel
         self.max_prefetch_numel = max_prefetch_numel
         self.phase = Pass.FORWARD
@@ -63,7 +63,7 @@ class GatherSchedule:
     # -- hooks ---------------------------------------------------------------
 
     def _pre_forward(self, i: int, module, args) -> None:
-        self.need(i)
+        self.need(i, exact=False)
         if self.phase is Pass.BACKWARD:  # recomputation (activation checkpointing)
             self._note_backward(i)
             return
@@ -82,7 +82,7 @@ class GatherSchedule:
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
         if self.units[i].state is not UnitState.REDUCED:
-            self.need(i)
+            self.need(i, exact=False)
             self._note_backward(i)
 
     def _after_model_forward(self, module, args, output) -> None:
@@ -96,13 +96,17 @@ class GatherSchedule:
 
     # -- gathering -----------------------------------------------------------
 
-    def need(self, i: int) -> None:
-        """Make unit `i`'s parameters whole now: wait for its gather, starting it if needed."""
+    def need(self, i: int, exact: bool = True) -> None:
+        """Make unit `i`'s parameters whole now: wait for its gather, starting it if needed.
+
+        `exact` (outside training: state dicts, gathered_parameters): the shards' own values, never
+        ZeRO++'s quantized or node-local gathers. A unit whole already is used as it is.
+        """
         unit = self.units[i]
         if unit.whole:
             return
         if unit.state is not UnitState.GATHERING:
-            unit.start_gather(self.comm)
+            unit.start_gather(self.gathers, exact)
         unit.wait_gather()
 
     def _prefetch_after(self, i: int, following: dict[int, int] | None) -> None:
@@ -113,7 +117,7 @@ class GatherSchedule:
             return
         numel = unit.gathered_numel
         if numel <= self.max_prefetch_numel and self.live_numel() + numel <= self.max_live_numel:
-            unit.start_gather(self.comm)
+            unit.start_gather(self.gathers, exact=False)
 
     def live_numel(self) -> int:
         """Elements of the units gathered or being gathered now."""
@@ -126,6 +130,11 @@ class GatherSchedule:
         for unit in self.units:
             if unit.state is not UnitState.SHARDED:
                 unit.release()
+
+    def drop_secondaries(self) -> None:
+        """hpZ: after the step (or a load) the shards changed; the next gather goes over the whole group."""
+        for unit in self.units:
+            unit.drop_secondaries()
 
     def forget(self) -> None:
         """After a failure: drop every gather, landed or not, without waiting for the other ranks."""

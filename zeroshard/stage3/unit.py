@@ -19,11 +19,12 @@ from enum import Enum
 import torch
 import torch.nn as nn
 
-from zeroshard.comm import Comm, PendingGroup, all_gather, broadcast
+from zeroshard.comm import Comm, PendingGroup, Qgz, broadcast
 from zeroshard.core.bucket import FP32, Bucket, StageSwitches
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.precision import Precision
 from zeroshard.core.staging import StagingPool
+from zeroshard.stage3.gathers import Gathers
 from zeroshard.stage3.materialize import Materializer
 from zeroshard.stage3.wrapping import UnitPlan
 
@@ -53,20 +54,23 @@ class Unit:
         self._where = [(bi, pi) for bi, b in enumerate(buckets) for pi in range(len(b.params))]
         self.state = UnitState.SHARDED
         self._gather: PendingGroup | None = None  # in flight while GATHERING
+        self.quantized = False  # the gathered buffers hold qwZ's dequantized values, not the shards' own
 
     @property
     def whole(self) -> bool:
         """Whether the gathered parameters are usable now (a reduced unit with frozen ones stays whole)."""
         return self.state is UnitState.GATHERED or (self.state is UnitState.REDUCED and bool(self.frozen))
 
-    def start_gather(self, comm: Comm) -> None:
-        """SHARDED (or REDUCED) -> GATHERING: all-gather every sharded flat buffer into its full buffer."""
+    def start_gather(self, gathers: Gathers, exact: bool = True) -> None:
+        """SHARDED (or REDUCED) -> GATHERING: all-gather every sharded flat buffer into its full buffer.
+
+        `exact`: the shards' own values; else training's gather, which ZeRO++ may quantize or keep in the node.
+        """
         if self.state is UnitState.GATHERING or self.whole:
             raise RuntimeError(f"unit '{self.name}' is {self.state.value}: it cannot start another gather")
-        for flat in self.gathered_flats:
-            flat.restore_full()
-        self._gather = PendingGroup([all_gather(comm, flat.data, what=f"unit '{self.name}'")
+        self._gather = PendingGroup([gathers.start(flat, exact, what=f"unit '{self.name}'")
                                      for flat in self.gathered_flats])
+        self.quantized = gathers.quantizes(exact)
         self.state = UnitState.GATHERING
 
     def wait_gather(self) -> None:
@@ -100,8 +104,17 @@ class Unit:
             flat.release_full()
         self.state = UnitState.SHARDED
 
+    def drop_secondaries(self) -> None:
+        """hpZ: the secondary shards no longer match the shards (a step, a load, an edit)."""
+        for flat in self.gathered_flats:
+            flat.secondary = None
+
     def scatter_edits(self) -> None:
         """Keep edits made to the gathered parameters: copy each rank's shard back, into the master too."""
+        if self.quantized:  # never let qwZ's rounding into the masters
+            raise RuntimeError(f"unit '{self.name}' holds qwZ's dequantized weights (gathered by a forward): "
+                               "edit parameters outside forward and backward")
+        self.drop_secondaries()
         with torch.no_grad():
             for flat in self.gathered_flats:
                 flat.shard_data.copy_(flat.shard(flat.data))
@@ -124,14 +137,15 @@ class Unit:
 def build_units(
     plans: list[UnitPlan], groups: list[list[nn.Parameter]], comm: Comm, persistence_threshold: int,
     materialize: Materializer | None = None, precision: Precision = FP32, accumulation: int = 1,
-    use_reduce_scatter: bool = True,
+    use_reduce_scatter: bool = True, qgz: Qgz | None = None,
 ) -> list[Unit]:
     """Flatten each planned unit's parameters, start them from rank 0's values, and shard them.
 
     Units are built one after another, so at most one unit's full buffer
     exists beside the model's original parameters; for a model on the meta
     device, `materialize` initialises each unit in its buffer, so no rank
-    ever holds more than one unit of the full model.
+    ever holds more than one unit of the full model. `qgz`: ZeRO++'s gradient
+    reduction for the sharded buckets (persistent ones reduce plainly).
     """
     group_of = {id(p): g for g, params in enumerate(groups) for p in params}
     device = materialize.device if materialize else None
@@ -148,12 +162,13 @@ def build_units(
                         parts.append((g, persistent, FlatParams(params, comm.world_size, comm.rank, device)))
         if materialize:
             materialize(plan.owners, plan.params)
-        units.append(_shard_parts(plan.name, plan.module, parts, comm, precision, accumulation, use_reduce_scatter))
+        units.append(_shard_parts(plan.name, plan.module, parts, comm, precision, accumulation, use_reduce_scatter,
+                                  qgz))
     return units
 
 
 def _shard_parts(name: str, module: nn.Module, parts, comm: Comm, precision: Precision,
-                 accumulation: int, use_reduce_scatter: bool) -> Unit:
+                 accumulation: int, use_reduce_scatter: bool, qgz: Qgz | None) -> Unit:
     """Broadcast rank 0's values of each flat buffer, then keep only what this rank holds.
 
     In the model's dtype: fp32 masters start from the model's own values, and
@@ -172,5 +187,5 @@ def _shard_parts(name: str, module: nn.Module, parts, comm: Comm, precision: Pre
             switches = StageSwitches.for_stage(2 if persistent else 3)
             kind = "persistent parameters" if persistent else "param group"
             buckets.append(Bucket(flat, switches, use_reduce_scatter, g, f"unit '{name}', {kind} {g}", precision,
-                                  accumulation))
+                                  accumulation, None if persistent else qgz))
     return Unit(name, module, buckets, frozen)
