@@ -19,14 +19,14 @@ built units, so a test can hold the measured `comm_stats()` against it.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
+from zeroshard.app.demo_config import DEMO_CONFIG
 from zeroshard.app.models import GPT, PRESETS
-from zeroshard.app.train import DEMO_CONFIG
 from zeroshard.config.schema import ZeroConfig
 from zeroshard.estimate import FROZEN, PERSISTENT, SHARDED, Flat
 from zeroshard.stage3.wrapping import UnitPlan, plan_units, unit_modules

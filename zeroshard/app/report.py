@@ -4,6 +4,7 @@ the same figures as one JSON-ready dict for `--report`."""
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch.distributed as dist
@@ -13,6 +14,8 @@ from rich.text import Text
 
 import zeroshard
 from zeroshard import estimate
+from zeroshard.app.model_count import stage3_flats
+from zeroshard.estimate.zeropp import ZeroPP, hpz_secondary_bytes, stage3_comm_bytes, stage3_comm_calls
 
 _STEP_COUNTER_BYTES = 4  # torch's Adam(W) keeps one fp32 `step` tensor per optimizer tensor
 
@@ -30,7 +33,28 @@ def formulas(psi: int, world: int, args: argparse.Namespace, engine: zeroshard.E
     comm = estimate.comm_bytes_per_step(
         psi, args.stage, elem_bytes=engine.precision.param_dtype.itemsize, reduce_scatter=args.reduce_scatter,
         accumulation=args.accumulation, reduce_bytes=engine.precision.reduce_dtype.itemsize)
+    if _zeropp(engine.config).on:  # quantized and node-local collectives: the exact formula of each unit
+        comm |= {op: sum(scopes.values()) for op, scopes in stage3_scopes(engine, args).items()}
     return memory, comm
+
+
+def _zeropp(config: zeroshard.Config) -> ZeroPP:
+    zero = config.zero_optimization
+    return ZeroPP(zero.zero_quantized_weights, zero.zero_hpz_partition_size > 1, zero.zero_quantized_gradients,
+                  zero.zeropp_block_size, zero.zeropp_gradient_bits)
+
+
+def ranks_per_node(engine: zeroshard.Engine) -> int | None:
+    """D, as the engine's topology has it (config, else torchrun's LOCAL_WORLD_SIZE); None if neither says."""
+    configured = engine.config.zero_optimization.ranks_per_node
+    return configured or (int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None)
+
+
+def stage3_scopes(engine: zeroshard.Engine, args: argparse.Namespace) -> dict[str, dict[str, int]]:
+    """Stage 3's all-gather and reduce-scatter bytes per step by scope ("node" / "cross_node"), per estimate."""
+    return stage3_comm_bytes(stage3_flats(engine.units), dist.get_world_size(), ranks_per_node(engine),
+                             engine.precision.param_dtype.itemsize, engine.precision.reduce_dtype.itemsize,
+                             args.accumulation, _zeropp(engine.config))
 
 
 def _bytes_per_element(engine: zeroshard.Engine, args: argparse.Namespace) -> dict[str, int]:
@@ -64,8 +88,10 @@ def report_figures(engine: zeroshard.Engine, args: argparse.Namespace, config: z
         "losses": result.losses, "lr": result.lrs, "step_seconds": result.step_seconds,
         "tokens_per_second": [tokens / s for s in result.step_seconds],
         "memory_stats": [m for m, _ in everyone],
-        "comm_stats": [{op: {"calls": c, "bytes": b} for op, (c, b) in ops.items()} for _, ops in everyone],
-        "estimate": {"memory": memory, "comm": comm},
+        "comm_stats": [{op: {"calls": c, "bytes": b, "by_scope": s} for op, (c, b, s) in ops.items()}
+                       for _, ops in everyone],
+        "estimate": {"memory": memory, "comm": comm} | ({"order_check": _zeropp_order_check_bytes(engine, args, 1)}
+                                                         if _zeropp(engine.config).on else {}),
         "sample": result.sample,
     }
 
@@ -88,6 +114,8 @@ def print_report(console: Console, engine: zeroshard.Engine, args: argparse.Name
     memory, comm = formulas(psi, world, args, engine)
     console.print(_memory_table(memory, world, engine, args, result.memory, everyone))
     console.print(_comm_table(comm, world, engine, args, result.comm_last_step, everyone))
+    if args.stage == 3 and engine.comm.scope is not None:
+        console.print(_scope_table(engine, args, result.comm_last_step, everyone))
 
 
 def _steps_run(first: int, last: int) -> str:
@@ -131,12 +159,18 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
     gathered = f"{param_bytes}Ψ" + (f"×{2 * args.accumulation}" if args.stage == 3 else "")
     how = {"all_reduce": " + ".join(reduced), "reduce_scatter": grads, "all_gather": gathered,
            "order_check": "8N per collective", "step_check": "32N (norm, inf/nan flag, step counters)"}
+    if _zeropp(engine.config).on:
+        how |= {"reduce_scatter": "ZeRO++: by scope below", "all_gather": "ZeRO++: by scope below",
+                "order_check": "8 x its group's ranks per collective"}
     # Stage 3 on gloo agrees on every collective first: one 8-byte checksum per rank each.
-    checked = sum(calls for op, (calls, _, _) in measured.items() if op != "order_check")
-    formula = formula | {"order_check": estimate.order_check_bytes(world, checked) if measured["order_check"][1] else 0,
+    checked = sum(calls for op, (calls, *_) in measured.items() if op != "order_check")
+    checks = estimate.order_check_bytes(world, checked)
+    if _zeropp(engine.config).on:  # ZeRO++'s node and cross-node collectives agree within their own groups
+        checks = _zeropp_order_check_bytes(engine, args, measured["step_check"][0])
+    formula = formula | {"order_check": checks if measured["order_check"][1] else 0,
                          "step_check": estimate.step_check_bytes(world)}
     # all_gather's "object" is the setup's agreement check (0 bytes), not a way to move tensors.
-    algorithms = {op: ",".join(sorted(a - {"object"})) for op, (_, b, a) in measured.items() if b}
+    algorithms = {op: ",".join(sorted(a - {"object"})) for op, (_, b, a, _) in measured.items() if b}
     table = Table(title="Communication per optimizer step (bytes, last step)", title_justify="left",
                   caption="wire/rank: bytes each rank sends on a ring; algorithms: "
                           + "; ".join(f"{op} = {a}" for op, a in algorithms.items()),
@@ -144,7 +178,7 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
     for name in ("collective", "calls", "measured", "formula", "expression", "wire/rank", "ok"):
         numeric = name in ("calls", "measured", "formula", "wire/rank")
         table.add_column(name, justify="right" if numeric else "left", no_wrap=name != "expression")
-    for op, (calls, nbytes, _) in measured.items():
+    for op, (calls, nbytes, *_) in measured.items():
         expected = formula.get(op, 0)
         if expected == 0 and nbytes == 0:
             continue
@@ -152,4 +186,42 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
         wire = estimate.wire_bytes(expected, world, "all_gather" if op in ("order_check", "step_check") else op)
         table.add_row(op, str(calls), f"{nbytes:,}", f"{expected:,}", how.get(op, "0"),
                       f"{wire:,.0f}", _match(ok))
+    return table
+
+
+def _zeropp_order_check_bytes(engine: zeroshard.Engine, args: argparse.Namespace, step_checks: int) -> int:
+    """Stage 3's order checks on gloo: 8 bytes per rank of the group that runs each collective, whose
+    group follows from its scope: the whole group N, a node D, or (qgZ's second hop) the K nodes."""
+    world, per_node, zeropp = dist.get_world_size(), ranks_per_node(engine), _zeropp(engine.config)
+    calls = stage3_comm_calls(stage3_flats(engine.units), world, per_node, engine.precision.param_dtype.itemsize,
+                              engine.precision.reduce_dtype.itemsize, args.accumulation, zeropp)
+    group = {("all_gather", "cross_node"): world, ("all_gather", "node"): per_node,
+             ("reduce_scatter", "node"): per_node,
+             ("reduce_scatter", "cross_node"): world // per_node if zeropp.qgz else world}
+    ranks = sum(n * group[op, scope] for op, scopes in calls.items() for scope, n in scopes.items())
+    return 8 * (ranks + step_checks * world)
+
+
+def _scope_table(engine: zeroshard.Engine, args: argparse.Namespace,
+                 measured: dict[str, tuple[int, int, set[str], dict[str, int]]], everyone: list) -> Table:
+    """Stage 3's gathers and reductions inside a node and across nodes: rank 0 measured, and the estimate."""
+    formula, zeropp = stage3_scopes(engine, args), _zeropp(engine.config)
+    world, per_node = dist.get_world_size(), ranks_per_node(engine)
+    m = sum(f.numel for f in stage3_flats(engine.units)) * engine.precision.param_dtype.itemsize
+    parts = ", ".join(p for p, on in (("qwZ", zeropp.qwz), ("hpZ", zeropp.hpz), ("qgZ", zeropp.qgz)) if on)
+    caption = f"M = {m:,} bytes (the parameters in {engine.config.training_dtype}); ok: every rank equals the estimate"
+    if zeropp.hpz:
+        secondary = hpz_secondary_bytes(stage3_flats(engine.units), world, per_node,
+                                        engine.precision.param_dtype.itemsize)
+        caption += f"; hpZ secondary shards: {secondary:,} bytes per rank from a step's first forward to the step"
+    table = Table(title=f"Stage 3 by scope, {world // per_node} node(s) x {per_node} ranks, {parts or 'no ZeRO++'} "
+                        "(bytes, last step)", title_justify="left", caption=caption, caption_justify="left",
+                  show_edge=False)
+    for name in ("collective", "scope", "measured", "formula", "× M", "ok"):
+        table.add_column(name, justify="left" if name in ("collective", "scope", "ok") else "right", no_wrap=True)
+    for op, scopes in formula.items():
+        for scope in ("node", "cross_node"):
+            expected, got = scopes.get(scope, 0), measured[op][3].get(scope, 0)
+            ok = all(comm[op][2].get(scope, 0) == expected for _, comm in everyone)
+            table.add_row(op, scope.replace("_", "-"), f"{got:,}", f"{expected:,}", f"{got / m:.3f}", _match(ok))
     return table

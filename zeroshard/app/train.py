@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import zeroshard
 from zeroshard.app.data import CharCorpus, load_text, micro_batch
+from zeroshard.app.demo_config import DEMO_CONFIG
 from zeroshard.app.flags import (
     add_data,
     add_dtype,
@@ -68,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reduce-scatter", type=true_or_false, default=None, metavar="true|false",
                         help="false: all-reduce the gradients and keep a slice, for comparison "
                              "(default: true, or the config's)")
+    parser.add_argument("--zeropp", type=true_or_false, nargs="?", const=True, default=False, metavar="true|false",
+                        help="with --stage 3: ZeRO++'s qwZ (int8 weight gathers), hpZ (backward gathers inside "
+                             "the node) and qgZ (int4 gradients, reduced in two hops), on the nodes of --nodes")
+    parser.add_argument("--nodes", type=positive_int, default=None, metavar="K",
+                        help="declare this machine's ranks to be K nodes (emulated: for ZeRO++ and for bytes "
+                             "inside / across nodes in the report); default: one node per machine")
     parser.add_argument("--lr", type=positive_float, default=6e-3,
                         help="peak AdamW learning rate, after a linear warm-up over the first 5%% "
                              "of steps and before a cosine decay to a tenth (default: %(default)s)")
@@ -101,21 +108,6 @@ def to_argv(args: argparse.Namespace) -> list[str]:
     add_arguments(flags)
     return as_argv(args, vars(flags.parse_args([])), _PATH_FLAGS)  # every flag add_arguments declares
 
-
-# The demo's settings where neither --config nor a flag gives one.
-DEMO_CONFIG = {
-    "train_micro_batch_size_per_gpu": 16,
-    "gradient_accumulation_steps": 1,
-    "gradient_clipping": 1.0,
-    # Small buckets: reductions overlap with the rest of backward, and stage 2's staging
-    # buffers (a few buckets in flight) stay small next to the gradient shard it saves.
-    "zero_optimization": {
-        "stage": 2, "reduce_bucket_size": 50_000, "allgather_bucket_size": 50_000,
-        # Stage 3: each transformer block is a unit, and every parameter is sharded, so the
-        # report's memory rows are exactly the formula's 4Ψ/N.
-        "stage3_wrap_classes": ["Block"], "stage3_param_persistence_threshold": 0,
-    },
-}
 
 # flag -> the dotted config keys it sets.
 _FLAG_KEYS = {
@@ -152,12 +144,31 @@ def engine_config(args: argparse.Namespace) -> zeroshard.Config:
     if args.dtype is not None:  # one flag, two sections
         for dtype in ("bf16", "fp16"):
             raw.setdefault(dtype, {})["enabled"] = args.dtype == dtype
+    raw["zero_optimization"] |= _zeropp_keys(args)
     config = zeroshard.Config.load(raw)
     args.stage, args.reduce_scatter = config.stage, config.zero_optimization.reduce_scatter
     args.micro_batch = config.train_micro_batch_size_per_gpu
     args.accumulation = config.gradient_accumulation_steps
     args.dtype = config.training_dtype
     return config
+
+
+def _zeropp_keys(args: argparse.Namespace) -> dict:
+    """The config keys of --nodes and --zeropp: the ranks per node, and ZeRO++'s three parts over them."""
+    keys: dict = {}
+    per_node = None
+    if args.nodes is not None:
+        # In the ranks LOCAL_WORLD_SIZE counts this machine's ranks; before the launch, --nproc does.
+        machine = int(os.environ.get("LOCAL_WORLD_SIZE", getattr(args, "nproc", 1)))
+        if machine % args.nodes:
+            raise zeroshard.ConfigError(f"--nodes {args.nodes} must divide the {machine} ranks on this machine")
+        keys["zeropp_ranks_per_node"] = per_node = machine // args.nodes
+    if args.zeropp:
+        per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", getattr(args, "nproc", 1)))
+        keys |= {"zero_quantized_weights": True, "zero_quantized_gradients": True}
+        if per_node > 1:  # hpZ over one rank would be plain stage 3's gather
+            keys["zero_hpz_partition_size"] = per_node
+    return keys
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
@@ -200,7 +211,8 @@ class RunResult:
     losses: list[float]  # global mean loss per optimizer step
     lrs: list[float]  # learning rate of each optimizer step (first param group)
     step_seconds: list[float]  # wall time per optimizer step
-    comm_last_step: dict[str, tuple[int, int, set[str]]]  # op -> (calls, bytes, algorithms), last step
+    # op -> (calls, bytes, algorithms, bytes by scope), last step
+    comm_last_step: dict[str, tuple[int, int, set[str], dict[str, int]]]
     memory: dict[str, int]  # memory_stats() after training, bytes
     sample: str
 
@@ -231,7 +243,7 @@ def train(args: argparse.Namespace, console: Console | None = None) -> RunResult
     result = RunResult(start + 1, losses, lrs, seconds, comm, memory, sample if rank0 else "")
     # Every rank's figures, so the report can say whether all ranks match the formula.
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (result.memory, {op: (c, b) for op, (c, b, _) in comm.items()}))
+    dist.all_gather_object(everyone, (result.memory, {op: (c, b, s) for op, (c, b, _, s) in comm.items()}))
     if rank0:
         print_report(console, engine, args, result, everyone)
         if args.report is not None:
@@ -301,8 +313,8 @@ def _train_loop(engine: zeroshard.Engine, schedule: torch.optim.lr_scheduler.LRS
         progress.update(task, advance=1, loss=losses[-1], tps=rows * block / seconds[-1])
         step_log(step + 1, losses[-1], lrs[-1], seconds[-1], rows * block / seconds[-1])
         _save(engine, schedule, args, step + 1)
-    delta = {op: (after[op].calls - before[op].calls, after[op].bytes - before[op].bytes,
-                  after[op].algorithms) for op in after}
+    delta = {op: (after[op].calls - before[op].calls, after[op].bytes - before[op].bytes, after[op].algorithms,
+                  {s: b - before[op].by_scope.get(s, 0) for s, b in after[op].by_scope.items()}) for op in after}
     return losses, lrs, seconds, delta
 
 
