@@ -5,6 +5,7 @@ from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.pretrained import pretrained
 from zeroshard.comm import CollectiveError
 from zeroshard.comm.group import LaunchError
+from zeroshard.comm.topology import TopologyError
 from zeroshard.config import Config, ConfigError
 from zeroshard.core.grad_norm import NonFiniteError
 from zeroshard.core.optim import OptimizerError
@@ -22,5 +23,5 @@ __all__ = [
     "CheckpointError", "CollectiveError", "Config", "ConfigError", "Engine", "EngineStateError", "GenerationError",
     "GradientError",
     "LaunchError", "LossScaleError", "ModelError", "NonFiniteError", "OptimizerError", "RankMismatchError",
-    "ZeroshardError", "__version__", "consolidate", "gathered_parameters", "initialize", "meta_init", "pretrained",
+    "TopologyError", "ZeroshardError", "__version__", "consolidate", "gathered_parameters", "initialize", "meta_init", "pretrained",
 ]

@@ -17,7 +17,12 @@ from rich.table import Table
 
 from zeroshard import estimate
 from zeroshard.app.flags import add_command, add_dtype, positive_int
-from zeroshard.app.model_count import AUTO_WRAP_MIN_PARAMS, DEMO_WRAP, PERSISTENCE_THRESHOLD, count_model
+from zeroshard.app.model_count import (
+    AUTO_WRAP_MIN_PARAMS,
+    DEMO_WRAP,
+    PERSISTENCE_THRESHOLD,
+    count_model,
+)
 
 EXAMPLES = """\
 examples:
@@ -191,7 +196,8 @@ def print_summary(console: Console, summary: dict, name: str | None = None) -> N
         row += [human_bytes(summary["cross_node_bytes"][stage])] * (nodes > 1)
         table.add_row(*row, *([human_count(fits[stage])] if fits is not None else []))
     console.print(table)
-    if nodes > 1 and summary["cross_node_bytes_zeropp"] is not None:
+    if nodes > 1 and summary["cross_node_bytes_zeropp"] is not None and summary["zeropp"] is None:
+        # The paper's claim, on one flat of Ψ; with parts chosen, the table below gives them exactly.
         model = summary["stage3_model_bytes"]
         console.print(f"stage 3 with ZeRO++ (qwZ + hpZ + qgZ): cross-node "
                       f"{human_bytes(summary['cross_node_bytes_zeropp'])} per GPU per step instead of "
@@ -233,7 +239,7 @@ def print_stage3(console: Console, summary: dict) -> None:
         table.add_column(names[setup], justify="right", no_wrap=True)
     rows = [(op, scope) for op in ("all_gather", "reduce_scatter") for scope in ("node", "cross_node")
             if any(scope in setups[s][op] for s in setups)]
-    cell = lambda b: f"{human_bytes(b)} ({b / model:.4g}M)"  # noqa: E731
+    cell = lambda b: f"{human_bytes(b)} ({b / model:.4g}M)"
     for op, scope in rows:
         table.add_row(op, scope, *[cell(setups[s][op].get(scope, 0)) for s in setups])
     for scope in ("node", "cross_node"):

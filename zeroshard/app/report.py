@@ -114,7 +114,7 @@ def print_report(console: Console, engine: zeroshard.Engine, args: argparse.Name
     memory, comm = formulas(psi, world, args, engine)
     console.print(_memory_table(memory, world, engine, args, result.memory, everyone))
     console.print(_comm_table(comm, world, engine, args, result.comm_last_step, everyone))
-    if args.stage == 3 and engine.comm.scope is not None:
+    if args.stage == 3 and (engine.comm.scope == "cross_node" or _zeropp(engine.config).on):
         console.print(_scope_table(engine, args, result.comm_last_step, everyone))
 
 
@@ -217,11 +217,11 @@ def _scope_table(engine: zeroshard.Engine, args: argparse.Namespace,
     table = Table(title=f"Stage 3 by scope, {world // per_node} node(s) x {per_node} ranks, {parts or 'no ZeRO++'} "
                         "(bytes, last step)", title_justify="left", caption=caption, caption_justify="left",
                   show_edge=False)
-    for name in ("collective", "scope", "measured", "formula", "× M", "ok"):
+    for name in ("scope", "collective", "measured", "formula", "× M", "ok"):
         table.add_column(name, justify="left" if name in ("collective", "scope", "ok") else "right", no_wrap=True)
-    for op, scopes in formula.items():
-        for scope in ("node", "cross_node"):
+    for scope in ("node", "cross_node"):
+        for op, scopes in formula.items():
             expected, got = scopes.get(scope, 0), measured[op][3].get(scope, 0)
             ok = all(comm[op][2].get(scope, 0) == expected for _, comm in everyone)
-            table.add_row(op, scope.replace("_", "-"), f"{got:,}", f"{expected:,}", f"{got / m:.3f}", _match(ok))
+            table.add_row(scope.replace("_", "-"), op, f"{got:,}", f"{expected:,}", f"{got / m:.3f}", _match(ok))
     return table

@@ -23,8 +23,9 @@ class Init:
     DeepSpeed's keyword arguments are accepted. `enabled=False` does nothing;
     `mem_efficient_linear`, `pin_memory`, `config_dict_or_path` and `config` have
     no effect (the config is the one `initialize` reads); the others that ask
-    for something zeroshard lacks (offload, other groups, quantized weights,
-    a dtype other than fp32, an already built module) raise `UnsupportedError`.
+    for something zeroshard lacks or takes from the config (offload, other
+    groups, ZeRO++'s switches, a dtype other than fp32, an already built
+    module) raise `UnsupportedError` naming what to do.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
@@ -39,12 +40,15 @@ class Init:
                       "build in fp32; the config's bf16 or fp16 section casts the parameters"),
             "data_parallel_group": (data_parallel_group is not None, "zeroshard.deepspeed uses the default group"),
             "mpu": (mpu is not None, "model parallelism is not supported yet"),
-            "zero_param_parallel_group": (zero_param_parallel_group is not None, "hpZ is not supported yet"),
+            "zero_param_parallel_group": (zero_param_parallel_group is not None,
+                                          "hpZ's groups are the nodes: set zero_optimization.zero_hpz_partition_size "
+                                          "in the config"),
             "sequence_data_parallel_group": (sequence_data_parallel_group is not None,
                                              "sequence parallelism is not supported yet"),
-            "zero_quantized_weights": (bool(zero_quantized_weights), "ZeRO++ is not supported yet"),
+            "zero_quantized_weights": (bool(zero_quantized_weights),
+                                       "set zero_optimization.zero_quantized_weights (ZeRO++ qwZ) in the config"),
             "zero_quantized_nontrainable_weights": (bool(zero_quantized_nontrainable_weights),
-                                                    "ZeRO++ is not supported yet"),
+                                                    "quantized frozen weights are not supported yet"),
             "param_swapper": (param_swapper is not None, "NVMe offload is not supported yet"),
         }
         for name, (bad, fix) in refused.items():

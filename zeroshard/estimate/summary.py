@@ -12,9 +12,22 @@ import math
 from dataclasses import asdict
 
 from zeroshard.estimate.formulas import (
-    STAGES, comm_bytes_per_step, cross_node_bytes, largest_model, model_state_bytes, precision_bytes, wire_bytes,
+    STAGES,
+    comm_bytes_per_step,
+    cross_node_bytes,
+    largest_model,
+    model_state_bytes,
+    precision_bytes,
+    wire_bytes,
 )
-from zeroshard.estimate.zeropp import Flat, ZeroPP, by_scope, hpz_secondary_bytes, stage3_comm_bytes, stage3_comm_calls
+from zeroshard.estimate.zeropp import (
+    Flat,
+    ZeroPP,
+    by_scope,
+    hpz_secondary_bytes,
+    stage3_comm_bytes,
+    stage3_comm_calls,
+)
 
 ALL_PARTS = ZeroPP(qwz=True, hpz=True, qgz=True)  # the paper's full ZeRO++: qwZ + hpZ + qgZ
 

@@ -10,12 +10,18 @@ block * bits / 8 bytes of payload and one fp32 scale. Every message is one
 rank's shard, S = ceil(numel / N) elements, padded on its own, so blocks
 never straddle two shards (the error bound of a shard then involves only its
 own blocks; see comm/qgz.py).
+
+`stage3_comm_bytes` adds these up over stage 3's flat buffers for one
+optimizer step, by op and scope, with any of qwZ, hpZ and qgZ: the
+recording convention the engine implements, written in its docstring.
+`hpz_secondary_bytes` is hpZ's memory.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 from zeroshard.estimate.formulas import shard_numel
 
