@@ -128,6 +128,8 @@ def test_train_help_lists_its_flags(capsys):
     (["train", "--nnodes", "2"], "needs --rdzv-endpoint"),
     (["train", "--config", "/no/such/config.json"], "config file '/no/such/config.json' not found"),
     (["train", "--reduce-scatter", "maybe"], "expected true or false"),
+    (["train", "--nproc", "2", "--nodes", "3"], "argument --nodes: 3 nodes must divide the 2 ranks"),
+    (["train", "--zeropp"], "need stage 3, not stage 2"),
     (["compare", "--runs", "9"], "invalid choice"),
     ([], "required"),
 ])
@@ -248,3 +250,20 @@ def test_train_resumes_on_another_world_size_and_stage(tmp_path):
     assert [resumed[s] for s in (3, 4)] == pytest.approx([whole[3], whole[4]], rel=1e-5)
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["first_step"] == 3 and len(report["losses"]) == 2 and report["world_size"] == 4
+
+
+def test_train_zeropp_on_emulated_nodes_reports_bytes_by_scope_equal_to_the_estimate(tmp_path):
+    # 2 ranks as 2 nodes x 1: qwZ and qgZ (hpZ needs 2 ranks a node; the 4-rank case is tests/stage3/test_zeropp.py).
+    output = _train(tmp_path, "--nproc", "2", "--stage", "3", "--zeropp", "--nodes", "2", "--dtype", "bf16",
+                    "--steps", "2", "--report", "report")
+    scopes = _table_rows(output, ("node", "cross-node"))
+    assert set(scopes) == {"node", "cross-node"}, output
+    rows = [line for line in output.splitlines() if line.split("│")[0].strip() in ("node", "cross-node")]
+    assert len(rows) == 4 and all(line.rstrip().endswith("✓") for line in rows), output
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    for rank_comm in report["comm_stats"]:
+        assert "node" not in rank_comm["reduce_scatter"]["by_scope"]  # one rank a node: qgZ's first hop is skipped
+        assert rank_comm["all_gather"]["by_scope"]["cross_node"] == report["estimate"]["comm"]["all_gather"]
+        assert rank_comm["reduce_scatter"]["by_scope"]["cross_node"] == report["estimate"]["comm"]["reduce_scatter"]
+    assert report["config"]["zero_optimization"]["zero_quantized_weights"] is True
+    assert report["config"]["zero_optimization"]["zero_hpz_partition_size"] == 1

@@ -19,7 +19,9 @@ from tests.recipes import GPT_CFG, Case, make_engine, micro_batch
 from zeroshard.app import data
 from zeroshard.app.models import GPT
 from zeroshard.comm.quantize import BlockCodec, dequantize, quantize
+from zeroshard.app.model_count import stage3_flats
 from zeroshard.estimate import qgz_reduce_scatter_bytes, qwz_all_gather_bytes
+from zeroshard.estimate.zeropp import ZeroPP, hpz_secondary_bytes, stage3_comm_bytes
 
 WORLD, PER_NODE = 4, 2
 ALL3 = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
@@ -67,7 +69,7 @@ def _bytes_run(rank, world, device, variants: dict):
         after = engine.comm_stats()
         out[name] = {"gather": _by_scope(before, after, "all_gather"),
                      "reduce": _by_scope(before, after, "reduce_scatter"), "flats": _flats(engine),
-                     "psi": sum(numel for numel, _ in _flats(engine))}
+                     "psi": sum(numel for numel, _ in _flats(engine)), "units": stage3_flats(engine.units)}
     return out
 
 
@@ -88,6 +90,10 @@ def test_cross_node_bytes_per_step_are_the_papers_and_the_formulas():
             hops = [qgz_reduce_scatter_bytes(numel, WORLD, PER_NODE, bits, 128) for numel, _ in flats]
             assert run["reduce"] == {s: sum(h[s] for h in hops) for s in ("node", "cross_node")}
             assert run["reduce"]["cross_node"] <= (0.28 if bits == 4 else 0.53) * m / PER_NODE
+        for name, zeropp in (("plain", ZeroPP()), ("int4", ZeroPP(True, True, True)),
+                             ("int8", ZeroPP(True, True, True, gradient_bits=8))):  # what zeroshard estimate prints
+            estimate = stage3_comm_bytes(out[name]["units"], WORLD, PER_NODE, 2, 2, 1, zeropp)
+            assert estimate == {"all_gather": out[name]["gather"], "reduce_scatter": out[name]["reduce"]}
 
 
 def _forward_weights_by_dtype(rank, world, device, dtypes: list[str]):
@@ -135,7 +141,7 @@ def _hpz_run(rank, world, device, variants: dict):
         engine = _engine(case, device, zeropp)
         _train(engine, case, world, rank, 1)
         before = engine.comm_stats()
-        losses = _train(engine, case, world, rank, 3, first=1)
+        losses = _train(engine, case, world, rank, 2, first=1)
         after = engine.comm_stats()
         held = []
         for micro in range(case.accumulation):  # one more window: what is held between backward and step
@@ -144,7 +150,8 @@ def _hpz_run(rank, world, device, variants: dict):
             held.append(engine.memory_stats()["hpz_secondary"])
             engine.step()
         out[name] = {"losses": losses, "gather": _by_scope(before, after, "all_gather"), "flats": _flats(engine),
-                     "held": held, "after_step": engine.memory_stats()["hpz_secondary"]}
+                     "held": held, "after_step": engine.memory_stats()["hpz_secondary"],
+                     "units": stage3_flats(engine.units)}
     return out
 
 
@@ -155,11 +162,12 @@ def test_hpz_alone_is_bitwise_plain_stage3_and_gathers_backward_inside_the_node(
         # hpZ's secondary shards are copies of the forward's (dequantized) weights: backward sees the same.
         assert out["qwz+hpz"]["losses"] == out["qwz"]["losses"]
         padded = sum(4 * WORLD * shard for _, shard in out["plain"]["flats"])  # fp32 bytes per gather
-        steps, accumulation = 3, 2
+        steps, accumulation = 2, 2
         assert out["plain"]["gather"] == {"cross_node": steps * 2 * accumulation * padded}
         # One gather across nodes per window (the first forward); the other 2A - 1 stay in the node.
         assert out["hpz"]["gather"] == {"cross_node": steps * padded, "node": steps * (2 * accumulation - 1) * padded}
         assert out["hpz"]["held"] == [padded // PER_NODE] * accumulation and out["plain"]["held"] == [0, 0]
+        assert out["hpz"]["held"][0] == hpz_secondary_bytes(out["hpz"]["units"], WORLD, PER_NODE, 4)
         assert out["hpz"]["after_step"] == 0
 
 

@@ -249,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
                                       "the same on every node")
         if args.data is not None:
             _check_data(args.command_parser, args.data, PRESETS[args.model].block_size)
+        if args.nodes is not None and args.nproc % args.nodes:
+            args.command_parser.error(f"argument --nodes: {args.nodes} nodes must divide the {args.nproc} ranks "
+                                      "of --nproc on this machine")
         _check_config(args)
         if args.resume is not None:
             _check_resume(args)
