@@ -24,6 +24,7 @@ With one rank every collective is the identity, and nothing is sent.
 
 from __future__ import annotations
 
+import atexit
 import pickle
 import time
 import zlib
@@ -40,6 +41,32 @@ from zeroshard.comm.recorder import CommRecorder, Scope
 from zeroshard.comm.stall import CollectiveError, Trace, explain, mismatch
 
 _created: dict[str, int] = {}  # comms made per group name in this process, in the same order on every rank
+_GLOO_EXIT_DRAIN_S = 0.05  # how long the main thread lets go of the GIL at exit, for gloo's worker threads
+_gloo_exit_drain_registered = False
+
+
+def _let_gloo_workers_finish() -> None:
+    """At exit, before the interpreter finalizes: give gloo's worker threads the GIL to drop their last works.
+
+    A gloo worker thread (`ProcessGroupGloo::runLoop`) destroys each work it ran, and with it the work's
+    tensors; when the Python side has already dropped its handle (any `async_op=False` collective, such as
+    `generate(synced_gpus=True)`'s all_reduce), that destruction releases the tensors' Python objects and
+    takes the GIL on the worker thread. If the script ends just after its last collective, the worker
+    waits for the GIL while the main thread goes on into interpreter finalization; CPython (3.11) then
+    ends the worker with pthread_exit inside `~AsyncWork`, a noexcept destructor, and the process aborts
+    with "terminate called without an active exception" (exit code -6, no Python frame). Destroying the
+    group would join the workers, but the engine's comms keep a reference to it, so
+    `dist.destroy_process_group()` alone does not. Sleeping releases the GIL: a worker waiting for it
+    takes it, drops its work, and goes back to waiting for work, before finalization starts.
+    """
+    time.sleep(_GLOO_EXIT_DRAIN_S)
+
+
+def _drain_gloo_at_exit() -> None:
+    global _gloo_exit_drain_registered
+    if not _gloo_exit_drain_registered:
+        _gloo_exit_drain_registered = True
+        atexit.register(_let_gloo_workers_finish)
 
 
 @dataclass(frozen=True)
@@ -81,6 +108,8 @@ class Comm:
     def create(cls, group: dist.ProcessGroup, recorder: CommRecorder, timeout_s: float | None = None,
                rank_check_timeout_s: float = 60.0, scope: Scope | None = None) -> "Comm":
         gloo = dist.get_backend(group) == "gloo"
+        if gloo:
+            _drain_gloo_at_exit()  # this comm keeps the group, and its worker threads, alive until exit
         name = dist.distributed_c10d._get_process_group_name(group)
         _created[name] = uid = _created.get(name, 0) + 1
         comm = cls(group, recorder, Algorithms.for_group(group), timeout_s=timeout_s if gloo else None,
