@@ -20,7 +20,7 @@ from zeroshard.estimate import FROZEN, PERSISTENT, SHARDED, Flat, ZeroPP
 
 PSI = 4 * 128 * 1000  # divisible by N x B: no padding anywhere
 M = 2 * PSI  # bf16 parameters
-ALL = ZeroPP(qwz=True, hpz=True, qgz=True)
+ALL = ZeroPP(qwz=True, hpz=True, qgz=True, gradient_bits=4)  # the paper's
 
 
 def q(numel: int, bits: int, block: int = 128) -> int:
@@ -81,7 +81,7 @@ def test_padding_persistent_and_frozen_flats():
     (1, {"all_gather": {"cross_node": 2 * 4 * 264}, "reduce_scatter": {"cross_node": 4 * 2 * 68}}),  # D = 1
 ])
 def test_a_hop_over_one_rank_is_skipped(gpus_per_node, expected):
-    parts = ZeroPP(qwz=True, qgz=True)
+    parts = ZeroPP(qwz=True, qgz=True, gradient_bits=4)
     assert estimate.stage3_comm_bytes([Flat(1000)], 4, gpus_per_node, 2, zeropp=parts) == expected
 
 

@@ -115,7 +115,7 @@ def _add_zeropp(parser: argparse.ArgumentParser) -> None:
                         help="a secondary shard per node: later all-gathers stay inside the node "
                              "(zero_hpz_partition_size = --gpus-per-node)")
     zeropp.add_argument("--qgz", action="store_true", help="hierarchical block-quantized gradient reduce-scatter")
-    zeropp.add_argument("--gradient-bits", type=int, choices=(4, 8), default=4,
+    zeropp.add_argument("--gradient-bits", type=int, choices=(4, 8), default=8,
                         help="qgZ's bits per gradient element (zeropp_gradient_bits; default: %(default)s)")
     zeropp.add_argument("--block-size", type=positive_int, default=128, metavar="B",
                         help="elements per quantization block (zeropp_block_size; default: %(default)s)")

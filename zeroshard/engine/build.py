@@ -127,7 +127,7 @@ def zeropp(comm: Comm, config: Config) -> tuple[Gathers, Qgz | None]:
     node = hops.node if zero.zero_hpz_partition_size > 1 else None
     qgz = None
     if zero.zero_quantized_gradients:
-        qgz = Qgz(hops, BlockCodec(zero.zeropp_gradient_bits, block, zero.zeropp_gradient_hadamard))
+        qgz = Qgz(hops, BlockCodec(zero.zeropp_gradient_bits, block, zero.gradient_hadamard))
     return Gathers(comm, weights, node), qgz
 
 

@@ -29,7 +29,7 @@ from zeroshard.estimate.zeropp import (
     stage3_comm_calls,
 )
 
-ALL_PARTS = ZeroPP(qwz=True, hpz=True, qgz=True)  # the paper's full ZeRO++: qwZ + hpZ + qgZ
+ALL_PARTS = ZeroPP(qwz=True, hpz=True, qgz=True, gradient_bits=4)  # the paper's full ZeRO++: qwZ + hpZ + int4 qgZ
 
 
 def summarize(numel: int, gpus: int, gpus_per_node: int | None = None, dtype: str = "bf16",
@@ -97,7 +97,7 @@ def _zeropp_cross_node(numel: int, gpus: int, gpus_per_node: int, elem: int) -> 
     if gpus % gpus_per_node:
         return None
     # Nodes of one GPU hold no secondary shard (config refuses hpZ there): qwZ and qgZ only.
-    parts = ALL_PARTS if gpus_per_node > 1 else ZeroPP(qwz=True, qgz=True)
+    parts = ALL_PARTS if gpus_per_node > 1 else ZeroPP(qwz=True, qgz=True, gradient_bits=4)
     return by_scope(stage3_comm_bytes([Flat(numel)], gpus, gpus_per_node, elem, zeropp=parts))["cross_node"]
 
 

@@ -87,7 +87,7 @@ class ZeroPP:
     hpz: bool = False
     qgz: bool = False
     block_size: int = 128
-    gradient_bits: int = 4
+    gradient_bits: int = 8  # the config's default (zeropp_gradient_bits); the paper's is 4
 
     @property
     def on(self) -> bool:
