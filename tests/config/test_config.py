@@ -48,6 +48,7 @@ DEFAULTS = {
         "zeropp_block_size": 128,
         "zeropp_gradient_bits": 8,
         "zeropp_gradient_hadamard": None,
+        "zeropp_compile_quantizers": False,
         "zeropp_ranks_per_node": None,
     },
     "bf16": {"enabled": False},

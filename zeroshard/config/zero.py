@@ -121,6 +121,12 @@ class ZeroConfig(BaseModel):
         "ZeRO++ qgZ: rotate each block by the Walsh-Hadamard matrix before quantizing gradients "
         "(zeropp_block_size must be a power of two); it halves int4's error on heavy-tailed gradients. "
         "null = on with 4 bits, off with 8. DeepSpeed: none (zeroshard only)."))
+    # Off by default: each process compiles for seconds to a minute at its first gathers, and on CPU needs a
+    # C++ compiler; long runs on CPU gain the most (docs/zeropp.md).
+    zeropp_compile_quantizers: StrictBool = Field(False, description=(
+        "ZeRO++: run the quantizers as kernels torch.compile generates (the same values; on CPU several "
+        "times faster once compiled, which takes seconds per process at the first gathers and a C++ "
+        "compiler). DeepSpeed: none (zeroshard only; DeepSpeed's are CUDA kernels)."))
     zeropp_ranks_per_node: Annotated[int | None, BeforeValidator(_optional_positive_int)] = Field(
         None, description=(
             "Data-parallel ranks per node, for hpZ and qgZ and for bytes by scope in comm_stats(); "

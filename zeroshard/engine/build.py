@@ -119,15 +119,15 @@ def zeropp(comm: Comm, config: Config) -> tuple[Gathers, Qgz | None]:
     hpZ and qgZ need the node topology (a collective over the default group); qwZ alone does not.
     """
     zero = config.zero_optimization
-    block = zero.zeropp_block_size
-    weights = BlockCodec(8, block) if zero.zero_quantized_weights else None
+    block, compiled = zero.zeropp_block_size, zero.zeropp_compile_quantizers
+    weights = BlockCodec(8, block, compiled=compiled) if zero.zero_quantized_weights else None
     if zero.zero_hpz_partition_size == 1 and not zero.zero_quantized_gradients:
         return Gathers(comm, weights), None
     hops = Hops.create(comm, build_topology(comm.group, zero.ranks_per_node))
     node = hops.node if zero.zero_hpz_partition_size > 1 else None
     qgz = None
     if zero.zero_quantized_gradients:
-        qgz = Qgz(hops, BlockCodec(zero.zeropp_gradient_bits, block, zero.gradient_hadamard))
+        qgz = Qgz(hops, BlockCodec(zero.zeropp_gradient_bits, block, zero.gradient_hadamard, compiled))
     return Gathers(comm, weights, node), qgz
 
 
