@@ -55,6 +55,8 @@ def _cases(rank, world, device):
     out["error unequal machines"] = _error(lambda: build_topology(dist.group.WORLD))
     os.environ["LOCAL_WORLD_SIZE"] = "2" if rank < 2 else "4"
     out["error local world size"] = _error(lambda: build_topology(dist.group.WORLD))
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    out["error spans machines"] = _error(lambda: build_topology(dist.group.WORLD, ranks_per_node=2))
     del os.environ["LOCAL_WORLD_SIZE"]
     out["error unknown"] = _error(lambda: build_topology(dist.group.WORLD))
     out["error explicit differs"] = _error(lambda: build_topology(dist.group.WORLD, ranks_per_node=1 + rank % 2))
@@ -116,6 +118,7 @@ def test_a_data_parallel_subgroup_forms_nodes_from_its_own_ranks(results, case, 
     ("error unequal machines", r"machine 0: 3, machine 1: 1"),
     ("error local world size", r"disagree on LOCAL_WORLD_SIZE \(rank 0: 2, rank 1: 2, rank 2: 4, rank 3: 4\)"),
     ("error unknown", "LOCAL_WORLD_SIZE is not set"),
+    ("error spans machines", "nodes of 2 ranks do not fit machines of LOCAL_WORLD_SIZE 1 ranks"),
     ("error explicit differs", r"disagree on ranks_per_node \(rank 0: 1, rank 1: 2"),
 ])
 def test_errors_are_raised_alike_on_every_rank(results, case, words):

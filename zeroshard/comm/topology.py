@@ -135,11 +135,12 @@ def _layouts(every: list[dict]) -> dict[tuple[int, ...], Layout]:
     explicit = _agreed(every, "ranks_per_node", "ranks_per_node")
     local_world_size = _agreed(every, "local_world_size", "LOCAL_WORLD_SIZE")
     if explicit is not None:
+        layouts = {ranks: _explicit_layout(ranks, explicit) for ranks in groups}
         if local_world_size is not None and _positive(local_world_size) % explicit:
             raise TopologyError(f"nodes of {explicit} ranks do not fit machines of LOCAL_WORLD_SIZE "
                                 f"{local_world_size} ranks: a node would span two machines; set the ranks per node "
                                 "(zeropp_ranks_per_node, zero_hpz_partition_size) to a divisor of the ranks per machine")
-        return {ranks: _explicit_layout(ranks, explicit) for ranks in groups}
+        return layouts
     if local_world_size is None:
         if any(len(ranks) > 1 for ranks in groups):
             raise TopologyError("the ranks per node are unknown: LOCAL_WORLD_SIZE is not set; launch with torchrun "

@@ -112,8 +112,9 @@ class ZeroConfig(BaseModel):
     zeropp_block_size: PositiveInt = Field(128, description=(
         "ZeRO++: elements per quantization block (one fp32 scale each), for qwZ and qgZ. DeepSpeed: "
         "none (zeroshard only; DeepSpeed's groups are per tensor)."))
-    # int8, not the paper's int4: on the demo (200 steps, bf16, 2 nodes x 2) int4 gradients end 2.1% above plain
-    # stage 3's loss and int8 1.0% (docs/zeropp.md); int4 remains the choice for the slowest links.
+    # int8, not the paper's int4: its error per shard is 15x smaller (benchmarks/quantize_error.py), and on the
+    # demo (200 steps, bf16, 2 nodes x 2) all three parts ended 1.0% above plain stage 3's loss with int8 and 2.1%
+    # with int4 (docs/zeropp.md); int4 remains the choice for the slowest links.
     zeropp_gradient_bits: Annotated[Literal[4, 8], BeforeValidator(_bits)] = Field(8, description=(
         "ZeRO++ qgZ: bits per gradient value on the wire, 8 or 4 (the paper's: half the bytes, about 15 "
         "times the error). DeepSpeed: none (zeroshard only; DeepSpeed sends int4)."))
