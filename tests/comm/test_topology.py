@@ -47,8 +47,10 @@ def _cases(rank, world, device):
     # Two data-parallel groups beside a second dimension of size 2: {0, 2} and {1, 3}.
     data_parallel = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
     out["subset torchrun 2"] = _describe(build_topology(data_parallel), device)
-    out["subset explicit 2"] = _describe(build_topology(data_parallel, ranks_per_node=2), device)
+    # {0, 2} as one node would span machines {0, 1} and {2, 3}.
+    out["error subset spans machines"] = _error(lambda: build_topology(data_parallel, ranks_per_node=2))
     os.environ["LOCAL_WORLD_SIZE"] = "4"
+    out["subset explicit 2"] = _describe(build_topology(data_parallel, ranks_per_node=2), device)
     out["subset torchrun 4"] = _describe(build_topology(data_parallel), device)
     out["error not a multiple"] = _error(lambda: build_topology(dist.group.WORLD, ranks_per_node=3))
     os.environ["LOCAL_WORLD_SIZE"] = "3"
@@ -119,6 +121,7 @@ def test_a_data_parallel_subgroup_forms_nodes_from_its_own_ranks(results, case, 
     ("error local world size", r"disagree on LOCAL_WORLD_SIZE \(rank 0: 2, rank 1: 2, rank 2: 4, rank 3: 4\)"),
     ("error unknown", "LOCAL_WORLD_SIZE is not set"),
     ("error spans machines", "nodes of 2 ranks do not fit machines of LOCAL_WORLD_SIZE 1 ranks"),
+    ("error subset spans machines", r"node \[0, 2\] spans machines \[0, 1\]|node \[1, 3\] spans machines \[0, 1\]"),
     ("error explicit differs", r"disagree on ranks_per_node \(rank 0: 1, rank 1: 2"),
 ])
 def test_errors_are_raised_alike_on_every_rank(results, case, words):

@@ -389,3 +389,25 @@ def test_precision_typo_suggests_spelling():
         "unknown key 'fp16.hysterisis' (did you mean 'hysteresis'?); allowed keys in 'fp16': "
         "consecutive_hysteresis, enabled, hysteresis, initial_scale_power, loss_scale, loss_scale_window, "
         "min_loss_scale")
+
+
+@pytest.mark.parametrize("zero, words", [
+    ({"stage": 2, "zero_quantized_weights": True}, "need stage 3, not stage 2"),
+    ({"stage": 3, "zero_quantized_gradients": True, "reduce_scatter": False}, "cannot run with reduce_scatter false"),
+    ({"stage": 3, "zero_quantized_gradients": True, "zeropp_gradient_hadamard": True, "zeropp_block_size": 96},
+     "power-of-two"),
+    ({"stage": 3, "zero_hpz_partition_size": 4, "zeropp_ranks_per_node": 2}, "differs from zeropp_ranks_per_node"),
+    ({"stage": 3, "zeropp_gradient_bits": 4}, "zeropp_gradient_bits \\(needs zero_quantized_gradients\\)"),
+    ({"stage": 3, "zeropp_gradient_bits": 3, "zero_quantized_gradients": True}, "must be 4 or 8"),
+])
+def test_zeropp_combinations_that_cannot_be_honoured_are_errors(zero, words):
+    with pytest.raises(ConfigError, match=words):
+        Config.load({"zero_optimization": zero})
+
+
+def test_zeropp_defaults_survive_a_round_trip_and_follow_the_bits():
+    config = Config.load({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
+    assert config.zero_optimization.gradient_hadamard is False  # int8: no rotation
+    four = Config.load({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True, "zeropp_gradient_bits": 4}})
+    assert four.zero_optimization.gradient_hadamard is True
+    assert Config.load(Config.load({}).to_dict()) == Config.load({})

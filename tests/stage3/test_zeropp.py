@@ -17,9 +17,9 @@ import torch.distributed as dist
 from tests.distributed import RankFailure, run_ranks
 from tests.recipes import GPT_CFG, Case, make_engine, micro_batch
 from zeroshard.app import data
+from zeroshard.app.model_count import stage3_flats
 from zeroshard.app.models import GPT
 from zeroshard.comm.quantize import BlockCodec, dequantize, quantize
-from zeroshard.app.model_count import stage3_flats
 from zeroshard.estimate import qgz_reduce_scatter_bytes, qwz_all_gather_bytes
 from zeroshard.estimate.zeropp import ZeroPP, hpz_secondary_bytes, stage3_comm_bytes
 

@@ -44,10 +44,10 @@ def _zeropp(config: zeroshard.Config) -> ZeroPP:
                   zero.zeropp_block_size, zero.zeropp_gradient_bits)
 
 
-def ranks_per_node(engine: zeroshard.Engine) -> int | None:
-    """D, as the engine's topology has it (config, else torchrun's LOCAL_WORLD_SIZE); None if neither says."""
+def ranks_per_node(engine: zeroshard.Engine) -> int:
+    """D, as the engine's topology has it (config, else torchrun's LOCAL_WORLD_SIZE); one node if neither says."""
     configured = engine.config.zero_optimization.ranks_per_node
-    return configured or (int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None)
+    return configured or int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
 
 def stage3_scopes(engine: zeroshard.Engine, args: argparse.Namespace) -> dict[str, dict[str, int]]:

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: true, or the config's)")
     parser.add_argument("--zeropp", type=true_or_false, nargs="?", const=True, default=False, metavar="true|false",
                         help="with --stage 3: ZeRO++'s qwZ (int8 weight gathers), hpZ (backward gathers inside "
-                             "the node) and qgZ (int4 gradients, reduced in two hops), on the nodes of --nodes")
+                             "the node) and qgZ (int8 gradients, reduced in two hops), on the nodes of --nodes")
     parser.add_argument("--nodes", type=positive_int, default=None, metavar="K",
                         help="declare this machine's ranks to be K nodes (emulated: for ZeRO++ and for bytes "
                              "inside / across nodes in the report); default: one node per machine")

@@ -136,10 +136,8 @@ def _layouts(every: list[dict]) -> dict[tuple[int, ...], Layout]:
     local_world_size = _agreed(every, "local_world_size", "LOCAL_WORLD_SIZE")
     if explicit is not None:
         layouts = {ranks: _explicit_layout(ranks, explicit) for ranks in groups}
-        if local_world_size is not None and _positive(local_world_size) % explicit:
-            raise TopologyError(f"nodes of {explicit} ranks do not fit machines of LOCAL_WORLD_SIZE "
-                                f"{local_world_size} ranks: a node would span two machines; set the ranks per node "
-                                "(zeropp_ranks_per_node, zero_hpz_partition_size) to a divisor of the ranks per machine")
+        if local_world_size is not None:
+            _check_nodes_fit_machines(layouts, _positive(local_world_size), explicit)
         return layouts
     if local_world_size is None:
         if any(len(ranks) > 1 for ranks in groups):
@@ -147,6 +145,18 @@ def _layouts(every: list[dict]) -> dict[tuple[int, ...], Layout]:
                                 "or set the ranks per node (zero_hpz_partition_size) in the config")
         return {ranks: (ranks,) for ranks in groups}
     return {ranks: _torchrun_layout(ranks, _positive(local_world_size)) for ranks in groups}
+
+
+def _check_nodes_fit_machines(layouts: dict[tuple[int, ...], Layout], local_world_size: int, explicit: int) -> None:
+    """Declared nodes must each lie on one machine (torchrun: global rank g runs on machine g // L)."""
+    for layout in layouts.values():
+        for node in layout:
+            if len({rank // local_world_size for rank in node}) > 1:
+                raise TopologyError(
+                    f"nodes of {explicit} ranks do not fit machines of LOCAL_WORLD_SIZE {local_world_size} ranks: "
+                    f"node {list(node)} spans machines {sorted({r // local_world_size for r in node})}; set the ranks "
+                    "per node (zeropp_ranks_per_node, zero_hpz_partition_size) to the data-parallel ranks that share "
+                    "a machine, or a divisor of them")
 
 
 def _agreed(every: list[dict], key: str, name: str):

@@ -139,6 +139,21 @@ class ZeroConfig(BaseModel):
         """Whether any part of ZeRO++ is on."""
         return self.zero_quantized_weights or self.zero_hpz_partition_size > 1 or self.zero_quantized_gradients
 
+    def _check_codec_keys_used(self) -> None:
+        """A ZeRO++ setting changed for a part that is off would promise what nothing does."""
+        needs = {"zeropp_block_size": ("zero_quantized_weights or zero_quantized_gradients",
+                                       self.zero_quantized_weights or self.zero_quantized_gradients),
+                 "zeropp_gradient_bits": ("zero_quantized_gradients", self.zero_quantized_gradients),
+                 "zeropp_gradient_hadamard": ("zero_quantized_gradients", self.zero_quantized_gradients),
+                 "zeropp_compile_quantizers": ("zero_quantized_weights or zero_quantized_gradients",
+                                               self.zero_quantized_weights or self.zero_quantized_gradients)}
+        fields = type(self).model_fields
+        unused = [f"{key} (needs {part})" for key, (part, on) in needs.items()
+                  if not on and getattr(self, key) != fields[key].default]  # defaults: a to_dict() round trip
+        if unused:
+            raise PydanticCustomError("zeroshard", "{keys} changed from its default, but the part of ZeRO++ it configures is off: "
+                                      "switch that part on or remove the key", {"keys": "; ".join(unused)})
+
     @property
     def gradient_hadamard(self) -> bool:
         """Whether qgZ rotates its blocks: as configured, else with int4 only (where it pays off)."""
@@ -164,6 +179,7 @@ class ZeroConfig(BaseModel):
         if self.zero_quantized_gradients and not self.reduce_scatter:
             raise PydanticCustomError("zeroshard", "zero_quantized_gradients replaces the reduce-scatter, so it "
                                       "cannot run with reduce_scatter false: remove one of them")
+        self._check_codec_keys_used()
         block = self.zeropp_block_size
         if self.zero_quantized_gradients and self.gradient_hadamard and block & (block - 1):
             raise PydanticCustomError("zeroshard", "zeropp_gradient_hadamard needs a power-of-two "
