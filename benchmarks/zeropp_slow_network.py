@@ -83,6 +83,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "deepspeed_z3_hpz": ("deepspeed", {"zero_hpz_partition_size": 2}),
     "zeroshard_s3_qwz_qgz": ("zeroshard", {"zero_quantized_weights": True, "zero_quantized_gradients": True}),
     "zeroshard_s3_zeropp_int4": ("zeroshard", ZEROPP | {"zeropp_gradient_bits": 4}),
+    "zeroshard_s3_zeropp_int4_compiled": ("zeroshard", ZEROPP | {"zeropp_gradient_bits": 4,
+                                                                  "zeropp_gradient_hadamard": False,
+                                                                  "zeropp_compile_quantizers": True}),
     "zeroshard_s3_qwz": ("zeroshard", {"zero_quantized_weights": True}),
     "zeroshard_s3_qgz": ("zeroshard", {"zero_quantized_gradients": True}),
 }
