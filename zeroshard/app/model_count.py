@@ -29,7 +29,7 @@ from zeroshard.app.demo_config import DEMO_CONFIG
 from zeroshard.app.models import GPT, PRESETS
 from zeroshard.config.schema import ZeroConfig
 from zeroshard.estimate import FROZEN, PERSISTENT, SHARDED, Flat
-from zeroshard.stage3.wrapping import UnitPlan, plan_units, unit_modules
+from zeroshard.stage3.wrapping import UnitPlan, flat_parts, plan_units, unit_modules
 
 # The engine's defaults, where the caller gives no wrapping rule.
 AUTO_WRAP_MIN_PARAMS: int = ZeroConfig.model_fields["stage3_auto_wrap_min_params"].default
@@ -60,20 +60,14 @@ def count_module(name: str, model: torch.nn.Module, wrap: tuple[str, ...] = (),
 
 
 def plan_flats(plans: list[UnitPlan], persistence_threshold: int = PERSISTENCE_THRESHOLD) -> list[Flat]:
-    """The flat buffers `build_units` makes of these plans, with one param group (every parameter that
-    requires grad): per unit, per dtype, one of the sharded parameters and one of those under
-    `persistence_threshold` elements (persistent); parameters that need no grad form frozen flats,
-    the small ones among them stay as they are (not flattened, never communicated)."""
+    """The flat buffers `build_units` makes of these plans (`flat_parts`, its own split), with one param
+    group: every parameter that requires grad."""
     flats = []
     for plan in plans:
-        for trainable in (True, False):
-            mine = [p for p in plan.params if p.requires_grad == trainable]
-            for dtype in dict.fromkeys(p.dtype for p in mine):
-                for persistent in (False, True):
-                    numel = sum(p.numel() for p in mine
-                                if p.dtype == dtype and (p.numel() < persistence_threshold) == persistent)
-                    if numel and (trainable or not persistent):
-                        flats.append(Flat(numel, (PERSISTENT if persistent else SHARDED) if trainable else FROZEN))
+        group_of = {id(p): 0 for p in plan.params if p.requires_grad}
+        for g, persistent, params in flat_parts(plan.params, group_of, 1, persistence_threshold):
+            kind = FROZEN if g is None else PERSISTENT if persistent else SHARDED
+            flats.append(Flat(sum(p.numel() for p in params), kind))
     return flats
 
 

@@ -156,15 +156,13 @@ def engine_config(args: argparse.Namespace) -> zeroshard.Config:
 def _zeropp_keys(args: argparse.Namespace) -> dict:
     """The config keys of --nodes and --zeropp: the ranks per node, and ZeRO++'s three parts over them."""
     keys: dict = {}
-    per_node = None
+    # In the ranks LOCAL_WORLD_SIZE counts this machine's ranks; before the launch, --nproc does.
+    per_node = machine = int(os.environ.get("LOCAL_WORLD_SIZE", getattr(args, "nproc", 1)))
     if args.nodes is not None:
-        # In the ranks LOCAL_WORLD_SIZE counts this machine's ranks; before the launch, --nproc does.
-        machine = int(os.environ.get("LOCAL_WORLD_SIZE", getattr(args, "nproc", 1)))
         if machine % args.nodes:
             raise zeroshard.ConfigError(f"--nodes {args.nodes} must divide the {machine} ranks on this machine")
         keys["zeropp_ranks_per_node"] = per_node = machine // args.nodes
     if args.zeropp:
-        per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", getattr(args, "nproc", 1)))
         keys |= {"zero_quantized_weights": True, "zero_quantized_gradients": True}
         if per_node > 1:  # hpZ over one rank would be plain stage 3's gather
             keys["zero_hpz_partition_size"] = per_node

@@ -171,7 +171,8 @@ def _flat_terms(flat: Flat, n: int, d: int, k: int, e: int, r: int, a: int, zero
     padded, dp = shard * n, "cross_node" if k > 1 else "node"
     if flat.kind == PERSISTENT:  # stays whole: reduced as at stage 2, gathered once after the step
         return [("reduce_scatter", dp, padded * r, a), ("all_gather", dp, padded * e, 1)]
-    first = n * quantized_bytes(shard, 8, zeropp.block_size) if zeropp.qwz else padded * e
+    # qwZ quantizes only what travels: with one rank it is off (engine/build.py's zeropp).
+    first = n * quantized_bytes(shard, 8, zeropp.block_size) if zeropp.qwz and n > 1 else padded * e
     # hpZ: only the window's first gather crosses the group; the other 2A - 1 stay in the node.
     terms = [("all_gather", dp, first, 1), ("all_gather", "node", padded * e, 2 * a - 1)] if zeropp.hpz \
         else [("all_gather", dp, first, 2 * a)]

@@ -26,7 +26,7 @@ from zeroshard.core.precision import Precision
 from zeroshard.core.staging import StagingPool
 from zeroshard.stage3.gathers import Gathers
 from zeroshard.stage3.materialize import Materializer
-from zeroshard.stage3.wrapping import UnitPlan
+from zeroshard.stage3.wrapping import UnitPlan, flat_parts
 
 
 class UnitState(Enum):
@@ -151,15 +151,8 @@ def build_units(
     device = materialize.device if materialize else None
     units = []
     for plan in plans:
-        parts: list[tuple[int | None, bool, FlatParams]] = []  # (param group or None if frozen, persistent, flat)
-        for g in [*range(len(groups)), None]:
-            mine = [p for p in plan.params if group_of.get(id(p)) == g]
-            for dtype in dict.fromkeys(p.dtype for p in mine):
-                for persistent in (False, True):
-                    params = [p for p in mine if p.dtype == dtype
-                              and (p.numel() < persistence_threshold) == persistent]
-                    if params and not (g is None and persistent):  # small frozen ones stay as they are
-                        parts.append((g, persistent, FlatParams(params, comm.world_size, comm.rank, device)))
+        parts = [(g, persistent, FlatParams(params, comm.world_size, comm.rank, device))
+                 for g, persistent, params in flat_parts(plan.params, group_of, len(groups), persistence_threshold)]
         if materialize:
             materialize(plan.owners, plan.params)
         units.append(_shard_parts(plan.name, plan.module, parts, comm, precision, accumulation, use_reduce_scatter,

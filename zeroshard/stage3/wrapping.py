@@ -78,3 +78,22 @@ def plan_units(model: nn.Module, units: dict[str, nn.Module]) -> list[UnitPlan]:
 
 def _inside(module_name: str, unit_name: str) -> bool:
     return unit_name == "" or module_name == unit_name or module_name.startswith(unit_name + ".")
+
+
+def flat_parts(params: list[nn.Parameter], group_of: dict[int, int], groups: int,
+               persistence_threshold: int) -> list[tuple[int | None, bool, list[nn.Parameter]]]:
+    """How a unit's `params` split into flat buffers: (param group, persistent, parameters) each.
+
+    One flat per optimizer param group (`group_of`: id -> group, of `groups`), dtype and persistence
+    (under `persistence_threshold` elements: whole on every rank), then the frozen ones (group None,
+    not in `group_of`); small frozen parameters stay as they are, never flattened nor communicated.
+    """
+    parts = []
+    for g in [*range(groups), None]:
+        mine = [p for p in params if group_of.get(id(p)) == g]
+        for dtype in dict.fromkeys(p.dtype for p in mine):
+            for persistent in (False, True):
+                chosen = [p for p in mine if p.dtype == dtype and (p.numel() < persistence_threshold) == persistent]
+                if chosen and not (g is None and persistent):
+                    parts.append((g, persistent, chosen))
+    return parts
