@@ -49,9 +49,9 @@ class FakeTarget:
     def attach_grads(self) -> None:
         self.events.append(("attach", self.name))
 
-    def stage_grad(self, index: int, pool) -> None:
+    def take_grad(self, index: int, pool) -> None:
         assert pool is POOL
-        self.events.append(("stage", self.name, index))
+        self.events.append(("take", self.name, index))
 
     def reduce_grad(self, comm, pool, scale: float) -> FakePending:
         assert comm is COMM and pool is POOL and scale == SCALE
@@ -124,7 +124,7 @@ def test_ordered_launch_waits_for_a_late_target_and_never_reorders():
     order = [e for e in events if e[0] in ("reduce", "on_launch")]
     assert order == [x for i, n in enumerate("ABCD") for x in (("reduce", n), ("on_launch", i))]
     # every gradient was staged once (stage >= 2 switches), as it arrived
-    assert sorted(e[1:] for e in events if e[0] == "stage") == [(n, i) for n in "ABCD" for i in (0, 1)]
+    assert sorted(e[1:] for e in events if e[0] == "take") == [(n, i) for n in "ABCD" for i in (0, 1)]
 
 
 def test_unordered_launch_takes_each_target_as_soon_as_it_is_complete():
@@ -197,17 +197,17 @@ def test_a_micro_step_without_reduction_stages_but_never_launches_or_warns(caplo
     red.on_grad(1, 1)  # B.0 unused: no reduction this micro-step, so nothing to say yet
     red.finish()
     assert reduces(events) == [] and launched == []
-    assert [e for e in events if e[0] == "stage"] == [("stage", "A", 0), ("stage", "A", 1), ("stage", "B", 1)]
+    assert [e for e in events if e[0] == "take"] == [("take", "A", 0), ("take", "A", 1), ("take", "B", 1)]
     assert not caplog.records
 
 
-def test_stages_0_and_1_leave_gradients_where_autograd_put_them():
+def test_stages_0_and_1_hand_each_gradient_to_the_bucket_once():
     red, _targets, events, _ = make([2], ordered=True, shard_grads=False)
     red.begin(True, SCALE)
     red.on_grad(0, 0)
     red.on_grad(0, 1)
     red.finish()
-    assert [e for e in events if e[0] == "stage"] == []
+    assert [e for e in events if e[0] == "take"] == [("take", "A", 0), ("take", "A", 1)]
     assert reduces(events) == ["A"]
 
 
@@ -236,7 +236,7 @@ def test_a_second_gradient_before_launch_is_staged_again():
     assert reduces(events) == []
     red.on_grad(0, 0)
     assert reduces(events) == ["A", "B"]
-    assert [e[1:] for e in events if e[0] == "stage"] == [("B", 0), ("B", 1), ("B", 0), ("A", 0)]
+    assert [e[1:] for e in events if e[0] == "take"] == [("B", 0), ("B", 1), ("B", 0), ("A", 0)]
     red.finish()
 
 

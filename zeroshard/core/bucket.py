@@ -24,9 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from zeroshard.comm import Comm, Pending, Qgz, all_gather, all_reduce, reduce_scatter
 from zeroshard.core.flat import FlatParams
+from zeroshard.core.local import local_grad
 from zeroshard.core.precision import Precision
 from zeroshard.core.staging import StagingPool
 
@@ -116,28 +118,48 @@ class Bucket:
         return self.flat.params
 
     def attach_grads(self) -> None:
-        """Point each parameter's `.grad` at its view of `full_grad` (stages 0-1).
+        """Point each plain parameter's `.grad` at its view of `full_grad` (stages 0-1).
 
         Re-attached before every backward in case the user set `.grad` to None.
+        A DTensor parameter (tensor parallelism) gets no view: its gradient is
+        added into `full_grad` by `take_grad`.
         """
         if self.full_grad is None:
             return
         for p, view in zip(self.params, self.flat.views(self.full_grad)):
+            if isinstance(p, DTensor):
+                continue
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view
 
-    def stage_grad(self, index: int, pool: StagingPool) -> None:
-        """Copy parameter `index`'s fresh gradient into `staging` and free it (stage 2)."""
+    def take_grad(self, index: int, pool: StagingPool) -> None:
+        """Take parameter `index`'s fresh gradient into this bucket and free `.grad`.
+
+        Stages 2-3 copy it into `staging`; stages 0-1 add it into `full_grad`,
+        unless `.grad` already is its view there. No gradient: nothing to take
+        (the slot stays zero).
+        """
+        grad = local_grad(self.params[index])
+        if grad is None:
+            return
+        if self.switches.shard_grads:
+            self._stage(index, grad.reshape(-1), pool)
+            return
+        slot = self.flat.slot(index, self.full_grad)
+        if grad.data_ptr() != slot.data_ptr():
+            slot.add_(grad.reshape(-1))
+            self.params[index].grad = None
+
+    def _stage(self, index: int, grad: torch.Tensor, pool: StagingPool) -> None:
         if self.staging is None:
             self.staging = pool.acquire(self.flat.padded_numel, self.precision.reduce_dtype, self.flat.device)
-        p, slot = self.params[index], self.flat.slot(index, self.staging)
-        grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)  # Embedding(sparse=True)
+        slot = self.flat.slot(index, self.staging)
         if self._staged[index]:  # a second gradient before the bucket launched (reentrant checkpointing)
             slot.add_(grad)
         else:
             slot.copy_(grad)
         self._staged[index] = True
-        p.grad = None
+        self.params[index].grad = None
 
     def reduce_grad(self, comm: Comm, pool: StagingPool, scale: float) -> Pending:
         """Reduce this micro-step's gradients in the reduce dtype; afterwards `grad_shard` holds the running mean.

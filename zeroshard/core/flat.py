@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from zeroshard.core.local import local, point_at
+
 
 def give_memory(param: nn.Parameter, tensor: torch.Tensor) -> None:
     """Make a parameter on the meta device a real one backed by `tensor`, keeping its identity.
@@ -52,8 +54,8 @@ class FlatParams:
                 raise ValueError("all parameters of one flat buffer must share dtype and device")
         on_meta = first.device.type == "meta"
         self.params = list(params)
-        self.shapes = [p.shape for p in params]
-        self.numels = [p.numel() for p in params]
+        self.shapes = [local(p).shape for p in params]  # a DTensor's local part: what this rank stores
+        self.numels = [local(p).numel() for p in params]
         self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)  # elements, without padding
         self.shard_numel = -(-self.numel // world_size)  # elements per rank
@@ -66,8 +68,8 @@ class FlatParams:
                 if on_meta:
                     give_memory(p, view)
                 else:
-                    view.copy_(p.data)
-                    p.data = view
+                    view.copy_(local(p).data)
+                    point_at(p, view)
         self.shard_data: torch.Tensor | None = None  # stage 3: the persistent shard
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's part of the node's copy, until the step
 
@@ -82,7 +84,7 @@ class FlatParams:
         self.data.untyped_storage().resize_(0)
         empty = self.data.new_empty(0)
         for p in self.params:
-            p.data = empty
+            point_at(p, empty)
 
     def restore_full(self, node: tuple[int, int] | None = None) -> None:
         """Give the full buffer its memory back, this rank's shard in place (the rest undefined).
@@ -99,7 +101,7 @@ class FlatParams:
             else:
                 self.data.view(node[1], -1)[node[0]].copy_(self.secondary)
         for p, view in zip(self.params, self.views(self.data)):
-            p.data = view
+            point_at(p, view)
 
     def keep_secondary(self, index: int, parts: int) -> None:
         """hpZ: keep a copy of part `index` of `parts` of the gathered full buffer (`parts` divides N)."""
@@ -115,7 +117,7 @@ class FlatParams:
         self.data = self.data.to(dtype)
         with torch.no_grad():
             for p, view in zip(self.params, self.views(self.data)):
-                p.data = view
+                point_at(p, view)
 
     @property
     def dtype(self) -> torch.dtype:

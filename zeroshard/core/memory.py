@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from zeroshard.core.bucket import Bucket
 from zeroshard.core.flat import FlatParams
+from zeroshard.core.local import local
 from zeroshard.core.optim import state_tensors
 from zeroshard.core.staging import StagingPool
 
@@ -58,9 +59,9 @@ def model_state_bytes(
     seen: set[int] = set()
     flats = [b.flat for b in buckets] + list(frozen)
     params = _storage_bytes([f.data for f in flats] + [f.shard_data for f in flats]
-                            + [p.data for p in model.parameters()], seen)
+                            + [local(p).data for p in model.parameters()], seen)
     grads = _storage_bytes([b.grad_shard for b in buckets] + [b.full_grad for b in buckets]
-                           + [b.grad_acc for b in buckets] + [p.grad for p in model.parameters()], seen)
+                           + [b.grad_acc for b in buckets] + [local(p.grad) for p in model.parameters()], seen)
     master = _storage_bytes([b.master for b in buckets], seen)
     opt = _storage_bytes(state_tensors(optimizer), seen)
     staging = _storage_bytes(pool.tensors(), seen)

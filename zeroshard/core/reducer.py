@@ -45,7 +45,7 @@ class Target(Protocol):
 
     def attach_grads(self) -> None: ...
 
-    def stage_grad(self, index: int, pool: StagingPool) -> None: ...
+    def take_grad(self, index: int, pool: StagingPool) -> None: ...
 
     def reduce_grad(self, comm: Comm, pool: StagingPool, scale: float) -> Pending: ...
 
@@ -88,8 +88,7 @@ class GradReducer:
                 "after its bucket was already reduced (reentrant activation checkpointing does this); use "
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
             )
-        if target.switches.shard_grads:
-            target.stage_grad(param_index, self.pool)
+        target.take_grad(param_index, self.pool)
         if (target_index, param_index) not in self._seen:
             self._seen.add((target_index, param_index))
             self._missing[target_index] -= 1

@@ -22,6 +22,7 @@ from zeroshard.config import Config
 from zeroshard.core.bucket import Bucket, StageSwitches
 from zeroshard.core.bucketing import bucket_params
 from zeroshard.core.flat import FlatParams
+from zeroshard.core.local import local
 from zeroshard.core.optim import shard_optimizer
 from zeroshard.core.precision import Precision
 from zeroshard.core.reducer import GradReducer
@@ -165,7 +166,7 @@ def broadcast_from_rank0(comm: Comm, model: nn.Module, flats: list[FlatParams],
                          broadcast_already: list[FlatParams] = ()) -> None:
     """Start every rank from rank 0's values: `flats`, the parameters in no flat buffer, module buffers."""
     in_flats = {id(p) for f in [*flats, *broadcast_already] for p in f.params}
-    others = [p.data for p in model.parameters() if id(p) not in in_flats]
+    others = [local(p).data for p in model.parameters() if id(p) not in in_flats]
     with torch.no_grad():
         for tensor in [f.data for f in flats] + others:
             broadcast(comm, tensor, src=0)

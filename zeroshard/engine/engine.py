@@ -27,39 +27,43 @@ state machine of one micro-step is in `state.py`, construction in `build.py`.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zeroshard import checkpoint
-from zeroshard.checkpoint import CheckpointError, Counters
 from zeroshard.comm import CollectiveError, OpStats, wait_all
 from zeroshard.comm.entry import enter
 from zeroshard.config import Config
-from zeroshard.core.flat import FlatParams
 from zeroshard.core.grad_norm import NonFiniteError, NonFiniteSkips, StepCheck, check_step, clip_coefficient
+from zeroshard.core.local import local
 from zeroshard.core.memory import model_state_bytes
 from zeroshard.core.precision import LossScaler, cast_inputs
 from zeroshard.core.reducer import GradientError
 from zeroshard.engine.build import broadcast_buffers, build
+from zeroshard.engine.checkpoint_methods import CheckpointMethods
 from zeroshard.engine.compiled import CompileMethods, uncompiled
 from zeroshard.engine.deepspeed_api import DeepSpeedMethods
 from zeroshard.engine.export import ExportMethods
+from zeroshard.engine.grad_sync import GradSyncMethods
 from zeroshard.engine.state import EngineStateError, TrainingState
 from zeroshard.errors import ZeroshardError
+from zeroshard.parallel.cross import CrossParallel
+from zeroshard.parallel.mesh import Mesh
 from zeroshard.stage3.gathered import full_state_dict
 
 log = logging.getLogger(__name__)
 
 
-class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
+class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods, CompileMethods):
     """The training loop's handle: `loss = engine(*batch)`, `engine.backward(loss)`, `engine.step()`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
-                 group: dist.ProcessGroup | None = None, init: Callable[[nn.Module], None] | None = None):
+                 group: dist.ProcessGroup | None = None, init: Callable[[nn.Module], None] | None = None,
+                 mesh: Mesh | None = None, tied: dict[str, str] | None = None):
+        """`mesh`: ZeRO over its `dp` dimension, with `tp` and `pp` composed (parallel/); `tied`: this
+        pipeline stage's copies of parameters tied across stages, tie name -> parameter name."""
         model, compiled_call = uncompiled(model)  # torch.compile(model) before initialize: its module
         self.module, self.optimizer, self.config = model, optimizer, config
         self.num_params = sum(p.numel() for p in model.parameters())  # as built; stage 3 empties them
@@ -72,7 +76,11 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # from the config's block
         self.state = TrainingState.IDLE
         self._failure: str | None = None  # why the engine is FAILED
-        parts = build(model, optimizer, config, group, init, self._on_grad)
+        self.mesh = mesh
+        # Before the flat buffers: ties start every stage's copy from the lowest stage's values.
+        self.cross = CrossParallel(mesh, model, tied or {}, config.collective_timeout, config.rank_check_timeout) \
+            if mesh is not None else None
+        parts = build(model, optimizer, config, mesh.group("dp") if mesh else group, init, self._on_grad)
         if compiled_call is not None:  # compiled in place once built: a failed build leaves the module as it was
             model._compiled_call_impl = compiled_call
         self.comm, self.precision, self.switches = parts.comm, parts.precision, parts.switches
@@ -83,11 +91,15 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
                      self.comm.world_size, len(self.buckets), sum(b.flat.numel for b in self.buckets))
 
     def _on_grad(self, target: int, param: int) -> None:
+        if not self._sync:  # gradients stay on .grad for reduce_gradients()
+            return
         if self.state is not TrainingState.BACKWARD:
             raise EngineStateError(
                 "a gradient was accumulated outside engine.backward(loss); call "
                 "engine.backward(loss) instead of loss.backward() so zeroshard can reduce it"
             )
+        if self.cross is not None:
+            self.cross.settle(self.reducer.targets[target].params[param])
         self.reducer.on_grad(target, param)
 
     # -- training loop ------------------------------------------------------
@@ -139,6 +151,14 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
             raise GradientError(f"engine.backward(loss) needs a scalar loss tensor that requires grad; got {what} "
                                 "(reduce it with .mean() or .sum(), and compute it outside torch.no_grad())")
         self.check_no_sync()  # a window's last backward reduces: not inside engine.no_sync()
+        if not self._sync:
+            with self.pipeline_backward():
+                (loss.float() * self.scaler.scale if self.scaler is not None else loss).backward()
+            return
+        if self.cross is not None and self.cross.ties:
+            raise EngineStateError("parameters tied across pipeline stages are summed over the stages before "
+                                   "the reduction, which hooks cannot do: turn gradient sync off "
+                                   "(engine.set_gradient_sync(False), or zeroshard.parallel.PipelineStage)")
         reduce_now = self.is_gradient_accumulation_boundary() or self.switches.shard_grads
         self.reducer.begin(reduce_now, 1.0 / (self.comm.world_size * self.gradient_accumulation_steps))
         if self.schedule is not None:
@@ -180,7 +200,7 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
         for bucket in self.buckets:
             if bucket.switches.shard_params:  # its parameters are empty between uses
                 continue
-            if bucket.params[0].data_ptr() != bucket.flat.data.data_ptr():
+            if local(bucket.params[0]).data_ptr() != bucket.flat.data.data_ptr():
                 raise EngineStateError(
                     f"parameter '{self._names[id(bucket.params[0])]}' no longer lives in zeroshard's flat "
                     "buffer (model.to(), .half() or .cuda() after initialize replaces parameters); move and "
@@ -201,11 +221,12 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
         if not boundary:
             return
         try:
+            if self._unreduced:  # sync off: the end-of-step pass, whatever hooks did or did not see
+                self._reduce_now(ties=True)
             # fp32 gradients for the optimizer: new tensors, freed after the step, when gradients are 16-bit.
             grads = [bucket.master_grad() for bucket in self.buckets]
-            # Each rank checks a disjoint part: at stage 0, its shard's slice of the replicated gradient.
-            owned = grads if self.switches.shard_optimizer else [b.flat.shard(g) for b, g in zip(self.buckets, grads)]
-            check = check_step(owned, self.comm, self.global_steps, self.micro_steps, self.loss_scale)
+            check = check_step(self._owned(grads), self.cross.world if self.cross else self.comm, self.global_steps,
+                               self.micro_steps, self.loss_scale * self._grad_divisor)
             self.global_grad_norm = check.norm
             if check.nonfinite_ranks:
                 self._skip_step(check)
@@ -219,8 +240,16 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
             raise
         self.state = TrainingState.IDLE
 
+    def _owned(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's disjoint part of the gradients for the norm: at stage 0, its shard's slice of the
+        replicated gradient; on a mesh, only what it counts (a copy replicated over tp or pp counts once)."""
+        owned = grads if self.switches.shard_optimizer else [b.flat.shard(g) for b, g in zip(self.buckets, grads)]
+        if self.cross is None:
+            return owned
+        return [part for b, g in zip(self.buckets, owned) for part in self.cross.counted(b.flat, g)]
+
     def _optimizer_step(self, grads: list[torch.Tensor], norm: float) -> None:
-        coef = 1.0 / self.loss_scale  # unscale and clip in one multiply
+        coef = 1.0 / (self.loss_scale * self._grad_divisor)  # unscale, scale and clip in one multiply
         if self.config.gradient_clipping > 0:
             coef *= clip_coefficient(norm, self.config.gradient_clipping)
         if coef != 1.0:
@@ -240,6 +269,7 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
         self._end_step(overflow=False)
 
     def _end_step(self, overflow: bool) -> None:
+        self._end_window()
         for bucket in self.buckets:
             bucket.zero_grad(self.pool)
         if self.schedule is not None:  # hpZ's secondary shards live for one step, applied or skipped
@@ -266,43 +296,6 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
                         "on every rank (%d in a row, at most %d)", step, ", ".join(map(str, check.nonfinite_ranks)),
                         in_a_row, self.config.non_finite.max_consecutive_skips)
 
-    # -- checkpoints --------------------------------------------------------
-
-    def save_checkpoint(self, save_dir: str | Path, tag: str | int | float | None = None,
-                        client_state: dict | None = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> Path:
-        """Write a sharded checkpoint to `save_dir/tag` (default tag `global_step<N>`; a number becomes
-        `str(tag)`) and point `save_dir/latest` at it (unless `save_latest` is false); returns the tag's
-        directory. Every rank must call it, at an accumulation boundary. `client_state`: your own plain data
-        (tensors, numbers, strings, lists, dicts, `Path`, `Namespace`), given back by `load_checkpoint`;
-        rank 0's is the one stored. `exclude_frozen_parameters=True` is not supported yet (an error).
-        See `zeroshard/checkpoint/saving.py`. Called on some ranks only, it raises `CheckpointError` on
-        them within `rank_check_timeout` (comm/entry.py) and writes nothing."""
-        self.check_checkpoint_options(exclude_frozen_parameters=exclude_frozen_parameters)
-        self._enter("save_checkpoint", CheckpointError, checkpoint_call=True)
-        return checkpoint.save(self, save_dir, tag, client_state, save_latest)
-
-    def load_checkpoint(self, load_dir: str | Path, tag: str | int | float | None = None,
-                        load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        custom_load_fn: Callable | None = None, *,
-                        must_exist: bool = False) -> tuple[Path, dict] | tuple[None, None]:
-        """Load a checkpoint written by any world size, stage or dtype; returns (its directory, client_state).
-
-        DeepSpeed's signature. `tag` None: the one `load_dir/latest` names (or `load_dir` itself if it is a
-        tag's directory); with no checkpoint in `load_dir` yet, every rank warns and it returns (None, None),
-        as DeepSpeed does (`must_exist=True` makes that a `CheckpointError`). `load_optimizer_states=False`
-        keeps this engine's optimizer state, `load_lr_scheduler_states=False` its LR scheduler;
-        `load_module_only=True` loads the weights alone (no counters, loss scale, optimizer or scheduler),
-        to fine-tune from them. `load_module_strict=False` and `custom_load_fn` are not supported yet (errors).
-        Every rank must call it; on error every rank raises `CheckpointError` and the engine is
-        unchanged (called on some ranks only, they raise it within `rank_check_timeout`).
-        """
-        self.check_checkpoint_options(load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
-        self._enter("load_checkpoint", CheckpointError, checkpoint_call=True)
-        return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                               load_module_only, must_exist)
-
     def _enter(self, call: str, error: type[ZeroshardError], checkpoint_call: bool = False) -> None:
         """Meet every rank in `call` before its first collective (comm/entry.py): a call made on some
         ranks only raises on them instead of hanging. A checkpoint call also needs every rank at the
@@ -318,34 +311,6 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
         trace.global_step, trace.micro_step, trace.phase = self.global_steps, self.micro_steps, call
         enter(self.comm, call, error=error, problem=problem, same_step=checkpoint_call)
 
-    # The checkpoint package's `Trainer` protocol.
-
-    def frozen_flats(self) -> list[FlatParams]:
-        return [f for unit in self.units for f in unit.frozen]
-
-    def param_names(self) -> dict[int, str]:
-        return self._names
-
-    def counters(self) -> Counters:
-        return Counters(self.global_steps, self.skipped_steps)
-
-    def restore_counters(self, counters: Counters) -> None:
-        self.global_steps, self.skipped_steps = counters.global_steps, counters.skipped_steps
-        self.micro_steps = self.global_steps * self.gradient_accumulation_steps
-
-    def check_checkpoint_boundary(self, action: str) -> None:
-        self._check_usable()  # a failed engine's ranks may be out of step: restart, then load
-        pending = self.state is TrainingState.STEP_DUE
-        if pending and self.gradient_accumulation_steps == 1:
-            raise CheckpointError(f"{action} between engine.backward() and engine.step(): the gradients of that "
-                                  "backward are not part of a checkpoint. Call it after engine.step()")
-        if pending or self.micro_steps % self.gradient_accumulation_steps:
-            raise CheckpointError(
-                f"{action} at micro-step {self.micro_steps}, inside an accumulation window of "
-                f"{self.gradient_accumulation_steps}: the window's partial gradients are not part of a "
-                "checkpoint. Call it after the engine.step() that ends the window "
-                "(engine.is_gradient_accumulation_boundary() was true before that step)")
-
     def release_gathered(self) -> None:
         if self.schedule is not None:
             self.schedule.release_all()
@@ -359,9 +324,17 @@ class Engine(DeepSpeedMethods, ExportMethods, CompileMethods):
 
     # -- reports ------------------------------------------------------------
 
-    def comm_stats(self) -> dict[str, OpStats]:
-        """Per logical collective: calls, bytes (logical full buffer), blocked seconds, algorithms."""
-        return self.comm.recorder.snapshot()
+    def comm_stats(self, dim: str = "dp") -> dict[str, OpStats]:
+        """Per logical collective: calls, bytes (logical full buffer), blocked seconds, algorithms.
+
+        `dim`: ZeRO's data-parallel traffic ("dp"); on a mesh also "tp" (partial gradients summed), "pp"
+        (ties across stages) and "mesh" (the step check over every rank)."""
+        if dim == "dp":
+            return self.comm.recorder.snapshot()
+        if self.cross is None or dim not in self.cross.recorders:
+            raise ValueError(f"comm_stats({dim!r}): this engine records "
+                             f"{['dp'] + (list(self.cross.recorders) if self.cross else [])}")
+        return self.cross.recorders[dim].snapshot()
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes of model states this rank holds: params, grads, master, optimizer, staging."""

@@ -22,7 +22,8 @@ from zeroshard.config.build import (
 from zeroshard.config.logs import show_info
 from zeroshard.engine.agreement import config_error_everywhere
 from zeroshard.engine.engine import Engine
-from zeroshard.engine.validate import check_arguments
+from zeroshard.engine.validate import check_arguments, check_mesh_arguments
+from zeroshard.parallel.mesh import Mesh
 
 log = logging.getLogger("zeroshard.config")
 
@@ -37,6 +38,8 @@ def initialize(
     *,
     model_parameters: Iterable[Any] | None = None,
     lr_scheduler: SchedulerArg = None,
+    mesh: Mesh | None = None,
+    tied: dict[str, str] | None = None,
 ) -> Engine:
     """Wrap `model` and `optimizer` for ZeRO training on `group` (default: the world).
 
@@ -53,6 +56,11 @@ def initialize(
     it: freeze it with requires_grad_(False) or list it). With `optimizer`,
     an "optimizer" block must agree with it ("auto" takes its values), and
     `model_parameters`, if given, must hold the same trainable parameters.
+    `mesh` (`zeroshard.parallel.build_mesh`): ZeRO over its `dp` dimension,
+    the model being this rank's part (its pipeline stage, parallelized over
+    `tp` with DTensor); `tied` (with a mesh): this stage's copies of
+    parameters tied across pipeline stages, tie name -> parameter name
+    (docs/parallel.md).
     `lr_scheduler`: a torch LR scheduler built on `optimizer`, or a function
     optimizer -> scheduler (called on `engine.optimizer`; needed when the
     block builds the optimizer); else the config's "scheduler" block. Either
@@ -66,6 +74,8 @@ def initialize(
     others waiting for it.
     """
     check_arguments(model, optimizer, group, wrap, init)
+    check_mesh_arguments(mesh, group, tied)
+    group = mesh.group("dp") if mesh is not None else group
     show_info()
     try:
         model_parameters = parameter_list(model_parameters)
@@ -77,7 +87,7 @@ def initialize(
         optimizer = choose_optimizer(model, optimizer, config, model_parameters)
     except ConfigError as error:  # before the group exists: the other ranks would wait for this one
         config_error_everywhere(error, model, group)
-    engine = Engine(model, optimizer, config, group, init)
+    engine = Engine(model, optimizer, config, None if mesh else group, init, mesh=mesh, tied=tied)
     engine.lr_scheduler = schedule_for(config, engine.optimizer, lr_scheduler)
     if engine.comm.rank == 0 and (block := report.block()):
         log.info("%s", block)

@@ -12,9 +12,11 @@ import torch.nn as nn
 
 from zeroshard.comm.group import LaunchError
 from zeroshard.config import ConfigError
+from zeroshard.core.local import local
 from zeroshard.core.optim import OptimizerError, check_elementwise, is_fresh
 from zeroshard.dtypes import NAMES, torch_name
 from zeroshard.errors import ModelError
+from zeroshard.parallel.mesh import Mesh
 
 _WRAPPED = "_zeroshard_wrapped"  # set on a module once an engine owns its parameters
 
@@ -59,6 +61,22 @@ def check_device_matches_group(device: torch.device, group: dist.ProcessGroup) -
                          "move the model to this rank's GPU (model.to(f'cuda:{local_rank}')) or use gloo")
 
 
+def check_mesh_arguments(mesh, group, tied) -> None:
+    """`mesh` and `tied` of `initialize`: a mesh replaces `group`; ties need a mesh."""
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise LaunchError(f"mesh must be a zeroshard.parallel.Mesh (zeroshard.parallel.build_mesh); "
+                          f"got {type(mesh).__name__}")
+    if mesh is not None and group is not None:
+        raise LaunchError("give mesh or group, not both: with a mesh ZeRO runs over its dp dimension")
+    if tied and mesh is None:
+        raise LaunchError("tied names copies of a parameter held by several pipeline stages; it needs the "
+                          "mesh (mesh=zeroshard.parallel.build_mesh(pp=...))")
+    if tied is not None and not (isinstance(tied, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                                              for k, v in tied.items())):
+        raise LaunchError(f"tied maps a tie's name to this stage's parameter name, such as "
+                          f"{{'embedding': 'wte.weight'}}; got {tied!r:.80}")
+
+
 def check_model(model: nn.Module, param_dtype: torch.dtype = torch.float32) -> None:
     """Trainable parameters in fp32 or `param_dtype`, each with storage of its own, in no other engine."""
     if getattr(model, _WRAPPED, False):
@@ -81,7 +99,7 @@ def check_model(model: nn.Module, param_dtype: torch.dtype = torch.float32) -> N
     for name, p in model.named_parameters():
         if p.is_meta:  # no storage yet: materialised unit by unit at stage 3
             continue
-        ptr = p.untyped_storage().data_ptr()
+        ptr = local(p).untyped_storage().data_ptr()
         if ptr in owners:
             raise ModelError(f"parameters '{owners[ptr]}' and '{name}' share storage but are different "
                              "Parameter objects; flattening would untie them. Tie them as one Parameter "

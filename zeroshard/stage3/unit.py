@@ -126,9 +126,9 @@ class Unit:
     def attach_grads(self) -> None:
         """Gradients are staged per micro-step at stage 3; nothing persists on `.grad`."""
 
-    def stage_grad(self, index: int, pool: StagingPool) -> None:
+    def take_grad(self, index: int, pool: StagingPool) -> None:
         bucket, param_index = self._where[index]
-        self.buckets[bucket].stage_grad(param_index, pool)
+        self.buckets[bucket].take_grad(param_index, pool)
 
     def reduce_grad(self, comm: Comm, pool: StagingPool, scale: float) -> PendingGroup:
         return PendingGroup([b.reduce_grad(comm, pool, scale) for b in self.buckets])

@@ -43,12 +43,16 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
 
+        self.head_dim = cfg.n_embd // cfg.n_head
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        # qkv's output features are laid out head by head (q, k, v of one head together), so a
+        # column split over tp ranks (zeroshard.parallel.gpt_tp_plan) gives each rank whole heads.
+        b, t, _ = x.shape
+        qkv = self.qkv(x).view(b, t, -1, 3, self.head_dim)  # -1: the heads this rank holds
+        q, k, v = (z.transpose(1, 2) for z in qkv.unbind(3))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class Block(nn.Module):

@@ -1,0 +1,47 @@
+"""A parameter's local tensor: what this rank stores of it.
+
+With tensor parallelism a parameter is a DTensor: its `_local_tensor` is
+this rank's part over `tp`, and that part is what ZeRO flattens, shards over
+`dp`, reduces and updates. A plain parameter is its own local tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local part, or `t` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def point_at(param: torch.Tensor, view: torch.Tensor) -> None:
+    """Make `param` (its local part, for a DTensor) a view of `view`'s memory, keeping the Parameter object."""
+    local(param).data = view
+
+
+def local_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """`param.grad` as this rank's local tensor, dense.
+
+    A DTensor gradient whose placements differ from its parameter's (a
+    sequence-parallel LayerNorm's gradient is `Partial` over `tp`) is
+    redistributed to the parameter's placements first: for `Partial`, the
+    sum over `tp` that makes every tp rank hold the same gradient.
+    """
+    grad = param.grad
+    if grad is None:
+        return None
+    if isinstance(grad, DTensor):
+        if grad.placements != param.placements:
+            grad = grad.redistribute(param.device_mesh, param.placements)
+        grad = grad._local_tensor
+    return grad.to_dense() if grad.is_sparse else grad
+
+
+def set_local_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """Give `param` the gradient whose local tensor is `grad` (a DTensor in the parameter's placements)."""
+    if isinstance(param, DTensor):
+        grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    param.grad = grad

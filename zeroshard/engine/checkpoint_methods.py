@@ -1,0 +1,92 @@
+"""CheckpointMethods: the engine's checkpoint calls and the checkpoint package's `Trainer` protocol.
+
+On a mesh each model part (pp, tp coordinate) saves and loads its own
+data-parallel checkpoint under the directory (`checkpoint/mesh.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+
+from zeroshard import checkpoint
+from zeroshard.checkpoint import CheckpointError, Counters
+from zeroshard.checkpoint.mesh import check_mesh, part_dir, write_mesh
+from zeroshard.core.flat import FlatParams
+from zeroshard.engine.state import TrainingState
+
+
+class CheckpointMethods:
+    """Mixed into `Engine`."""
+
+    def save_checkpoint(self, save_dir: str | Path, tag: str | int | float | None = None,
+                        client_state: dict | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> Path:
+        """Write a sharded checkpoint to `save_dir/tag` (default tag `global_step<N>`; a number becomes
+        `str(tag)`) and point `save_dir/latest` at it (unless `save_latest` is false); returns the tag's
+        directory. Every rank must call it, at an accumulation boundary. `client_state`: your own plain data
+        (tensors, numbers, strings, lists, dicts, `Path`, `Namespace`), given back by `load_checkpoint`;
+        rank 0's is the one stored. `exclude_frozen_parameters=True` is not supported yet (an error).
+        See `zeroshard/checkpoint/saving.py`. Called on some ranks only, it raises `CheckpointError` on
+        them within `rank_check_timeout` (comm/entry.py) and writes nothing."""
+        self.check_checkpoint_options(exclude_frozen_parameters=exclude_frozen_parameters)
+        self._enter("save_checkpoint", CheckpointError, checkpoint_call=True)
+        if self.mesh is None:
+            return checkpoint.save(self, save_dir, tag, client_state, save_latest)
+        if dist.get_rank() == 0:
+            write_mesh(save_dir, self.mesh)
+        return checkpoint.save(self, part_dir(save_dir, self.mesh), tag, client_state, save_latest)
+
+    def load_checkpoint(self, load_dir: str | Path, tag: str | int | float | None = None,
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
+                        custom_load_fn: Callable | None = None, *,
+                        must_exist: bool = False) -> tuple[Path, dict] | tuple[None, None]:
+        """Load a checkpoint written by any world size, stage or dtype; returns (its directory, client_state).
+
+        DeepSpeed's signature. `tag` None: the one `load_dir/latest` names (or `load_dir` itself if it is a
+        tag's directory); with no checkpoint in `load_dir` yet, every rank warns and it returns (None, None),
+        as DeepSpeed does (`must_exist=True` makes that a `CheckpointError`). `load_optimizer_states=False`
+        keeps this engine's optimizer state, `load_lr_scheduler_states=False` its LR scheduler;
+        `load_module_only=True` loads the weights alone (no counters, loss scale, optimizer or scheduler),
+        to fine-tune from them. `load_module_strict=False` and `custom_load_fn` are not supported yet (errors).
+        Every rank must call it; on error every rank raises `CheckpointError` and the engine is
+        unchanged (called on some ranks only, they raise it within `rank_check_timeout`).
+        """
+        self.check_checkpoint_options(load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
+        self._enter("load_checkpoint", CheckpointError, checkpoint_call=True)
+        if self.mesh is not None:  # every rank reads the same files: the same verdict everywhere
+            check_mesh(load_dir, self.mesh)
+            load_dir = part_dir(load_dir, self.mesh)
+        return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                               load_module_only, must_exist)
+
+    # The checkpoint package's `Trainer` protocol.
+
+    def frozen_flats(self) -> list[FlatParams]:
+        return [f for unit in self.units for f in unit.frozen]
+
+    def param_names(self) -> dict[int, str]:
+        return self._names
+
+    def counters(self) -> Counters:
+        return Counters(self.global_steps, self.skipped_steps)
+
+    def restore_counters(self, counters: Counters) -> None:
+        self.global_steps, self.skipped_steps = counters.global_steps, counters.skipped_steps
+        self.micro_steps = self.global_steps * self.gradient_accumulation_steps
+
+    def check_checkpoint_boundary(self, action: str) -> None:
+        self._check_usable()  # a failed engine's ranks may be out of step: restart, then load
+        pending = self.state is TrainingState.STEP_DUE
+        if pending and self.gradient_accumulation_steps == 1:
+            raise CheckpointError(f"{action} between engine.backward() and engine.step(): the gradients of that "
+                                  "backward are not part of a checkpoint. Call it after engine.step()")
+        if pending or self.micro_steps % self.gradient_accumulation_steps:
+            raise CheckpointError(
+                f"{action} at micro-step {self.micro_steps}, inside an accumulation window of "
+                f"{self.gradient_accumulation_steps}: the window's partial gradients are not part of a "
+                "checkpoint. Call it after the engine.step() that ends the window "
+                "(engine.is_gradient_accumulation_boundary() was true before that step)")

@@ -1,0 +1,98 @@
+"""CrossParallel: what crosses mesh dimensions besides ZeRO's own `dp` traffic.
+
+- Partial gradients over `tp`: a parameter replicated over `tp` but used on
+  sequence-sharded activations (SequenceParallel's LayerNorm) gets a gradient
+  that is a partial sum on each tp rank. It is summed over `tp` before it is
+  taken into a bucket, so every tp rank reduces the same gradient.
+- Ties across pipeline stages (`ties.py`).
+- The step check runs over the whole mesh, so every rank of every stage
+  takes the same decision, and the global gradient norm counts each element
+  once: a parameter sharded over `tp` on every tp rank, one replicated over
+  `tp` on tp rank 0 only, a tie on its lowest stage only.
+
+Each dimension's collectives are recorded apart: `comm_stats("tp")`, `"pp"`,
+and `"mesh"` (the step check) beside the data-parallel `"dp"`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from zeroshard.comm import Comm, CommRecorder, all_reduce
+from zeroshard.core.flat import FlatParams
+from zeroshard.core.local import set_local_grad
+from zeroshard.parallel.mesh import Mesh
+from zeroshard.parallel.ties import Tie, build_ties, reduce_tied_grads
+
+
+class CrossParallel:
+    """The mesh's reductions outside `dp`, its step-check comm, and which gradient elements each rank counts."""
+
+    def __init__(self, mesh: Mesh, model: nn.Module, tied: dict[str, str], timeout_s: float,
+                 rank_check_timeout_s: float):
+        self.mesh = mesh
+        self.recorders = {dim: CommRecorder() for dim in ("tp", "pp", "mesh")}
+        self.world = Comm.create(dist.group.WORLD, self.recorders["mesh"], timeout_s, rank_check_timeout_s)
+        self.timeout_s = timeout_s
+        self.ties: list[Tie] = build_ties(model, mesh, tied, self.world, self.recorders["pp"], timeout_s)
+        self._tp_comms: dict[int, Comm] = {}
+        tied_elsewhere = {id(t.param) for t in self.ties if not t.counted}
+        self._counts = {id(p): _counts_once(p, mesh) and id(p) not in tied_elsewhere for p in model.parameters()}
+        self._ranges: dict[int, list[tuple[int, int]]] = {}
+
+    def settle(self, param: nn.Parameter) -> None:
+        """Sum a gradient that is partial over `tp` into the parameter's own placements (in place on `.grad`)."""
+        grad = param.grad
+        if not isinstance(grad, DTensor) or grad.placements == param.placements:
+            return
+        part = grad._local_tensor
+        for dim, (have, want) in enumerate(zip(grad.placements, param.placements)):
+            if isinstance(have, Partial) and isinstance(want, Replicate):
+                all_reduce(self._tp_comm(grad.device_mesh.get_group(dim)), part, what="partial gradient").wait()
+                if have.reduce_op == "avg":
+                    part.div_(grad.device_mesh.size(dim))
+            elif have != want:
+                raise NotImplementedError(f"a gradient placed {grad.placements} for a parameter placed "
+                                          f"{param.placements}: only Partial -> Replicate is summed here")
+        set_local_grad(param, part)
+
+    def reduce_ties(self) -> None:
+        reduce_tied_grads(self.ties)
+
+    def counted(self, flat: FlatParams, shard: torch.Tensor) -> list[torch.Tensor]:
+        """The parts of this rank's shard of `flat` (`shard`, in shard coordinates) that count in the norm."""
+        key = id(flat)
+        if key not in self._ranges:
+            self._ranges[key] = _counted_ranges(flat, [self._counts[id(p)] for p in flat.params])
+        return [shard[lo:hi] for lo, hi in self._ranges[key]]
+
+    def _tp_comm(self, group: dist.ProcessGroup) -> Comm:
+        key = id(group)
+        if key not in self._tp_comms:
+            self._tp_comms[key] = Comm.create(group, self.recorders["tp"], self.timeout_s)
+        return self._tp_comms[key]
+
+
+def _counts_once(param: nn.Parameter, mesh: Mesh) -> bool:
+    """Whether this rank's copy of `param` counts in the norm: sharded over `tp`, or on tp rank 0."""
+    if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements):
+        return True
+    return mesh.rank("tp") == 0
+
+
+def _counted_ranges(flat: FlatParams, counts: list[bool]) -> list[tuple[int, int]]:
+    """Maximal [lo, hi) ranges, in shard coordinates, of this rank's shard that belong to counted parameters."""
+    lo_shard = flat.rank * flat.shard_numel
+    ranges: list[tuple[int, int]] = []
+    for offset, numel, count in zip(flat.offsets, flat.numels, counts):
+        lo, hi = max(offset, lo_shard) - lo_shard, min(offset + numel, lo_shard + flat.shard_numel) - lo_shard
+        if not count or lo >= hi:
+            continue
+        if ranges and ranges[-1][1] == lo:
+            ranges[-1] = (ranges[-1][0], hi)
+        else:
+            ranges.append((lo, hi))
+    return ranges

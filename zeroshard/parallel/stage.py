@@ -1,0 +1,108 @@
+"""PipelineStage: torch's pipeline stage with zeroshard as its data-parallel layer.
+
+`torch.distributed.pipelining` syncs gradients itself only for FSDP and DDP;
+any other module gets a plain backward. This stage hands the engine the
+parts of a schedule step that concern gradients:
+
+- every forward runs through the engine (input casts, stage-3 gathers);
+- every backward the schedule runs (full, input-only or weight-only, the
+  zero-bubble schedules assigning weight gradients by hand) runs inside
+  `engine.pipeline_backward()`: gradients stay on `.grad`, no reduction
+  happens on micro-batches that do not need one;
+- the schedule's gradient scaling becomes one factor of the step's multiply
+  (`engine.scale_gradients`);
+- gradients are reduced once, by `engine.step()` after the schedule
+  (default: least communication, one reduction per bucket), or with
+  `reduce_per_micro_batch=True` (stages 2-3) also after each micro-batch's
+  weight gradients are complete (least memory: full gradients live for one
+  micro-batch). Either way `engine.step()` reduces whatever is left (the
+  copies of tied parameters, summed over the stages first): the explicit
+  pass that needs no hook to have fired.
+
+The caller then runs `engine.step()` after `schedule.step(...)`.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+
+from zeroshard.errors import ZeroshardError
+from zeroshard.parallel.mesh import Mesh
+
+
+class PipelineError(ZeroshardError, ValueError):
+    """A pipeline stage that cannot be built on this engine."""
+
+
+class PipelineTrainer(Protocol):
+    """What the stage needs of an engine (zeroshard.Engine implements it)."""
+
+    module: nn.Module
+    mesh: Mesh | None
+
+    def __call__(self, *args, **kwargs) -> Any: ...
+
+    def pipeline_backward(self) -> AbstractContextManager[None]: ...
+
+    def reduce_gradients(self) -> None: ...
+
+    def scale_gradients(self, factor: float) -> None: ...
+
+    def release_gathered(self) -> None: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+
+class PipelineStage(TorchPipelineStage):
+    """One pipeline stage of `engine.module`, over the mesh's `pp` group; pass it to any torch schedule."""
+
+    def __init__(self, engine: PipelineTrainer, stage_index: int | None = None, num_stages: int | None = None,
+                 *, reduce_per_micro_batch: bool = False, **stage_kwargs):
+        """`stage_index`, `num_stages`: default this rank's `pp` coordinate and the mesh's `pp` size (one
+        stage per rank; give them for the looped and V schedules, several stages per rank).
+        `stage_kwargs` go to torch's PipelineStage (input_args, output_args, dw_builder, ...)."""
+        mesh = engine.mesh
+        if mesh is None:
+            raise PipelineError("the engine has no mesh: build it with zeroshard.initialize(..., "
+                                "mesh=zeroshard.parallel.build_mesh(pp=...))")
+        shard_grads = engine.config.zero_optimization.stage >= 2
+        if reduce_per_micro_batch and not shard_grads:
+            raise PipelineError(f"reduce_per_micro_batch=True needs ZeRO stage 2 or 3 (sharded gradients); at "
+                                f"stage {engine.config.zero_optimization.stage} gradients are reduced once a step")
+        stage_index = mesh.rank("pp") if stage_index is None else stage_index
+        num_stages = mesh.pp if num_stages is None else num_stages
+        super().__init__(engine.module, stage_index, num_stages, engine.device, group=mesh.group("pp"),
+                         **stage_kwargs)
+        self.engine = engine
+        self.reduce_per_micro_batch = reduce_per_micro_batch
+
+    def forward_maybe_with_nosync(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def _compute_outputs(self, *args, module: nn.Module, **kwargs):  # metadata inference's forward
+        return self.engine(*args, **kwargs)
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        self.engine.release_gathered()  # stage 3: units the inference gathered
+
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        with self.engine.pipeline_backward():
+            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if self.reduce_per_micro_batch and backward_type in ("full", "weight"):
+            self.engine.reduce_gradients(ties=False)  # this micro-batch's weight gradients are complete
+        return result
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        self.engine.scale_gradients(grad_scale_factor)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        # The reduction itself waits for engine.step(): after schedule.step() has finished every send and
+        # receive, the stages may meet in the ties' collective without waiting on each other's schedule.
+        self.engine.scale_gradients(grad_scale_factor)
