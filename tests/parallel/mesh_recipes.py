@@ -15,7 +15,7 @@ from torch.distributed.pipelining import schedules
 from torch.distributed.tensor import DTensor
 
 import zeroshard
-from tests.recipes import Case, global_batch, make_optimizer
+from tests.recipes import Case, global_batch, make_optimizer, relative_error
 from zeroshard.app.models import GPT, PRESETS, GPTStage
 from zeroshard.parallel import PipelineStage, parallelize_gpt
 
@@ -44,19 +44,84 @@ def batch(step: int, mc: MeshCase, dp: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[:, : CFG.block_size], y[:, : CFG.block_size]
 
 
-def train_on_mesh(mesh, device, mc: MeshCase, steps: int):
-    """(this rank's losses per step or None, {full name: full weight} of its part) after `steps` steps."""
+@dataclass
+class Run:
+    """What a rank brings back: its losses (None off the last stage), its part's full weights, its figures."""
+
+    losses: list[float | None]
+    weights: dict[str, torch.Tensor]
+    memory: dict[str, int]
+    comm: dict[str, dict[str, int]]  # dim -> op -> calls
+    targets: int  # buckets, each one reduction (a stage-3 unit reduces each of its buckets)
+    tied_targets: int  # buckets reduced with a copy of a tied parameter (at stage 3: its unit's buckets)
+    local_numel: int  # trained elements of this rank's part
+
+
+def make_engine(mesh, device, mc: MeshCase):
     part = GPTStage(make_gpt(), mesh.rank("pp"), mesh.pp).to(device)
     parallelize_gpt(part, mesh)
     engine = zeroshard.initialize(part, make_optimizer(mc.case.optimizer, part), config=mc.case.config(),
                                   mesh=mesh, tied=part.tied())
     step_fn = _pipeline_step(engine, part, mesh, mc) if mesh.pp > 1 else _plain_step(engine, mesh, mc)
+    return engine, part, step_fn
+
+
+def train_steps(mesh, device, mc: MeshCase, step_fn, steps: range) -> list[float | None]:
     losses = []
-    for step in range(steps):
+    for step in steps:
         x, y = batch(step, mc, mesh.dp)
         mine = slice(mesh.rank("dp") * rows_per_rank(mc), (mesh.rank("dp") + 1) * rows_per_rank(mc))
         losses.append(step_fn(x[mine].to(device), y[mine].to(device)))
-    return losses, full_weights(engine, part)
+    return losses
+
+
+def train_on_mesh(mesh, device, mc: MeshCase, steps: int) -> Run:
+    engine, part, step_fn = make_engine(mesh, device, mc)
+    losses = train_steps(mesh, device, mc, step_fn, range(steps))
+    return report(engine, part, losses)
+
+
+def report(engine, part, losses) -> Run:
+    tied = {id(t.param) for t in engine.cross.ties}
+    comm = {dim: {op: s.calls for op, s in engine.comm_stats(dim).items()} for dim in ("dp", "tp", "pp", "mesh")}
+    tied_targets = sum(len(getattr(t, "buckets", [t])) for t in engine.reducer.targets
+                       if any(id(p) in tied for p in t.params))
+    return Run(losses, full_weights(engine, part), dict(engine.memory_stats()), comm, len(engine.buckets),
+               tied_targets,
+               sum(b.flat.numel for b in engine.buckets))
+
+
+def reference(mc: MeshCase, dp: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process training of the whole GPT on the same global batches."""
+    model = make_gpt()
+    opt = make_optimizer(mc.case.optimizer, model)
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, mc, dp)
+        loss = _loss(model(x), y)
+        loss.backward()
+        if mc.case.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), mc.case.clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def check_parity(runs: list[Run], mc: MeshCase, dp: int, steps: int) -> None:
+    """Losses within 2e-5 and all weights within 1e-4 relative of the reference; training moved them."""
+    ref_losses, ref_weights = reference(mc, dp, steps)
+    losses = torch.tensor([r.losses for r in runs if r.losses[0] is not None]).mean(0)
+    err = ((losses - torch.tensor(ref_losses)).abs() / torch.tensor(ref_losses)).max().item()
+    assert err <= 2e-5, f"{mc}: loss error {err:.2e}"
+    names = sorted({n for r in runs for n in r.weights})
+    assert names == sorted(ref_weights), f"{mc}: the parts hold {names}, the model {sorted(ref_weights)}"
+    got = torch.cat([r.weights[n].reshape(-1) for r in runs for n in sorted(r.weights)])
+    want = torch.cat([ref_weights[n].reshape(-1) for r in runs for n in sorted(r.weights)])
+    start = torch.cat([dict(make_gpt().named_parameters())[n].detach().reshape(-1)
+                       for r in runs for n in sorted(r.weights)])
+    assert relative_error(got, want) <= 1e-4, f"{mc}: weight error {relative_error(got, want):.2e}"
+    assert relative_error(got, start) > 1e-3, f"{mc}: training did not move the weights"
 
 
 def _loss(logits, y):
@@ -79,7 +144,9 @@ def _plain_step(engine, mesh, mc: MeshCase):
 
 def _pipeline_step(engine, part, mesh, mc: MeshCase):
     stage = PipelineStage(engine, reduce_per_micro_batch=mc.per_micro_batch)
-    schedule = getattr(schedules, mc.schedule)(stage, n_microbatches=mc.micro_batches, loss_fn=_loss)
+    kind = getattr(schedules, mc.schedule)
+    stages = [stage] if issubclass(kind, schedules.PipelineScheduleMulti) else stage  # one stage per rank
+    schedule = kind(stages, n_microbatches=mc.micro_batches, loss_fn=_loss)
 
     def step(x, y):
         losses: list[torch.Tensor] = []
