@@ -16,7 +16,9 @@ from torch.distributed.tensor import DTensor
 
 import zeroshard
 from tests.recipes import Case, global_batch, make_optimizer, relative_error
+from zeroshard.app.model_count import part_numels
 from zeroshard.app.models import GPT, PRESETS, GPTStage
+from zeroshard.estimate.parallel import part_state_bytes
 from zeroshard.parallel import PipelineStage, parallelize_gpt
 
 CFG = replace(PRESETS["tiny"], n_layer=4)  # 4 blocks: 2 per stage at pp=2
@@ -55,6 +57,8 @@ class Run:
     targets: int  # buckets, each one reduction (a stage-3 unit reduces each of its buckets)
     tied_targets: int  # buckets reduced with a copy of a tied parameter (at stage 3: its unit's buckets)
     local_numel: int  # trained elements of this rank's part
+    padded_numel: int  # of its flat buffers, each padded to a multiple of dp
+    part: tuple[int, int]  # (pp, tp) coordinates
 
 
 def make_engine(mesh, device, mc: MeshCase):
@@ -88,7 +92,8 @@ def report(engine, part, losses) -> Run:
                        if any(id(p) in tied for p in t.params))
     return Run(losses, full_weights(engine, part), dict(engine.memory_stats()), comm, len(engine.buckets),
                tied_targets,
-               sum(b.flat.numel for b in engine.buckets))
+               sum(b.flat.numel for b in engine.buckets), sum(b.flat.padded_numel for b in engine.buckets),
+               (engine.mesh.rank("pp"), engine.mesh.rank("tp")))
 
 
 def reference(mc: MeshCase, dp: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -169,3 +174,14 @@ def full_weights(engine, part) -> dict[str, torch.Tensor]:
         value = value.full_tensor() if isinstance(value, DTensor) else value
         out[part.full_name(name)] = value.detach().cpu().clone()
     return out
+
+
+def check_memory(run: Run, mc: MeshCase, mesh_sizes: dict[str, int]) -> None:
+    """memory_stats() equals ZeRO's formula over this rank's part (fp32, after a step: no gradient left on
+    .grad), and the part's trained elements are what `zeroshard estimate --tp --pp` counts."""
+    assert run.local_numel == part_numels(CFG, pp=mesh_sizes["pp"], tp=mesh_sizes["tp"])[run.part]
+    sgd = mc.case.optimizer == "sgd"
+    want = part_state_bytes(run.padded_numel, mesh_sizes["dp"], mc.case.stage, optimizer_bytes=4 if sgd else 8,
+                            optimizer_scalar_bytes=0 if sgd else 4 * run.targets)
+    got = {k: run.memory[k] for k in want}
+    assert got == want, f"{mc} part {run.part}: memory_stats {got}, formula {want}"

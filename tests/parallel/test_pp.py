@@ -18,7 +18,15 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.parallel.mesh_recipes import MeshCase, check_parity, make_engine, reference, report, train_steps
+from tests.parallel.mesh_recipes import (
+    MeshCase,
+    check_memory,
+    check_parity,
+    make_engine,
+    reference,
+    report,
+    train_steps,
+)
 from tests.recipes import Case, relative_error
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.parallel import build_mesh
@@ -50,6 +58,8 @@ def test_pp2_dp2_schedules_match_one_process_and_count_reductions(tmp_path):
     for i, mc in enumerate(CASES):
         runs = [r[i] for r in per_rank]
         check_parity(runs, mc, 2, STEPS)
+        for run in runs:
+            check_memory(run, mc, {"pp": 2, "dp": 2, "tp": 1})
         for run in runs:
             op = "all_reduce" if mc.case.stage == 0 else "reduce_scatter"
             per_step = M * run.targets + run.tied_targets if mc.per_micro_batch else run.targets

@@ -3,7 +3,9 @@
 The figures come from `zeroshard.estimate.summarize`; this module reads the
 flags, counts Ψ and the largest unit when given a model (a demo preset or any
 `transformers` model, built on the meta device: `zeroshard.app.model_count`),
-and prints either that object as JSON or a table.
+and prints either that object as JSON or a table. With `--tp`/`--pp` above 1
+(a preset only) it prints each model part's model-state bytes per rank
+instead (`zeroshard.estimate.parallel.mesh_summary`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,10 @@ from zeroshard.app.model_count import (
     DEMO_WRAP,
     PERSISTENCE_THRESHOLD,
     count_model,
+    count_parts,
 )
+from zeroshard.app.models import PRESETS
+from zeroshard.estimate.parallel import mesh_summary
 
 EXAMPLES = """\
 examples:
@@ -32,6 +37,7 @@ examples:
   zeroshard estimate --model demo --gpus 2 --dtype fp32 --json
   zeroshard estimate --params 7B --gpus 32 --gpus-per-node 8 --zeropp    stage 3 by scope, with ZeRO++
   zeroshard estimate --model gpt2 --gpus 4 --gpus-per-node 2 --hpz --qgz --gradient-bits 8
+  zeroshard estimate --model demo --gpus 8 --tp 2 --pp 2      per model part on a pp x dp x tp mesh
 """
 
 _SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
@@ -100,6 +106,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--persistence-threshold", type=threshold, default=None, metavar="ELEMENTS",
                         help="with --model: stage3_param_persistence_threshold, parameters under it stay whole "
                              f"(default: 0 for a preset, {PERSISTENCE_THRESHOLD} for another model)")
+    parser.add_argument("--tp", type=positive_int, default=1, metavar="T",
+                        help="tensor-parallel ranks (gpt_tp_plan; a preset only): --gpus = pp x dp x tp "
+                             "(default: %(default)s)")
+    parser.add_argument("--pp", type=positive_int, default=1, metavar="P",
+                        help="pipeline stages (GPTStage; a preset only) (default: %(default)s)")
     _add_zeropp(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (bytes; see zeroshard.estimate.summarize)")
@@ -129,6 +140,8 @@ def zeropp_parts(args: argparse.Namespace) -> estimate.ZeroPP:
 
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
     """Compute and print the estimate; returns the exit status."""
+    if args.tp * args.pp > 1:
+        return run_mesh(args, console)
     name, largest_unit, flats = None, args.largest_unit, None
     if args.model is not None:
         try:
@@ -150,6 +163,63 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
         return 0
     print_summary(console, summary, name)
     return 0
+
+
+# Flags whose figures the per-part estimate does not model: refused rather than ignored.
+_NOT_ON_MESH = (("zeropp", "--zeropp"), ("qwz", "--qwz"), ("hpz", "--hpz"), ("qgz", "--qgz"),
+                ("gpu_mem", "--gpu-mem"), ("largest_unit", "--largest-unit"),
+                ("persistence_threshold", "--persistence-threshold"), ("gpus_per_node", "--gpus-per-node"))
+
+
+def run_mesh(args: argparse.Namespace, console: Console | None = None) -> int:
+    """Each model part's model-state bytes per rank on a pp x dp x tp mesh; returns the exit status."""
+    error = args.command_parser.error
+    if args.model not in PRESETS:
+        error(f"--tp/--pp split the built-in GPT (GPTStage, gpt_tp_plan): give --model with a preset "
+              f"({', '.join(sorted(PRESETS))}), or --tp 1 --pp 1 for --params or a transformers model")
+    refused = [flag for key, flag in _NOT_ON_MESH if getattr(args, key)]
+    if refused:
+        error(f"{' '.join(refused)} with --tp/--pp: the per-part estimate covers model states only, without "
+              "ZeRO++, persistent parameters, nodes or a memory limit; drop those flags, or use --tp 1 --pp 1")
+    replica = args.tp * args.pp  # the ranks of one data-parallel replica
+    if args.gpus % replica:
+        error(f"--gpus {args.gpus} is not a multiple of --pp {args.pp} x --tp {args.tp} = {replica} ranks "
+              f"(dp = gpus / (pp x tp)): give --gpus a multiple of {replica}, or change --tp or --pp")
+    try:
+        parts = count_parts(args.model, args.pp, args.tp, None if args.wrap is None else tuple(args.wrap),
+                            args.auto_wrap_min_params)
+        summary = mesh_summary({key: (c.numel, c.largest_unit) for key, c in parts.items()}, args.gpus,
+                               args.pp, args.tp, args.dtype, args.optimizer_bytes)
+    except ValueError as why:
+        error(f"--model {args.model} --tp {args.tp} --pp {args.pp}: {why}")
+    summary = {"model": args.model, "params": count_model(args.model).numel, **summary}
+    console = console or Console()
+    if args.json:
+        console.out(json.dumps(summary, indent=2))
+    else:
+        print_mesh(console, summary)
+    return 0
+
+
+def print_mesh(console: Console, summary: dict) -> None:
+    """One row per model part and ZeRO stage: bytes per rank by model state."""
+    console.print(f"[bold]Ψ = {summary['params']:,}[/] parameters ({human_count(summary['params'])}) from "
+                  f"{summary['model']}")
+    console.print(f"{summary['gpus']} GPUs as pp={summary['pp']} x dp={summary['dp']} x tp={summary['tp']}: "
+                  f"{summary['replica_numel']:,} elements in one replica's {len(summary['parts'])} parts")
+    console.print(f"{summary['dtype']}, K = {summary['optimizer_bytes']} optimizer bytes per parameter")
+    table = Table(show_edge=False)
+    for column in ("part", "elements", "stage", "params", "grads", "master", "optimizer", "memory"):
+        table.add_column(column, justify="left" if column in ("part", "stage") else "right", no_wrap=True)
+    for name, part in summary["parts"].items():
+        for stage, states in part["memory_by_state"].items():
+            head = (name, f"{part['numel']:,}") if stage == "0" else ("", "")
+            table.add_row(*head, stage, *(human_bytes(states[k]) for k in ("params", "grads", "master", "optimizer")),
+                          human_bytes(part["memory_bytes"][stage]), end_section=stage == "3")
+    console.print(table)
+    console.print("[dim]memory: model states per GPU of the part, ZeRO over dp (no activations)\n"
+                  "elements: local, tp chunks + whole replicated tensors + the tied head copy\n"
+                  "stage 3: with the largest unit gathered, its parameters and gradients[/]")
 
 
 def human_bytes(n: float) -> str:

@@ -14,6 +14,11 @@ The flat buffers stage 3 would build from that plan (`plan_flats`, the
 split of `stage3.unit.build_units`) let the estimator count stage 3's
 collectives exactly; `stage3_flats` reads the same list off an engine's
 built units, so a test can hold the measured `comm_stats()` against it.
+
+On a pp x dp x tp mesh (`count_parts`, `part_numels`) the built-in GPT is
+split as training splits it: `GPTStage` per pp rank, then `gpt_tp_plan`'s
+rule applied by module name (`tp_split_dims`), each tensor's local size by
+DTensor's chunk rule, without a process group or `parallelize_module`.
 """
 
 from __future__ import annotations
@@ -24,11 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from zeroshard.app.demo_config import DEMO_CONFIG
-from zeroshard.app.models import GPT, PRESETS
+from zeroshard.app.models import GPT, PRESETS, GPTConfig, GPTStage
 from zeroshard.config.schema import ZeroConfig
 from zeroshard.estimate import FROZEN, PERSISTENT, SHARDED, Flat
+from zeroshard.estimate.parallel import tp_shard_numel
+from zeroshard.parallel.plans import gpt_tp_plan
 from zeroshard.stage3.wrapping import UnitPlan, flat_parts, plan_units, unit_modules
 
 # The engine's defaults, where the caller gives no wrapping rule.
@@ -95,6 +103,70 @@ def count_model(name: str, wrap: tuple[str, ...] | None = None,
     model = build_hf_model(name)
     return count_module(f"{type(model).__name__} ({name})", model, wrap or (), min_numel,
                         PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold)
+
+
+def count_parts(model: str | GPTConfig, pp: int = 1, tp: int = 1, wrap: tuple[str, ...] | None = None,
+                min_numel: int = AUTO_WRAP_MIN_PARAMS) -> dict[tuple[int, int], ParamCount]:
+    """Each part (pp_rank, tp_rank) of the built-in GPT on a mesh: its trained local elements and its
+    largest stage-3 unit in local elements (`wrap` None: the demo's wrap classes).
+
+    `model`: a preset name or a `GPTConfig`. Raises ValueError when the GPT
+    does not split so: pp over its blocks, tp over its heads.
+    """
+    if isinstance(model, str) and model not in PRESETS:
+        raise ValueError(f"'{model}' is not a preset ({', '.join(sorted(PRESETS))}); give one, or a GPTConfig")
+    cfg = PRESETS[model] if isinstance(model, str) else model
+    name = model if isinstance(model, str) else "GPT"
+    if cfg.n_head % tp:
+        raise ValueError(f"tp={tp} does not divide the {cfg.n_head} heads of {name}: each tp rank computes "
+                         "whole heads; give a tp that divides n_head")
+    wrap = DEMO_WRAP if wrap is None else wrap
+    parts = {}
+    for p in range(pp):
+        with torch.device("meta"):
+            stage = GPTStage(GPT(cfg), p, pp)  # stage_layers' ValueError for pp > n_layer
+        dims = tp_split_dims(stage, gpt_tp_plan(stage))
+        plans = plan_units(stage, unit_modules(stage, wrap, min_numel))
+        for t in range(tp):
+            local = {id(param): local_numel(param.shape, dims.get(n), tp, t)
+                     for n, param in stage.named_parameters() if param.requires_grad}
+            largest = max((sum(local.get(id(q), 0) for q in plan.params) for plan in plans), default=0)
+            parts[p, t] = ParamCount(f"{name} pp{p}-tp{t}", sum(local.values()), largest)
+    return parts
+
+
+def part_numels(model: str | GPTConfig, pp: int = 1, tp: int = 1) -> dict[tuple[int, int], int]:
+    """(pp_rank, tp_rank) -> the trained local elements of that part of the built-in GPT: the sum of
+    local numel over the parameters an engine of that part flattens (a tied head copy included)."""
+    return {key: counted.numel for key, counted in count_parts(model, pp, tp).items()}
+
+
+def tp_split_dims(model: torch.nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, int]:
+    """Parameter name -> the dimension a tensor-parallel plan splits (absent: replicated), by DTensor's
+    styles: ColwiseParallel splits a Linear's weight and bias by output features, RowwiseParallel its
+    weight by input features (the bias stays whole); on an Embedding the other way round."""
+    modules = dict(model.named_modules())
+    dims = {}
+    for module_name, style in plan.items():
+        module = modules[module_name]
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)) or \
+                not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            raise ValueError(f"{module_name}: only ColwiseParallel and RowwiseParallel on Linear or Embedding "
+                             f"are counted; got {type(style).__name__} on {type(module).__name__}")
+        colwise = isinstance(style, ColwiseParallel)
+        linear = isinstance(module, torch.nn.Linear)
+        dims[f"{module_name}.weight"] = 0 if colwise == linear else 1
+        if colwise and linear and module.bias is not None:
+            dims[f"{module_name}.bias"] = 0
+    return dims
+
+
+def local_numel(shape: torch.Size, dim: int | None, tp: int, tp_rank: int) -> int:
+    """Elements tp rank `tp_rank` holds of a tensor of `shape` split along `dim` (None: whole)."""
+    numel = shape.numel()
+    if dim is None or numel == 0:
+        return numel
+    return numel // shape[dim] * tp_shard_numel(shape[dim], tp, tp_rank)
 
 
 def build_hf_model(name: str) -> torch.nn.Module:

@@ -153,7 +153,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.check_no_sync()  # a window's last backward reduces: not inside engine.no_sync()
         if not self._sync:
             with self.pipeline_backward():
-                (loss.float() * self.scaler.scale if self.scaler is not None else loss).backward()
+                self.scale_loss(loss).backward()
             return
         if self.cross is not None and self.cross.ties:
             raise EngineStateError("parameters tied across pipeline stages are summed over the stages before "

@@ -26,6 +26,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch
+
 from zeroshard.comm import wait_all
 from zeroshard.engine.state import EngineStateError, TrainingState
 
@@ -134,6 +136,10 @@ class GradSyncMethods:
         if not factor > 0:
             raise ValueError(f"scale_gradients({factor!r}): the factor must be positive")
         self._grad_divisor = float(factor)
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` times fp16's loss scale (in fp32), for a backward run outside engine.backward; else `loss`."""
+        return loss.float() * self.scaler.scale if self.scaler is not None else loss
 
     def _end_window(self) -> None:
         self._unreduced, self._reduced_in_window, self._grad_divisor = False, False, 1.0

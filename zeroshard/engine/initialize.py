@@ -38,8 +38,7 @@ def initialize(
     *,
     model_parameters: Iterable[Any] | None = None,
     lr_scheduler: SchedulerArg = None,
-    mesh: Mesh | None = None,
-    tied: dict[str, str] | None = None,
+    mesh: Mesh | None = None, tied: dict[str, str] | None = None,
 ) -> Engine:
     """Wrap `model` and `optimizer` for ZeRO training on `group` (default: the world).
 
@@ -56,11 +55,8 @@ def initialize(
     it: freeze it with requires_grad_(False) or list it). With `optimizer`,
     an "optimizer" block must agree with it ("auto" takes its values), and
     `model_parameters`, if given, must hold the same trainable parameters.
-    `mesh` (`zeroshard.parallel.build_mesh`): ZeRO over its `dp` dimension,
-    the model being this rank's part (its pipeline stage, parallelized over
-    `tp` with DTensor); `tied` (with a mesh): this stage's copies of
-    parameters tied across pipeline stages, tie name -> parameter name
-    (docs/parallel.md).
+    `mesh`, `tied`: ZeRO over the mesh's `dp`, the model being this rank's
+    part (its pipeline stage, over `tp`); tie name -> this stage's copy (docs/parallel.md).
     `lr_scheduler`: a torch LR scheduler built on `optimizer`, or a function
     optimizer -> scheduler (called on `engine.optimizer`; needed when the
     block builds the optimizer); else the config's "scheduler" block. Either

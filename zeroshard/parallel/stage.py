@@ -53,6 +53,8 @@ class PipelineTrainer(Protocol):
 
     def scale_gradients(self, factor: float) -> None: ...
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
     def release_gathered(self) -> None: ...
 
     @property
@@ -77,6 +79,12 @@ class PipelineStage(TorchPipelineStage):
                                 f"stage {engine.config.zero_optimization.stage} gradients are reduced once a step")
         stage_index = mesh.rank("pp") if stage_index is None else stage_index
         num_stages = mesh.pp if num_stages is None else num_stages
+        if num_stages != mesh.pp:
+            raise PipelineError(f"num_stages={num_stages} on a mesh with pp={mesh.pp}: zeroshard runs one pipeline "
+                                "stage per rank (one engine, whose step checks and clips the gradients of the "
+                                "whole mesh). Looped and V schedules with several stages per rank are not "
+                                "supported yet: use Schedule1F1B, ScheduleGPipe or ScheduleInterleavedZeroBubble "
+                                "with one stage per rank")
         super().__init__(engine.module, stage_index, num_stages, engine.device, group=mesh.group("pp"),
                          **stage_kwargs)
         self.engine = engine
@@ -93,11 +101,20 @@ class PipelineStage(TorchPipelineStage):
         self.engine.release_gathered()  # stage 3: units the inference gathered
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "full" and self.engine.config.zero_optimization.stage == 3:
+            raise PipelineError("a zero-bubble schedule (split input and weight backward) at ZeRO stage 3 is not "
+                                "supported yet: its weight pass runs after the unit's parameters were released. "
+                                "Use stage 2 with it, or Schedule1F1B / ScheduleGPipe at stage 3")
         with self.engine.pipeline_backward():
             result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if self.reduce_per_micro_batch and backward_type in ("full", "weight"):
             self.engine.reduce_gradients(ties=False)  # this micro-batch's weight gradients are complete
         return result
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        if loss is not None:  # the last stage: fp16's loss scale, as engine.backward applies it
+            loss = self.engine.scale_loss(loss)
+        return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
     def scale_grads(self, grad_scale_factor: int) -> None:
         self.engine.scale_gradients(grad_scale_factor)
