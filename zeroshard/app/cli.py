@@ -19,6 +19,7 @@ from zeroshard.app import cli_estimate, compare
 from zeroshard.app.flags import add_command, add_dtype, add_group, add_nproc, positive_int
 from zeroshard.app.models import PRESETS
 from zeroshard.app.train import add_arguments, engine_config, to_argv
+from zeroshard.app.train_mesh import flag_error, resolve_defaults
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.consolidate import write
 from zeroshard.checkpoint.verify import verify
@@ -30,6 +31,7 @@ examples:
   zeroshard train                          2 ranks, ZeRO stage 2, the Bible, about a minute on CPU
   zeroshard train --stage 0 --steps 50     plain data parallel (all-reduce), for comparison
   zeroshard train --nproc 4 --data my.txt  4 ranks on your own text file
+  zeroshard train --tp 2 --pp 2            a 3D mesh: 8 ranks as pp=2 x dp=2 x tp=2, 1F1B, GPT 'tiny'
   zeroshard train --config ds_config.json --report out/   a DeepSpeed-style config; JSON and charts in out/
   zeroshard config check ds_config.json --world-size 8
                                            validate a DeepSpeed config, print what zeroshard will use
@@ -56,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "paper's formulas.",
         epilog=EXAMPLES)
     launch = train.add_argument_group("launch (torchrun)")
-    add_nproc(launch, 2, "ranks (processes) on this node")
+    add_nproc(launch, None, "ranks (processes) on this node (default: 2, or 2 x tp x pp with --tp/--pp: dp = 2)")
     launch.add_argument("--nnodes", type=positive_int, default=1, metavar="NODES",
                         help="nodes; with more than one, run the same command on each node "
                              "and give --rdzv-endpoint (default: %(default)s)")
@@ -178,6 +180,7 @@ def _one_line(text: str) -> str:
 
 def torchrun_argv(args: argparse.Namespace) -> list[str]:
     """torchrun's command line for `args`: the launcher's flags, then the module and its flags."""
+    resolve_defaults(args)  # --nproc's default follows from --tp and --pp
     if args.rdzv_endpoint is None:
         rendezvous = ["--standalone"]  # a C10d store on a free port of this machine
     else:
@@ -244,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "train":
+        resolve_defaults(args)  # --model, --nproc and --micro-batches follow from --tp and --pp
+        if (why := flag_error(args, args.nproc * args.nnodes)) is not None:
+            args.command_parser.error(why)
         if args.nnodes > 1 and args.rdzv_endpoint is None:
             args.command_parser.error("--nnodes above 1 needs --rdzv-endpoint HOST:PORT, "
                                       "the same on every node")

@@ -64,19 +64,33 @@ def add_group(commands: argparse._SubParsersAction, name: str, help: str) -> arg
     return group.add_subparsers(dest=f"{name}_command", metavar="ACTION", required=True)
 
 
-def add_nproc(parser: argparse.ArgumentParser, default: int, help: str) -> None:
+def add_nproc(parser: argparse.ArgumentParser, default: int | None, help: str) -> None:
+    """--nproc; a default of None is resolved by the command, whose `help` says how."""
     parser.add_argument("--nproc", type=positive_int, default=default, metavar="N",
-                        help=f"{help} (default: %(default)s)")
+                        help=help if default is None else f"{help} (default: %(default)s)")
 
 
 def add_steps(parser: argparse.ArgumentParser, default: int, help: str = "optimizer steps") -> None:
     parser.add_argument("--steps", type=positive_int, default=default, help=f"{help} (default: %(default)s)")
 
 
-def add_model(parser: argparse.ArgumentParser) -> None:
-    """--model: the demo GPT's size preset."""
-    parser.add_argument("--model", choices=sorted(PRESETS), default="demo",
-                        help="GPT size preset (default: %(default)s)")
+def add_model(parser: argparse.ArgumentParser, default: str | None = "demo",
+              help: str = "GPT size preset (default: %(default)s)") -> None:
+    """--model: the demo GPT's size preset (None: the command picks it, and its `help` says how)."""
+    parser.add_argument("--model", choices=sorted(PRESETS), default=default, help=help)
+
+
+def add_mesh(parser: argparse.ArgumentParser) -> None:
+    """--tp, --pp, --micro-batches: the 3D mesh of `zeroshard train` (app/train_mesh.py)."""
+    parser.add_argument("--tp", type=positive_int, default=1, metavar="T",
+                        help="tensor-parallel ranks: each transformer block's heads and MLP split T ways "
+                             "(default: %(default)s)")
+    parser.add_argument("--pp", type=positive_int, default=1, metavar="P",
+                        help="pipeline stages: the blocks split into P stages, trained with 1F1B "
+                             "(default: %(default)s)")
+    parser.add_argument("--micro-batches", type=positive_int, default=None, metavar="M",
+                        help="with --pp: micro-batches each data-parallel rank's rows split into per step, "
+                             "of --micro-batch rows each (default: 2 x P)")
 
 
 def add_data(parser: argparse.ArgumentParser) -> None:

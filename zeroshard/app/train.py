@@ -31,6 +31,7 @@ from zeroshard.app.demo_config import DEMO_CONFIG
 from zeroshard.app.flags import (
     add_data,
     add_dtype,
+    add_mesh,
     add_micro_batch,
     add_model,
     add_steps,
@@ -42,6 +43,7 @@ from zeroshard.app.flags import (
 from zeroshard.app.models import GPT, PRESETS
 from zeroshard.app.report import print_report, report_figures
 from zeroshard.app.run_log import StepLog, write_report
+from zeroshard.app.train_mesh import MeshUsageError, on_mesh, resolve_defaults, train_on_mesh
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "2 = also shard gradients, 3 = also shard parameters (default: 2, or the config's)")
     add_steps(parser, 200)  # under a minute on two idle CPU cores; the loss falls from 4.2 to about 2.3
     add_data(parser)
-    add_model(parser)
+    add_model(parser, None, "GPT size preset (default: demo; tiny with --tp or --pp)")
     add_micro_batch(parser, None, "sequences per rank per micro-step (default: 16, or the config's)")
     parser.add_argument("--accumulation", type=positive_int, default=None, metavar="STEPS",
                         help="micro-steps accumulated per optimizer step (default: 1, or the config's)")
@@ -97,6 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "out the LR schedule: give the first run's to reproduce it")
     add_dtype(parser, None, "training dtype: bf16 or fp16 train 16-bit parameters with fp32 master weights "
                             "(fp16 with dynamic loss scaling) (default: fp32, or the config's)")
+    add_mesh(parser)  # --tp, --pp, --micro-batches: a run on a mesh is app/train_mesh.py's
 
 
 _PATH_FLAGS = ("config", "data", "report", "log_csv", "save_dir", "resume")  # made absolute: workers may start elsewhere
@@ -345,13 +348,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m zeroshard.app.train", description=__doc__.split("\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
+    resolve_defaults(args)
     console = Console()
     rank = int(os.environ.get("RANK", 0))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=console, show_path=False, show_time=False)])
     try:
-        train(args, console)
-    except (UsageError, zeroshard.ConfigError, zeroshard.CheckpointError) as error:
+        if on_mesh(args):
+            train_on_mesh(args, engine_config(args), lr_schedule, console)
+        else:
+            train(args, console)
+    except (UsageError, MeshUsageError, zeroshard.ConfigError, zeroshard.CheckpointError) as error:
         # Every rank says it: torchrun may stop the others before rank 0 gets to print.
         console.print(f"[red]error[/] (rank {rank}): {error}", highlight=False)
         raise SystemExit(2) from None

@@ -48,6 +48,7 @@ from zeroshard.engine.deepspeed_api import DeepSpeedMethods
 from zeroshard.engine.export import ExportMethods
 from zeroshard.engine.grad_sync import GradSyncMethods
 from zeroshard.engine.state import EngineStateError, TrainingState
+from zeroshard.engine.validate import check_mesh_config
 from zeroshard.errors import ZeroshardError
 from zeroshard.parallel.cross import CrossParallel
 from zeroshard.parallel.mesh import Mesh
@@ -77,6 +78,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.state = TrainingState.IDLE
         self._failure: str | None = None  # why the engine is FAILED
         self.mesh = mesh
+        check_mesh_config(mesh, config, init)
         # Before the flat buffers: ties start every stage's copy from the lowest stage's values.
         self.cross = CrossParallel(mesh, model, tied or {}, config.collective_timeout, config.rank_check_timeout) \
             if mesh is not None else None

@@ -77,6 +77,19 @@ def check_mesh_arguments(mesh, group, tied) -> None:
                           f"{{'embedding': 'wte.weight'}}; got {tied!r:.80}")
 
 
+def check_mesh_config(mesh, config, init) -> None:
+    """What does not compose with tensor or pipeline parallelism yet: an error naming the way out."""
+    if mesh is None or mesh.tp * mesh.pp == 1:
+        return
+    if config.zero_optimization.zeropp:
+        raise ConfigError(f"ZeRO++ (zero_quantized_weights, zero_hpz_partition_size, zero_quantized_gradients) on "
+                          f"the mesh {mesh.describe()} is not supported yet: drop the ZeRO++ keys, or run ZeRO++ "
+                          "without tp and pp")
+    if init is not None:
+        raise ModelError("init= (a model built on the meta device) on a mesh with tp or pp is not supported yet: "
+                         "build this rank's part on the CPU or GPU, then parallelize it")
+
+
 def check_model(model: nn.Module, param_dtype: torch.dtype = torch.float32) -> None:
     """Trainable parameters in fp32 or `param_dtype`, each with storage of its own, in no other engine."""
     if getattr(model, _WRAPPED, False):
