@@ -18,6 +18,7 @@ import zeroshard
 from tests.recipes import Case, global_batch, make_optimizer, relative_error
 from zeroshard.app.model_count import part_numels
 from zeroshard.app.models import GPT, PRESETS, GPTStage
+from zeroshard.estimate.formulas import comm_bytes_per_step, step_check_bytes
 from zeroshard.estimate.parallel import part_state_bytes
 from zeroshard.parallel import PipelineStage, parallelize_gpt
 
@@ -54,6 +55,7 @@ class Run:
     weights: dict[str, torch.Tensor]
     memory: dict[str, int]
     comm: dict[str, dict[str, int]]  # dim -> op -> calls
+    comm_bytes: dict[str, dict[str, int]]  # dim -> op -> logical bytes
     targets: int  # buckets, each one reduction (a stage-3 unit reduces each of its buckets)
     tied_targets: int  # buckets reduced with a copy of a tied parameter (at stage 3: its unit's buckets)
     local_numel: int  # trained elements of this rank's part
@@ -66,7 +68,7 @@ def make_engine(mesh, device, mc: MeshCase):
     parallelize_gpt(part, mesh)
     engine = zeroshard.initialize(part, make_optimizer(mc.case.optimizer, part), config=mc.case.config(),
                                   mesh=mesh, tied=part.tied())
-    step_fn = _pipeline_step(engine, part, mesh, mc) if mesh.pp > 1 else _plain_step(engine, mesh, mc)
+    step_fn = _pipeline_step(engine, mc) if mesh.pp > 1 else _plain_step(engine, mesh, mc)
     return engine, part, step_fn
 
 
@@ -87,10 +89,12 @@ def train_on_mesh(mesh, device, mc: MeshCase, steps: int) -> Run:
 
 def report(engine, part, losses) -> Run:
     tied = {id(t.param) for t in engine.cross.ties}
-    comm = {dim: {op: s.calls for op, s in engine.comm_stats(dim).items()} for dim in ("dp", "tp", "pp", "mesh")}
+    stats = {dim: engine.comm_stats(dim) for dim in ("dp", "tp", "pp", "mesh")}
+    comm = {dim: {op: s.calls for op, s in ops.items()} for dim, ops in stats.items()}
+    comm_bytes = {dim: {op: s.bytes for op, s in ops.items()} for dim, ops in stats.items()}
     tied_targets = sum(len(getattr(t, "buckets", [t])) for t in engine.reducer.targets
                        if any(id(p) in tied for p in t.params))
-    return Run(losses, full_weights(engine, part), dict(engine.memory_stats()), comm, len(engine.buckets),
+    return Run(losses, full_weights(engine, part), dict(engine.memory_stats()), comm, comm_bytes, len(engine.buckets),
                tied_targets,
                sum(b.flat.numel for b in engine.buckets), sum(b.flat.padded_numel for b in engine.buckets),
                (engine.mesh.rank("pp"), engine.mesh.rank("tp")))
@@ -147,23 +151,12 @@ def _plain_step(engine, mesh, mc: MeshCase):
     return step
 
 
-def _pipeline_step(engine, part, mesh, mc: MeshCase):
+def _pipeline_step(engine, mc: MeshCase):
     stage = PipelineStage(engine, reduce_per_micro_batch=mc.per_micro_batch)
     kind = getattr(schedules, mc.schedule)
     stages = [stage] if issubclass(kind, schedules.PipelineScheduleMulti) else stage  # one stage per rank
     schedule = kind(stages, n_microbatches=mc.micro_batches, loss_fn=_loss)
-
-    def step(x, y):
-        losses: list[torch.Tensor] = []
-        if part.first:
-            schedule.step(x)
-        elif part.last:
-            schedule.step(target=y, losses=losses)
-        else:
-            schedule.step()
-        engine.step()
-        return sum(l.item() for l in losses) / len(losses) if part.last else None
-    return step
+    return lambda x, y: stage.train_step(schedule, x, y)
 
 
 def full_weights(engine, part) -> dict[str, torch.Tensor]:
@@ -185,3 +178,16 @@ def check_memory(run: Run, mc: MeshCase, mesh_sizes: dict[str, int]) -> None:
                             optimizer_scalar_bytes=0 if sgd else 4 * run.targets)
     got = {k: run.memory[k] for k in want}
     assert got == want, f"{mc} part {run.part}: memory_stats {got}, formula {want}"
+
+
+def check_comm(run: Run, mc: MeshCase, world: int, steps: int) -> None:
+    """comm_stats() by dimension equals the formulas: dp, ZeRO's bytes per step over this rank's part
+    (stages 0-2, reduced once a step or once per micro-step); pp, one fp32 sum of the tied embedding per
+    step on the stages that hold it; mesh, the step check over every rank."""
+    if mc.case.stage < 3 and not mc.per_micro_batch:
+        want = comm_bytes_per_step(run.padded_numel, mc.case.stage, accumulation=mc.case.accumulation)
+        got = {op: run.comm_bytes["dp"].get(op, 0) for op in want}
+        assert got == {op: steps * n for op, n in want.items()}, f"{mc} part {run.part}: dp bytes {got}"
+    tie = CFG.vocab_size * CFG.n_embd * 4 if run.tied_targets else 0
+    assert run.comm_bytes["pp"].get("all_reduce", 0) == steps * tie
+    assert run.comm_bytes["mesh"]["step_check"] == steps * step_check_bytes(world)

@@ -20,6 +20,7 @@ import torch
 from tests.distributed import run_ranks
 from tests.parallel.mesh_recipes import (
     MeshCase,
+    check_comm,
     check_memory,
     check_parity,
     make_engine,
@@ -59,6 +60,7 @@ def test_pp2_dp2_schedules_match_one_process_and_count_reductions(tmp_path):
         runs = [r[i] for r in per_rank]
         check_parity(runs, mc, 2, STEPS)
         for run in runs:
+            check_comm(run, mc, 4, STEPS)
             check_memory(run, mc, {"pp": 2, "dp": 2, "tp": 1})
         for run in runs:
             op = "all_reduce" if mc.case.stage == 0 else "reduce_scatter"

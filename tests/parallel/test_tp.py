@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import zeroshard
 from tests.distributed import run_ranks
-from tests.parallel.mesh_recipes import MeshCase, check_memory, check_parity, train_on_mesh
+from tests.parallel.mesh_recipes import MeshCase, check_comm, check_memory, check_parity, train_on_mesh
 from tests.recipes import Case, relative_error
 from zeroshard.parallel import build_mesh
 
@@ -85,6 +85,7 @@ def test_dp2_tp2_stages_0_to_3_match_one_process():
         runs = [r[0][i] for r in per_rank]
         check_parity(runs, mc, 2, STEPS)
         for run in runs:
+            check_comm(run, mc, 4, STEPS)
             check_memory(run, mc, {"pp": 1, "dp": 2, "tp": 2})
         for r in runs:  # the tp pair's replicated parameters take the same update on both ranks
             assert torch.equal(r.weights["wte.weight"], runs[0].weights["wte.weight"])

@@ -145,7 +145,7 @@ def train_on_mesh(args: argparse.Namespace, config: zeroshard.Config,
     last = f"ranks {dist.get_world_size() - mesh.dp * mesh.tp}-{dist.get_world_size() - 1}"
     log.info("mesh %s: GPT '%s' (%d blocks) in %d pipeline stage(s); loss: the last stage's (%s), mean over its %d dp "
              "rank(s)", mesh.describe(), args.model, part.cfg.n_layer, mesh.pp, last, mesh.dp)
-    step = _pipeline_step(engine, part, args) if mesh.pp > 1 else _plain_step(engine, args)
+    step = _pipeline_step(engine, args) if mesh.pp > 1 else _plain_step(engine, args)
     losses, seconds, comm = _train_loop(engine, step, mesh, part, corpus, args, schedule)
     layers = f"{part.layers.start}-{part.layers.stop - 1}"
     everyone: list = [None] * dist.get_world_size()
@@ -159,21 +159,11 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def _pipeline_step(engine: zeroshard.Engine, part: GPTStage, args: argparse.Namespace):
+def _pipeline_step(engine: zeroshard.Engine, args: argparse.Namespace):
     """One optimizer step through 1F1B: returns this stage's mean loss over the micro-batches (last stage) or None."""
-    schedule = Schedule1F1B(PipelineStage(engine), n_microbatches=args.micro_batches, loss_fn=_loss)
-
-    def step(x: torch.Tensor, y: torch.Tensor) -> float | None:
-        losses: list[torch.Tensor] = []
-        if part.first:
-            schedule.step(x)
-        elif part.last:
-            schedule.step(target=y, losses=losses)
-        else:
-            schedule.step()
-        engine.step()
-        return sum(loss.item() for loss in losses) / len(losses) if part.last else None
-    return step
+    stage = PipelineStage(engine)
+    schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=_loss)
+    return lambda x, y: stage.train_step(schedule, x, y)
 
 
 def _plain_step(engine: zeroshard.Engine, args: argparse.Namespace):

@@ -57,6 +57,8 @@ class PipelineTrainer(Protocol):
 
     def release_gathered(self) -> None: ...
 
+    def step(self) -> None: ...
+
     @property
     def device(self) -> torch.device: ...
 
@@ -123,3 +125,18 @@ class PipelineStage(TorchPipelineStage):
         # The reduction itself waits for engine.step(): after schedule.step() has finished every send and
         # receive, the stages may meet in the ties' collective without waiting on each other's schedule.
         self.engine.scale_gradients(grad_scale_factor)
+
+    def train_step(self, schedule, inputs: torch.Tensor | None = None, target: torch.Tensor | None = None
+                   ) -> float | None:
+        """One optimizer step: `schedule.step` with what this stage takes (`inputs` on the first stage,
+        `target` on the last), then `engine.step()`. Returns the last stage's mean loss over the
+        micro-batches, None on the other stages. Every rank calls it."""
+        losses: list[torch.Tensor] = []
+        if self.is_first:
+            schedule.step(inputs)
+        elif self.is_last:
+            schedule.step(target=target, losses=losses)
+        else:
+            schedule.step()
+        self.engine.step()
+        return sum(loss.item() for loss in losses) / len(losses) if self.is_last else None
