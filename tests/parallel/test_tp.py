@@ -13,7 +13,15 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import zeroshard
 from tests.distributed import run_ranks
-from tests.parallel.mesh_recipes import MeshCase, check_comm, check_memory, check_parity, train_on_mesh
+from tests.parallel.mesh_recipes import (
+    MeshCase,
+    check_comm,
+    check_memory,
+    check_parity,
+    make_engine,
+    train_on_mesh,
+    train_steps,
+)
 from tests.recipes import Case, relative_error
 from zeroshard.parallel import build_mesh
 
@@ -73,14 +81,28 @@ def train_sp(mesh, device, stage: int, steps: int):
     return weights, engine.comm_stats("tp")["all_reduce"].calls
 
 
-def _ranks(rank, world, device, cases):
+def resume(mesh, device, mc: MeshCase, ckpt) -> tuple[list, list]:
+    """Losses of 2 steps after a checkpoint at step 2: by the run that saved it, and by a fresh engine loading it."""
+    ran = []
+    for load in (False, True):
+        engine, part, step_fn = make_engine(mesh, device, mc)
+        if load:
+            engine.load_checkpoint(ckpt)
+        else:
+            train_steps(mesh, device, mc, step_fn, range(2))
+            engine.save_checkpoint(ckpt)
+        ran.append(train_steps(mesh, device, mc, step_fn, range(2, 4)))
+    return ran[0], ran[1]
+
+
+def _ranks(rank, world, device, cases, ckpt):
     mesh = build_mesh(tp=2)
     runs = [train_on_mesh(mesh, device, mc, STEPS) for mc in cases]
-    return runs, train_sp(mesh, device, 2, STEPS)
+    return runs, train_sp(mesh, device, 2, STEPS), resume(mesh, device, cases[3], ckpt)
 
 
-def test_dp2_tp2_stages_0_to_3_match_one_process():
-    per_rank = run_ranks(_ranks, 4, CASES)
+def test_dp2_tp2_stages_0_to_3_match_one_process(tmp_path):
+    per_rank = run_ranks(_ranks, 4, CASES, tmp_path)
     for i, mc in enumerate(CASES):
         runs = [r[0][i] for r in per_rank]
         check_parity(runs, mc, 2, STEPS)
@@ -94,3 +116,5 @@ def test_dp2_tp2_stages_0_to_3_match_one_process():
         got, want = torch.cat([w.reshape(-1) for w in weights.values()]), torch.cat([ref[n].reshape(-1) for n in weights])
         assert relative_error(got, want) <= 1e-4, f"sequence parallel: weight error {relative_error(got, want):.2e}"
         assert tp_sums == 2 * STEPS, "the LayerNorm's weight and bias are summed over tp once per step each"
+    for saved_run, reloaded in (r[2] for r in per_rank):  # tp's local shards saved per model part, exactly
+        assert saved_run == reloaded

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from zeroshard.core.bucket import Bucket
 from zeroshard.core.flat import FlatParams
+from zeroshard.core.local import local
 from zeroshard.dtypes import torch_name
 
 
@@ -80,7 +81,7 @@ class Holdings:
 
     trained: list[Trained]
     frozen: list[tuple[FlatParams, Span]]  # stage 3's frozen flats: this rank's `shard_data`
-    whole: list[tuple[str, nn.Parameter]]  # parameters in no flat buffer (frozen): replicated
+    whole: list[tuple[str, torch.Tensor]]  # parameters in no flat buffer (frozen): replicated; their local tensors
     buffers: list[tuple[str, torch.Tensor]]  # the module's persistent buffers: replicated
     order: tuple[str, ...]  # parameter names as the module registers them, for tables and messages
 
@@ -91,7 +92,7 @@ class Holdings:
                    for b in buckets]
         frozen = [(f, Span.of(f, names, True)) for f in frozen_flats]
         in_flats = {id(p) for f in [b.flat for b in buckets] + frozen_flats for p in f.params}
-        whole = [(n, p) for n, p in module.named_parameters() if id(p) not in in_flats]
+        whole = [(n, local(p)) for n, p in module.named_parameters() if id(p) not in in_flats]
         params = {id(p) for p in module.parameters()}
         buffers = [(k, t) for k, t in module.state_dict(keep_vars=True).items() if id(t) not in params]
         return cls(trained, frozen, whole, buffers, tuple(names[id(p)] for p in module.parameters()))
