@@ -19,6 +19,7 @@ from tests.parallel.mesh_recipes import (
     check_memory,
     check_parity,
     make_engine,
+    reference,
     train_on_mesh,
     train_steps,
 )
@@ -32,6 +33,9 @@ CASES = [
     MeshCase(Case(stage=2, clip=0.5, optimizer="sgd")),
     MeshCase(Case(stage=3, accumulation=2)),
 ]
+
+
+BF16 = MeshCase(Case(stage=2, dtype="bf16", optimizer="adamw1_slow"))
 
 
 class SPNet(nn.Module):
@@ -98,7 +102,8 @@ def resume(mesh, device, mc: MeshCase, ckpt) -> tuple[list, list]:
 def _ranks(rank, world, device, cases, ckpt):
     mesh = build_mesh(tp=2)
     runs = [train_on_mesh(mesh, device, mc, STEPS) for mc in cases]
-    return runs, train_sp(mesh, device, 2, STEPS), resume(mesh, device, cases[3], ckpt)
+    bf16 = train_on_mesh(mesh, device, BF16, STEPS).losses  # DTensor parameters cast: swapped, not re-pointed
+    return runs, train_sp(mesh, device, 2, STEPS), resume(mesh, device, cases[3], ckpt), bf16
 
 
 def test_dp2_tp2_stages_0_to_3_match_one_process(tmp_path):
@@ -118,3 +123,6 @@ def test_dp2_tp2_stages_0_to_3_match_one_process(tmp_path):
         assert tp_sums == 2 * STEPS, "the LayerNorm's weight and bias are summed over tp once per step each"
     for saved_run, reloaded in (r[2] for r in per_rank):  # tp's local shards saved per model part, exactly
         assert saved_run == reloaded
+    fp32 = torch.tensor(reference(BF16, 2, STEPS)[0])
+    for losses in (r[3] for r in per_rank):  # bf16 rounding only: within 1% of fp32 training
+        assert ((torch.tensor(losses) - fp32).abs() / fp32).max() <= 1e-2, losses

@@ -8,6 +8,7 @@ this rank's part over `tp`, and that part is what ZeRO flattens, shards over
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 
@@ -17,7 +18,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def point_at(param: torch.Tensor, view: torch.Tensor) -> None:
-    """Make `param` (its local part, for a DTensor) a view of `view`'s memory, keeping the Parameter object."""
+    """Make `param` (its local part, for a DTensor) a view of `view`'s memory, keeping the Parameter object.
+
+    A DTensor carries its dtype apart from its local tensor's: cast (mixed precision), it is swapped for
+    a DTensor of the new dtype over `view`, in the same Parameter object.
+    """
+    if isinstance(param, DTensor) and param.dtype != view.dtype:
+        cast = DTensor.from_local(view, param.device_mesh, param.placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
+        torch.utils.swap_tensors(param, nn.Parameter(cast, requires_grad=param.requires_grad))
+        return
     local(param).data = view
 
 

@@ -88,8 +88,9 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
         buckets = [b for unit in units for b in unit.buckets]
     else:
         buckets = _build_buckets(model, groups, config, comm, precision, switches)
-    if precision.mixed:  # frozen parameters and buffers; the buckets' parameters already are
-        model.to(precision.param_dtype)
+    if precision.mixed:  # frozen parameters and buffers; the buckets' parameters already are (left untouched:
+        dtype = precision.param_dtype  # a DTensor's .to() would replace even a tensor of the right dtype)
+        model._apply(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
     # Stage 3 stages each bucket of a unit at once, small ones (biases, norms) too:
     # blocks of exactly the size asked for, reused by the next unit of the same shape.
     pool = StagingPool(block_numel=0 if schedule else max((b.flat.padded_numel for b in buckets), default=0))

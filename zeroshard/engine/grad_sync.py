@@ -96,6 +96,9 @@ class GradSyncMethods:
         self._check_usable()
         if self.state is not TrainingState.STEP_DUE:
             raise EngineStateError("reduce_gradients() after a backward and before engine.step() only")
+        if self._sync:
+            raise EngineStateError("reduce_gradients() with gradient sync on: engine.backward has reduced already. "
+                                   "Turn sync off first (engine.set_gradient_sync(False)) to reduce when you choose")
         if self._reduced_in_window and not self.switches.shard_grads:
             raise EngineStateError(f"reduce_gradients() a second time in one step at ZeRO stage {self.config.stage}: "
                                    "stages 0-1 reduce the window's gradients once, at its end. Reduce per "
