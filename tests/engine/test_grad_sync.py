@@ -61,6 +61,10 @@ def _refusals(engine, stage):
         with pytest.raises(EngineStateError):
             engine.set_gradient_sync(True)  # inside a window
         refused.append("sync switched inside a window")
+        with pytest.raises(EngineStateError, match="reduced twice"):
+            with engine.pipeline_backward():  # a backward after the window's one reduction
+                loss_of(engine, x, x).backward()
+        refused.append("backward after the reduction at stage 0-1")
     return refused
 
 
@@ -76,4 +80,5 @@ def test_loops_of_their_own_backwards_match_one_process():
         assert ((losses - torch.tensor(ref_losses)).abs() / torch.tensor(ref_losses)).max() <= 2e-5, (stage, per_micro)
         assert relative_error(per_rank[0][i][1], ref_weights) <= 1e-4, (stage, per_micro)
         assert per_rank[0][i][2] == (["reduce before backward"] if stage >= 2 else [
-            "reduce before backward", "second reduce at stage 0-1", "sync switched inside a window"])
+            "reduce before backward", "second reduce at stage 0-1", "sync switched inside a window",
+            "backward after the reduction at stage 0-1"])

@@ -107,7 +107,7 @@ def reference(mc: MeshCase, dp: int, steps: int) -> tuple[list[float], dict[str,
     losses = []
     for step in range(steps):
         x, y = batch(step, mc, dp)
-        loss = _loss(model(x), y)
+        loss = lm_loss(model(x), y)
         loss.backward()
         if mc.case.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), mc.case.clip)
@@ -133,7 +133,7 @@ def check_parity(runs: list[Run], mc: MeshCase, dp: int, steps: int) -> None:
     assert relative_error(got, start) > 1e-3, f"{mc}: training did not move the weights"
 
 
-def _loss(logits, y):
+def lm_loss(logits, y):
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
@@ -143,7 +143,7 @@ def _plain_step(engine, mesh, mc: MeshCase):
     def step(x, y):
         total = 0.0
         for micro in range(mc.case.accumulation):
-            loss = _loss(engine(x[micro * rows:(micro + 1) * rows]), y[micro * rows:(micro + 1) * rows])
+            loss = lm_loss(engine(x[micro * rows:(micro + 1) * rows]), y[micro * rows:(micro + 1) * rows])
             engine.backward(loss)
             engine.step()
             total += loss.item() / mc.case.accumulation
@@ -155,7 +155,7 @@ def _pipeline_step(engine, mc: MeshCase):
     stage = PipelineStage(engine, reduce_per_micro_batch=mc.per_micro_batch)
     kind = getattr(schedules, mc.schedule)
     stages = [stage] if issubclass(kind, schedules.PipelineScheduleMulti) else stage  # one stage per rank
-    schedule = kind(stages, n_microbatches=mc.micro_batches, loss_fn=_loss)
+    schedule = kind(stages, n_microbatches=mc.micro_batches, loss_fn=lm_loss)
     return lambda x, y: stage.train_step(schedule, x, y)
 
 

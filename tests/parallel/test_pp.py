@@ -16,21 +16,27 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
 
+import zeroshard
 from tests.distributed import run_ranks
 from tests.parallel.mesh_recipes import (
     MeshCase,
+    batch,
     check_comm,
     check_memory,
     check_parity,
+    lm_loss,
     make_engine,
+    make_gpt,
     reference,
     report,
     train_steps,
 )
-from tests.recipes import Case, relative_error
+from tests.recipes import Case, make_optimizer, relative_error
+from zeroshard.app.models import GPTStage
 from zeroshard.checkpoint import CheckpointError
-from zeroshard.parallel import build_mesh
+from zeroshard.parallel import PipelineError, PipelineStage, TieError, build_mesh
 
 STEPS, MORE, M = 6, 2, 4
 CASES = [
@@ -70,15 +76,38 @@ def test_pp2_dp2_schedules_match_one_process_and_count_reductions(tmp_path):
     _reload_on_fewer_dp_ranks(tmp_path)
 
 
+def _refusals(mesh, device, ckpt) -> list[str]:
+    """What a pipeline refuses, on every rank, each with its reason."""
+    said = []
+    engine, part, _ = make_engine(mesh, device, MeshCase(Case(stage=3), micro_batches=2))
+    with pytest.raises(PipelineError, match="one pipeline stage per rank"):
+        PipelineStage(engine, stage_index=0)
+    stage = PipelineStage(engine)
+    zero_bubble = ScheduleInterleavedZeroBubble([stage], n_microbatches=2, loss_fn=lm_loss)
+    x, y = batch(0, MeshCase(Case(), micro_batches=2), 1)
+    with pytest.raises(PipelineError, match="zero-bubble schedule .* at ZeRO stage 3"):  # before any action
+        stage.train_step(zero_bubble, x, y)
+    with pytest.raises(CheckpointError, match="a model part's directory"):
+        engine.load_checkpoint(next(ckpt.glob("pp*-tp*/global_step*")))
+    said.append("refused")
+    fresh = GPTStage(make_gpt(), mesh.rank("pp"), mesh.pp)
+    with pytest.raises(TieError, match="does not have"):  # one stage misspells its copy: every rank hears it
+        zeroshard.initialize(fresh, make_optimizer("adamw", fresh), {}, mesh=mesh,
+                             tied={"embedding": "head.weigth" if fresh.last else "wte.weight"})
+    return said
+
+
 def _continue(rank, world, device, mc, ckpt):
     engine, part, step_fn = make_engine(build_mesh(pp=2), device, mc)
+    refused = _refusals(engine.mesh, device, ckpt)
     engine.load_checkpoint(ckpt)
     run = report(engine, part, train_steps(engine.mesh, device, mc, step_fn, range(STEPS, STEPS + MORE)))
     other = build_mesh(tp=2)  # the same two ranks as pp1 x dp1 x tp2
     engine, _, _ = make_engine(other, device, replace(mc, micro_batches=1))
+    refused_before = refused
     with pytest.raises(CheckpointError) as refused:
         engine.load_checkpoint(ckpt)
-    return run, str(refused.value)
+    return run, str(refused.value), refused_before
 
 
 def _reload_on_fewer_dp_ranks(ckpt):
@@ -90,9 +119,10 @@ def _reload_on_fewer_dp_ranks(ckpt):
     losses = [r[0].losses for r in per_rank if r[0].losses[0] is not None][0]
     err = max(abs(a - b) / b for a, b in zip(losses, ref_losses[STEPS:]))
     assert err <= 2e-5, f"the reloaded run's losses differ from the uninterrupted reference by {err:.2e}"
-    for run, _ in per_rank:
+    for run, _, _ in per_rank:
         got = torch.cat([run.weights[n].reshape(-1) for n in sorted(run.weights)])
         want = torch.cat([ref_weights[n].reshape(-1) for n in sorted(run.weights)])
         assert relative_error(got, want) <= 1e-4
-    for _, message in per_rank:
+    for _, message, refused in per_rank:
         assert "pp=2 when saved, 1 now" in message and "tp=1 when saved, 2 now" in message, message
+        assert refused == ["refused"]

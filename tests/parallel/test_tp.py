@@ -6,6 +6,7 @@ its LayerNorm sequence-parallel: its gradient comes out `Partial` over tp
 and must be summed over tp before the dp reduction (the "tp" comm records it).
 """
 
+import pytest
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import Shard
@@ -24,6 +25,7 @@ from tests.parallel.mesh_recipes import (
     train_steps,
 )
 from tests.recipes import Case, relative_error
+from zeroshard.errors import ModelError
 from zeroshard.parallel import build_mesh
 
 STEPS = 6
@@ -82,6 +84,10 @@ def train_sp(mesh, device, stage: int, steps: int):
         engine.backward(out.square().sum() / (2 * 8 * 16))  # its part of the global mean
         engine.step()
     weights = {n: p.full_tensor().detach().cpu() for n, p in net.named_parameters()}
+    torch.manual_seed(0)
+    unknown = parallelize_module(SPNet().to(device), mesh.device_mesh["tp"], SP_PLAN)
+    with pytest.raises(ModelError, match="DTensors"):  # tp without the mesh: its gradients cannot be summed
+        zeroshard.initialize(unknown, torch.optim.AdamW(unknown.parameters()), {})
     return weights, engine.comm_stats("tp")["all_reduce"].calls
 
 

@@ -37,6 +37,10 @@ def write_mesh(root: str | Path, mesh: Mesh) -> None:
 def check_mesh(root: str | Path, mesh: Mesh) -> None:
     """Raise `CheckpointError` unless `root` is empty of checkpoints or was saved with this mesh's pp and tp."""
     root = Path(root)
+    if mesh.model_part in (root.name, root.parent.name) or (root / "manifest.json").exists():
+        raise CheckpointError(f"{root} is a model part's directory; on a mesh give load_checkpoint the directory "
+                              "given to save_checkpoint (it holds mesh.json and one directory per part), and the "
+                              "tag as tag=")
     file = root / MESH_FILE
     if not file.exists():
         if (root / "latest").exists() or any(root.glob("*/manifest.json")):

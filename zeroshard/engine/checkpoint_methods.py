@@ -6,6 +6,7 @@ data-parallel checkpoint under the directory (`checkpoint/mesh.py`).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from zeroshard import checkpoint
 from zeroshard.checkpoint import CheckpointError, Counters
 from zeroshard.checkpoint.mesh import check_mesh, part_dir, write_mesh
+from zeroshard.comm import all_gather_object
 from zeroshard.core.flat import FlatParams
 from zeroshard.engine.state import TrainingState
 
@@ -57,11 +59,31 @@ class CheckpointMethods:
         """
         self.check_checkpoint_options(load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
         self._enter("load_checkpoint", CheckpointError, checkpoint_call=True)
-        if self.mesh is not None:  # every rank reads the same files: the same verdict everywhere
-            check_mesh(load_dir, self.mesh)
-            load_dir = part_dir(load_dir, self.mesh)
-        return checkpoint.load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                               load_module_only, must_exist)
+        load = partial(checkpoint.load, self, tag=tag, load_optimizer_states=load_optimizer_states,
+                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                       must_exist=must_exist)
+        if self.mesh is None:
+            return load(load_dir)
+        check_mesh(load_dir, self.mesh)  # every rank reads the same files: the same verdict everywhere
+        return self._load_part(load, part_dir(load_dir, self.mesh))
+
+    def _load_part(self, load: Callable, where: Path) -> tuple[Path, dict] | tuple[None, None]:
+        """Load this model part, then agree over the whole mesh: every part at the same tag and step."""
+        outcome, error = (None, None), None
+        try:
+            outcome = load(where)
+        except CheckpointError as exc:  # raised in this part's dp group only: the other parts must hear it
+            error = str(exc)
+        loaded = outcome[0].name if outcome[0] is not None else None
+        rows = all_gather_object(self.cross.world, (self.mesh.model_part, loaded, self.global_steps, error))
+        if len({(tag, steps) for _, tag, steps, _ in rows}) > 1 or any(e for *_, e in rows):
+            what = "; ".join(f"{part}: {e or f'tag {tag}, step {steps}'}" for part, tag, steps, e in rows)
+            if loaded is not None:  # this part loaded, another did not, or another step: the mesh is torn
+                self.fail(f"the model parts loaded different checkpoints ({what})")
+            raise CheckpointError(f"the model parts did not all load the same checkpoint: {what}. Each part "
+                                  "resolves 'latest' on its own; an interrupted save can leave them apart. Load "
+                                  "an explicit tag that every part holds, then restart")
+        return outcome
 
     # The checkpoint package's `Trainer` protocol.
 

@@ -78,7 +78,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.state = TrainingState.IDLE
         self._failure: str | None = None  # why the engine is FAILED
         self.mesh = mesh
-        check_mesh_config(mesh, config, init)
+        check_mesh_config(mesh, config, init, model)
         # Before the flat buffers: ties start every stage's copy from the lowest stage's values.
         self.cross = CrossParallel(mesh, model, tied or {}, config.collective_timeout, config.rank_check_timeout) \
             if mesh is not None else None

@@ -38,6 +38,7 @@ class GradSyncMethods:
     _sync = True  # gradient sync by hooks during engine.backward
     _unreduced = False  # .grad holds gradients no reduction has taken yet
     _reduced_in_window = False  # a reduction ran in this window (stages 0-1 allow one)
+    _tied_left = False  # the last pass was ties=False and no backward ran since: only tied targets remain
     _grad_divisor = 1.0  # engine.scale_gradients: the window's gradients are divided by it at the step
 
     @property
@@ -73,6 +74,11 @@ class GradSyncMethods:
         self._end_explicit_backward()
 
     def _begin_explicit_backward(self) -> None:
+        if self._reduced_in_window and not self.switches.shard_grads:
+            raise EngineStateError(f"a backward after reduce_gradients() in the same step at ZeRO stage "
+                                   f"{self.config.stage}: stages 0-1 reduce a window once, so its gradients would be "
+                                   "reduced twice. Reduce after the window's last backward, or use stage 2 or 3")
+        self._tied_left = False
         if self.schedule is not None:
             self.schedule.begin_backward()
         self.state = TrainingState.BACKWARD
@@ -114,18 +120,22 @@ class GradSyncMethods:
             self.fail(f"a gradient reduction failed on this rank ({type(exc).__name__}: {exc})")
             raise
         self._reduced_in_window = True
-        self._unreduced = not ties and bool(self.cross and self.cross.ties)
+        self._tied_left = not ties and bool(self.cross and self.cross.ties)
+        self._unreduced = self._tied_left
 
     def _reduce_targets(self, ties: bool) -> None:
         tied = {id(t.param) for t in self.cross.ties} if self.cross is not None else set()
         if ties and tied:
+            for tie in self.cross.ties:  # a gradient partial over tp is summed there first, in place
+                self.cross.settle(tie.param)
             self.cross.reduce_ties()
         scale = 1.0 / (self.comm.world_size * self.gradient_accumulation_steps)
         pending = []
-        for t, target in enumerate(self.reducer.targets):
-            held = [p.grad is not None for p in target.params]
-            if ties and self._reduced_in_window and not any(held):
-                continue  # reduced by the per-micro-batch passes, nothing left: the same on every dp rank
+        for target in self.reducer.targets:
+            # Right after a per-micro-batch pass only the tied targets are left: a fixed set, the same on
+            # every dp rank (which targets hold a gradient can differ between ranks).
+            if self._tied_left and not any(id(p) in tied for p in target.params):
+                continue
             for index, param in enumerate(target.params):
                 if self.cross is not None and (ties or id(param) not in tied):
                     self.cross.settle(param)
@@ -145,4 +155,4 @@ class GradSyncMethods:
         return loss.float() * self.scaler.scale if self.scaler is not None else loss
 
     def _end_window(self) -> None:
-        self._unreduced, self._reduced_in_window, self._grad_divisor = False, False, 1.0
+        self._unreduced, self._reduced_in_window, self._grad_divisor, self._tied_left = False, False, 1.0, False

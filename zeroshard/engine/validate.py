@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from zeroshard.comm.group import LaunchError
 from zeroshard.config import ConfigError
@@ -77,8 +78,15 @@ def check_mesh_arguments(mesh, group, tied) -> None:
                           f"{{'embedding': 'wte.weight'}}; got {tied!r:.80}")
 
 
-def check_mesh_config(mesh, config, init) -> None:
-    """What does not compose with tensor or pipeline parallelism yet: an error naming the way out."""
+def check_mesh_config(mesh, config, init, model: nn.Module) -> None:
+    """DTensor parameters need the mesh their tp is part of; what does not compose with tp or pp yet is refused."""
+    foreign = [n for n, p in model.named_parameters() if isinstance(p, DTensor)
+               and (mesh is None or p.device_mesh != mesh.device_mesh["tp"])]
+    if foreign:
+        raise ModelError(f"parameters {foreign[:3]} are DTensors{' of another device mesh' if mesh else ''}: tensor "
+                         "parallelism needs zeroshard to know its mesh, to sum and count gradients over tp. Build "
+                         "one with zeroshard.parallel.build_mesh, parallelize over mesh.device_mesh['tp'] and pass "
+                         "mesh= to initialize")
     if mesh is None or mesh.tp * mesh.pp == 1:
         return
     if config.zero_optimization.zeropp:

@@ -44,12 +44,13 @@ class PipelineTrainer(Protocol):
 
     module: nn.Module
     mesh: Mesh | None
+    config: Any  # zeroshard.Config: the ZeRO stage
 
     def __call__(self, *args, **kwargs) -> Any: ...
 
     def pipeline_backward(self) -> AbstractContextManager[None]: ...
 
-    def reduce_gradients(self) -> None: ...
+    def reduce_gradients(self, ties: bool = True) -> None: ...
 
     def scale_gradients(self, factor: float) -> None: ...
 
@@ -63,14 +64,25 @@ class PipelineTrainer(Protocol):
     def device(self) -> torch.device: ...
 
 
+_NOT_SUPPORTED = {
+    "stage_index": "zeroshard runs one pipeline stage per rank, its pp coordinate (one engine, whose step checks "
+                   "and clips the gradients of the whole mesh); looped and V schedules with several stages per "
+                   "rank are not supported yet: use Schedule1F1B, ScheduleGPipe or ScheduleInterleavedZeroBubble",
+    "dw_builder": "its weight-gradient runner runs outside the engine's view of backward; zero-bubble schedules "
+                  "split the weight pass without it (ScheduleInterleavedZeroBubble)",
+}
+_NOT_SUPPORTED["num_stages"] = _NOT_SUPPORTED["stage_index"]
+_ZERO_BUBBLE_AT_STAGE_3 = ("a zero-bubble schedule (split input and weight backward) at ZeRO stage 3 is not supported "
+                           "yet: its weight pass runs after the unit's parameters were released. Use stage 2 with "
+                           "it, or Schedule1F1B / ScheduleGPipe at stage 3")
+
+
 class PipelineStage(TorchPipelineStage):
     """One pipeline stage of `engine.module`, over the mesh's `pp` group; pass it to any torch schedule."""
 
-    def __init__(self, engine: PipelineTrainer, stage_index: int | None = None, num_stages: int | None = None,
-                 *, reduce_per_micro_batch: bool = False, **stage_kwargs):
-        """`stage_index`, `num_stages`: default this rank's `pp` coordinate and the mesh's `pp` size (one
-        stage per rank; give them for the looped and V schedules, several stages per rank).
-        `stage_kwargs` go to torch's PipelineStage (input_args, output_args, dw_builder, ...)."""
+    def __init__(self, engine: PipelineTrainer, *, reduce_per_micro_batch: bool = False, **stage_kwargs):
+        """One stage per rank: this rank's `pp` coordinate of the mesh's `pp` stages. `stage_kwargs` go to
+        torch's PipelineStage (input_args, output_args, ...)."""
         mesh = engine.mesh
         if mesh is None:
             raise PipelineError("the engine has no mesh: build it with zeroshard.initialize(..., "
@@ -79,15 +91,10 @@ class PipelineStage(TorchPipelineStage):
         if reduce_per_micro_batch and not shard_grads:
             raise PipelineError(f"reduce_per_micro_batch=True needs ZeRO stage 2 or 3 (sharded gradients); at "
                                 f"stage {engine.config.zero_optimization.stage} gradients are reduced once a step")
-        stage_index = mesh.rank("pp") if stage_index is None else stage_index
-        num_stages = mesh.pp if num_stages is None else num_stages
-        if num_stages != mesh.pp:
-            raise PipelineError(f"num_stages={num_stages} on a mesh with pp={mesh.pp}: zeroshard runs one pipeline "
-                                "stage per rank (one engine, whose step checks and clips the gradients of the "
-                                "whole mesh). Looped and V schedules with several stages per rank are not "
-                                "supported yet: use Schedule1F1B, ScheduleGPipe or ScheduleInterleavedZeroBubble "
-                                "with one stage per rank")
-        super().__init__(engine.module, stage_index, num_stages, engine.device, group=mesh.group("pp"),
+        for given in ("stage_index", "num_stages", "dw_builder"):
+            if given in stage_kwargs:
+                raise PipelineError(f"{given}= is not supported: {_NOT_SUPPORTED[given]}")
+        super().__init__(engine.module, mesh.rank("pp"), mesh.pp, engine.device, group=mesh.group("pp"),
                          **stage_kwargs)
         self.engine = engine
         self.reduce_per_micro_batch = reduce_per_micro_batch
@@ -103,10 +110,6 @@ class PipelineStage(TorchPipelineStage):
         self.engine.release_gathered()  # stage 3: units the inference gathered
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        if backward_type != "full" and self.engine.config.zero_optimization.stage == 3:
-            raise PipelineError("a zero-bubble schedule (split input and weight backward) at ZeRO stage 3 is not "
-                                "supported yet: its weight pass runs after the unit's parameters were released. "
-                                "Use stage 2 with it, or Schedule1F1B / ScheduleGPipe at stage 3")
         with self.engine.pipeline_backward():
             result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if self.reduce_per_micro_batch and backward_type in ("full", "weight"):
@@ -114,6 +117,8 @@ class PipelineStage(TorchPipelineStage):
         return result
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        if not full_backward and self.engine.config.zero_optimization.stage == 3:
+            raise PipelineError(_ZERO_BUBBLE_AT_STAGE_3)  # train_step says so on every rank before any action
         if loss is not None:  # the last stage: fp16's loss scale, as engine.backward applies it
             loss = self.engine.scale_loss(loss)
         return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
@@ -131,8 +136,12 @@ class PipelineStage(TorchPipelineStage):
         """One optimizer step: `schedule.step` with what this stage takes (`inputs` on the first stage,
         `target` on the last), then `engine.step()`. Returns the last stage's mean loss over the
         micro-batches, None on the other stages. Every rank calls it."""
+        if self.engine.config.zero_optimization.stage == 3 and _splits_backward(schedule):
+            raise PipelineError(_ZERO_BUBBLE_AT_STAGE_3)
         losses: list[torch.Tensor] = []
-        if self.is_first:
+        if self.is_first and self.is_last:
+            schedule.step(inputs, target=target, losses=losses)
+        elif self.is_first:
             schedule.step(inputs)
         elif self.is_last:
             schedule.step(target=target, losses=losses)
@@ -140,3 +149,10 @@ class PipelineStage(TorchPipelineStage):
             schedule.step()
         self.engine.step()
         return sum(loss.item() for loss in losses) / len(losses) if self.is_last else None
+
+
+def _splits_backward(schedule) -> bool:
+    """Whether the schedule runs input and weight backward apart (the zero-bubble ones), from its actions."""
+    order = getattr(schedule, "pipeline_order", None) or {}
+    return any(action is not None and action.computation_type.name in ("BACKWARD_INPUT", "BACKWARD_WEIGHT")
+               for actions in order.values() for action in actions)
