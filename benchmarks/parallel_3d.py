@@ -38,7 +38,6 @@ import datetime
 import json
 import os
 import platform
-import re
 import resource
 import shlex
 import socket
@@ -50,6 +49,8 @@ import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
+
+from report import write_section
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
@@ -83,9 +84,8 @@ def loss_fn(logits, y):
 def build_zeroshard(part, mesh, a):
     """The engine and a step function (x, y) -> loss or None, as the 3D API's docstring shows it."""
     import torch
-    from torch.distributed.pipelining import Schedule1F1B
-
     import zeroshard
+    from torch.distributed.pipelining import Schedule1F1B
     from zeroshard.parallel import PipelineStage, parallelize_gpt
 
     parallelize_gpt(part, mesh)
@@ -102,17 +102,9 @@ def build_zeroshard(part, mesh, a):
             engine.step()
             return loss.item()
         return step
-    sched = Schedule1F1B(PipelineStage(engine), n_microbatches=a.micro_batches, loss_fn=loss_fn)
-
-    def pipe_step(x, y):
-        losses: list = []
-        if part.first:
-            sched.step(x)
-        else:
-            sched.step(target=y, losses=losses)
-        engine.step()
-        return sum(l.item() for l in losses) / len(losses) if losses else None
-    return pipe_step
+    stage = PipelineStage(engine)
+    sched = Schedule1F1B(stage, n_microbatches=a.micro_batches, loss_fn=loss_fn)
+    return lambda x, y: stage.train_step(sched, x, y)
 
 
 def build_fsdp2(part, mesh, a):
@@ -122,7 +114,6 @@ def build_fsdp2(part, mesh, a):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from torch.distributed.tensor.parallel import parallelize_module
-
     from zeroshard.parallel import gpt_tp_plan
 
     dm = mesh.device_mesh
@@ -162,7 +153,6 @@ def build_fsdp2(part, mesh, a):
 
 def train(a) -> dict:
     import torch
-
     from zeroshard.app.models import GPT, PRESETS, GPTStage
     from zeroshard.parallel import build_mesh
 
@@ -357,18 +347,6 @@ Command:
 
 {table(runs, a)}
 """
-
-
-def write_section(path: Path, text: str) -> None:
-    """Replace the section with the same heading in `path`, or append it."""
-    old = path.read_text() if path.exists() else ""
-    start = old.find(HEADING + "\n")
-    if start < 0:
-        path.write_text(old.rstrip("\n") + "\n\n" + text)
-        return
-    nxt = re.search(r"^## ", old[start + len(HEADING):], re.MULTILINE)
-    end = start + len(HEADING) + nxt.start() if nxt else len(old)
-    path.write_text(old[:start] + text + ("\n" + old[end:] if nxt else ""))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 LABELS = {
     "ddp": "DDP",
     "zero_redundancy": "ZeroRedundancyOptimizer + DDP",
@@ -407,3 +410,16 @@ def render_checkpoints(results: dict, sizes: list[str], variants: list[str]) -> 
 def _command_block(commands: list[str]) -> list[str]:
     """The markdown lines that show the commands a report came from."""
     return ["Command" + ("s" if len(commands) > 1 else "") + ":", "", "```", *commands, "```", ""]
+
+
+def write_section(path: Path, text: str) -> None:
+    """Replace the section of `path` whose heading is `text`'s first line, or append it."""
+    heading = text.splitlines()[0]
+    old = path.read_text() if path.exists() else ""
+    start = old.find(heading + "\n")
+    if start < 0:
+        path.write_text(old.rstrip("\n") + "\n\n\n" + text)
+        return
+    nxt = re.search(r"^## ", old[start + len(heading):], re.MULTILINE)
+    end = start + len(heading) + nxt.start() if nxt else len(old)
+    path.write_text(old[:start] + text + ("\n\n" + old[end:] if nxt else ""))

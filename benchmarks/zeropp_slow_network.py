@@ -52,6 +52,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from report import write_section
+
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -434,19 +436,6 @@ Command:
 
 {table(rounds, args.variants)}
 """
-
-
-def write_section(path: Path, text: str) -> None:
-    """Replace the section with the same heading in `path`, or append it."""
-    heading = text.splitlines()[0]
-    old = path.read_text() if path.exists() else ""
-    start = old.find(heading + "\n")
-    if start < 0:
-        path.write_text(old.rstrip("\n") + "\n\n\n" + text)
-        return
-    nxt = re.search(r"^## ", old[start + len(heading):], re.MULTILINE)
-    end = start + len(heading) + nxt.start() if nxt else len(old)
-    path.write_text(old[:start] + text + ("\n\n" + old[end:] if nxt else ""))
 
 
 # ---------------------------------------------------------------- command line
