@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 import zeroshard
 from tests.recipes import Case, global_batch, make_optimizer, relative_error
 from zeroshard.app.model_count import part_numels
-from zeroshard.app.models import GPT, PRESETS, GPTStage
+from zeroshard.app.models import GPT, PRESETS, GPTStage, lm_loss
 from zeroshard.estimate.formulas import comm_bytes_per_step, step_check_bytes
 from zeroshard.estimate.parallel import part_state_bytes
 from zeroshard.parallel import PipelineStage, parallelize_gpt
@@ -56,8 +56,8 @@ class Run:
     memory: dict[str, int]
     comm: dict[str, dict[str, int]]  # dim -> op -> calls
     comm_bytes: dict[str, dict[str, int]]  # dim -> op -> logical bytes
-    targets: int  # buckets, each one reduction (a stage-3 unit reduces each of its buckets)
-    tied_targets: int  # buckets reduced with a copy of a tied parameter (at stage 3: its unit's buckets)
+    buckets: int  # each one reduction (a stage-3 unit reduces each of its buckets)
+    tied_buckets: int  # buckets reduced with a copy of a tied parameter (at stage 3: its unit's buckets)
     local_numel: int  # trained elements of this rank's part
     padded_numel: int  # of its flat buffers, each padded to a multiple of dp
     part: tuple[int, int]  # (pp, tp) coordinates
@@ -68,7 +68,7 @@ def make_engine(mesh, device, mc: MeshCase):
     parallelize_gpt(part, mesh)
     engine = zeroshard.initialize(part, make_optimizer(mc.case.optimizer, part), config=mc.case.config(),
                                   mesh=mesh, tied=part.tied())
-    step_fn = _pipeline_step(engine, mc) if mesh.pp > 1 else _plain_step(engine, mesh, mc)
+    step_fn = _pipeline_step(engine, mc) if mesh.pp > 1 else _plain_step(engine, mc)
     return engine, part, step_fn
 
 
@@ -92,10 +92,10 @@ def report(engine, part, losses) -> Run:
     stats = {dim: engine.comm_stats(dim) for dim in ("dp", "tp", "pp", "mesh")}
     comm = {dim: {op: s.calls for op, s in ops.items()} for dim, ops in stats.items()}
     comm_bytes = {dim: {op: s.bytes for op, s in ops.items()} for dim, ops in stats.items()}
-    tied_targets = sum(len(getattr(t, "buckets", [t])) for t in engine.reducer.targets
+    tied_buckets = sum(len(getattr(t, "buckets", [t])) for t in engine.reducer.targets
                        if any(id(p) in tied for p in t.params))
     return Run(losses, full_weights(engine, part), dict(engine.memory_stats()), comm, comm_bytes, len(engine.buckets),
-               tied_targets,
+               tied_buckets,
                sum(b.flat.numel for b in engine.buckets), sum(b.flat.padded_numel for b in engine.buckets),
                (engine.mesh.rank("pp"), engine.mesh.rank("tp")))
 
@@ -133,11 +133,7 @@ def check_parity(runs: list[Run], mc: MeshCase, dp: int, steps: int) -> None:
     assert relative_error(got, start) > 1e-3, f"{mc}: training did not move the weights"
 
 
-def lm_loss(logits, y):
-    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-
-def _plain_step(engine, mesh, mc: MeshCase):
+def _plain_step(engine, mc: MeshCase):
     rows = mc.case.micro_rows
 
     def step(x, y):
@@ -175,7 +171,7 @@ def check_memory(run: Run, mc: MeshCase, mesh_sizes: dict[str, int]) -> None:
     assert run.local_numel == part_numels(CFG, pp=mesh_sizes["pp"], tp=mesh_sizes["tp"])[run.part]
     sgd = mc.case.optimizer == "sgd"
     want = part_state_bytes(run.padded_numel, mesh_sizes["dp"], mc.case.stage, optimizer_bytes=4 if sgd else 8,
-                            optimizer_scalar_bytes=0 if sgd else 4 * run.targets)
+                            optimizer_scalar_bytes=0 if sgd else 4 * run.buckets)
     got = {k: run.memory[k] for k in want}
     assert got == want, f"{mc} part {run.part}: memory_stats {got}, formula {want}"
 
@@ -188,6 +184,6 @@ def check_comm(run: Run, mc: MeshCase, world: int, steps: int) -> None:
         want = comm_bytes_per_step(run.padded_numel, mc.case.stage, accumulation=mc.case.accumulation)
         got = {op: run.comm_bytes["dp"].get(op, 0) for op in want}
         assert got == {op: steps * n for op, n in want.items()}, f"{mc} part {run.part}: dp bytes {got}"
-    tie = CFG.vocab_size * CFG.n_embd * 4 if run.tied_targets else 0
+    tie = CFG.vocab_size * CFG.n_embd * 4 if run.tied_buckets else 0
     assert run.comm_bytes["pp"].get("all_reduce", 0) == steps * tie
     assert run.comm_bytes["mesh"]["step_check"] == steps * step_check_bytes(world)

@@ -26,7 +26,6 @@ from tests.parallel.mesh_recipes import (
     check_comm,
     check_memory,
     check_parity,
-    lm_loss,
     make_engine,
     make_gpt,
     reference,
@@ -34,7 +33,7 @@ from tests.parallel.mesh_recipes import (
     train_steps,
 )
 from tests.recipes import Case, make_optimizer, relative_error
-from zeroshard.app.models import GPTStage
+from zeroshard.app.models import GPTStage, lm_loss
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.parallel import PipelineError, PipelineStage, TieError, build_mesh
 
@@ -70,9 +69,9 @@ def test_pp2_dp2_schedules_match_one_process_and_count_reductions(tmp_path):
             check_memory(run, mc, {"pp": 2, "dp": 2, "tp": 1})
         for run in runs:
             op = "all_reduce" if mc.case.stage == 0 else "reduce_scatter"
-            per_step = M * run.targets + run.tied_targets if mc.per_micro_batch else run.targets
+            per_step = M * run.buckets + run.tied_buckets if mc.per_micro_batch else run.buckets
             assert run.comm["dp"][op] == STEPS * per_step, f"{mc}: {run.comm['dp'][op]} reductions"
-            assert run.comm["pp"].get("all_reduce", 0) == STEPS * (run.tied_targets > 0), "one tie sum per step"
+            assert run.comm["pp"].get("all_reduce", 0) == STEPS * (run.tied_buckets > 0), "one tie sum per step"
     _reload_on_fewer_dp_ranks(tmp_path)
 
 

@@ -30,14 +30,13 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 from torch.distributed.pipelining import Schedule1F1B
 
 import zeroshard
 from zeroshard.app.data import CharCorpus, load_text, micro_batch
-from zeroshard.app.models import GPT, PRESETS, GPTStage
+from zeroshard.app.models import GPT, PRESETS, GPTStage, lm_loss
 from zeroshard.app.run_log import StepLog
 from zeroshard.comm.group import this_rank_gpu
 from zeroshard.parallel import Mesh, PipelineStage, build_mesh, parallelize_gpt
@@ -155,14 +154,10 @@ def train_on_mesh(args: argparse.Namespace, config: zeroshard.Config,
     return losses
 
 
-def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-
 def _pipeline_step(engine: zeroshard.Engine, args: argparse.Namespace):
     """One optimizer step through 1F1B: returns this stage's mean loss over the micro-batches (last stage) or None."""
     stage = PipelineStage(engine)
-    schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=_loss)
+    schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=lm_loss)
     return lambda x, y: stage.train_step(schedule, x, y)
 
 
@@ -171,7 +166,7 @@ def _plain_step(engine: zeroshard.Engine, args: argparse.Namespace):
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         total = 0.0
         for xs, ys in zip(x.chunk(args.accumulation), y.chunk(args.accumulation)):
-            loss = _loss(engine(xs), ys)
+            loss = lm_loss(engine(xs), ys)
             engine.backward(loss)
             engine.step()
             total += loss.item()

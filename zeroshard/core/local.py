@@ -34,17 +34,17 @@ def point_at(param: torch.Tensor, view: torch.Tensor) -> None:
 def local_grad(param: torch.Tensor) -> torch.Tensor | None:
     """`param.grad` as this rank's local tensor, dense.
 
-    A DTensor gradient whose placements differ from its parameter's (a
-    sequence-parallel LayerNorm's gradient is `Partial` over `tp`) is
-    redistributed to the parameter's placements first: for `Partial`, the
-    sum over `tp` that makes every tp rank hold the same gradient.
+    A DTensor gradient must already have its parameter's placements: the
+    mesh's `CrossParallel.settle` brings it there (a sequence-parallel
+    LayerNorm's gradient is `Partial` over `tp` until summed).
     """
     grad = param.grad
     if grad is None:
         return None
     if isinstance(grad, DTensor):
         if grad.placements != param.placements:
-            grad = grad.redistribute(param.device_mesh, param.placements)
+            raise ValueError(f"a gradient placed {grad.placements} for a parameter placed {param.placements}: "
+                             "settle it first (parallel.CrossParallel.settle)")
         grad = grad._local_tensor
     return grad.to_dense() if grad.is_sparse else grad
 

@@ -44,19 +44,25 @@ class CrossParallel:
         self._ranges: dict[int, list[tuple[int, int]]] = {}
 
     def settle(self, param: nn.Parameter) -> None:
-        """Sum a gradient that is partial over `tp` into the parameter's own placements (in place on `.grad`)."""
+        """Bring a DTensor gradient to its parameter's placements, in place on `.grad`.
+
+        A gradient partial over `tp` where the parameter is replicated (sequence parallelism) is summed
+        by a recorded all-reduce over that dimension; any other difference goes through DTensor's own
+        redistribute.
+        """
         grad = param.grad
         if not isinstance(grad, DTensor) or grad.placements == param.placements:
             return
+        pairs = list(zip(grad.placements, param.placements))
+        if not all(have == want or (isinstance(have, Partial) and isinstance(want, Replicate)) for have, want in pairs):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+            return
         part = grad._local_tensor
-        for dim, (have, want) in enumerate(zip(grad.placements, param.placements)):
-            if isinstance(have, Partial) and isinstance(want, Replicate):
+        for dim, (have, want) in enumerate(pairs):
+            if have != want:
                 all_reduce(self._tp_comm(grad.device_mesh.get_group(dim)), part, what="partial gradient").wait()
                 if have.reduce_op == "avg":
                     part.div_(grad.device_mesh.size(dim))
-            elif have != want:
-                raise NotImplementedError(f"a gradient placed {grad.placements} for a parameter placed "
-                                          f"{param.placements}: only Partial -> Replicate is summed here")
         set_local_grad(param, part)
 
     def reduce_ties(self) -> None:

@@ -12,10 +12,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from zeroshard.app.models.gpt import GPT
 
 TIE = "embedding"
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The last stage's loss, as a pipeline schedule's `loss_fn`: cross-entropy of the logits, in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def stage_layers(n_layer: int, index: int, stages: int) -> range:
