@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleavedZeroBubble
 
 import zeroshard
 from tests.distributed import run_ranks
@@ -86,6 +86,13 @@ def _refusals(mesh, device, ckpt) -> list[str]:
     x, y = batch(0, MeshCase(Case(), micro_batches=2), 1)
     with pytest.raises(PipelineError, match="zero-bubble schedule .* at ZeRO stage 3"):  # before any action
         stage.train_step(zero_bubble, x, y)
+    plain = PipelineStage(make_engine(mesh, device, MeshCase(Case(stage=2), micro_batches=2))[0])
+    one_f_one_b = Schedule1F1B(plain, n_microbatches=2, loss_fn=lm_loss)
+    plain.train_step(one_f_one_b, x, y)
+    schedule_step = (lambda: one_f_one_b.step(x)) if plain.is_first else (lambda: one_f_one_b.step(target=y))
+    schedule_step()
+    with pytest.raises(PipelineError, match="without engine.step"):  # the first step's gradients would stay
+        schedule_step()
     with pytest.raises(CheckpointError, match="a model part's directory"):
         engine.load_checkpoint(next(ckpt.glob("pp*-tp*/global_step*")))
     said.append("refused")

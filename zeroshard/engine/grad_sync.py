@@ -42,6 +42,11 @@ class GradSyncMethods:
     _grad_divisor = 1.0  # engine.scale_gradients: the window's gradients are divided by it at the step
 
     @property
+    def step_due(self) -> bool:
+        """Whether a backward ran since the last engine.step(): the step comes next."""
+        return self.state is TrainingState.STEP_DUE
+
+    @property
     def gradient_sync(self) -> bool:
         """Whether backward reduces through hooks (True) or leaves gradients on `.grad` for reduce_gradients."""
         return self._sync

@@ -58,6 +58,9 @@ class PipelineTrainer(Protocol):
 
     def release_gathered(self) -> None: ...
 
+    @property
+    def step_due(self) -> bool: ...
+
     def step(self) -> None: ...
 
     @property
@@ -98,6 +101,14 @@ class PipelineStage(TorchPipelineStage):
                          **stage_kwargs)
         self.engine = engine
         self.reduce_per_micro_batch = reduce_per_micro_batch
+
+    def clear_runtime_states(self) -> None:
+        # Every schedule's step() starts here, on every stage, before any send or receive.
+        if self.has_backward and self.engine.step_due:  # a new schedule step on the last one's gradients
+            raise PipelineError("schedule.step() again without engine.step() after the last one: its gradients "
+                                "would be added to this step's. Call engine.step() after every schedule.step() "
+                                "(or use stage.train_step(schedule, inputs, target))")
+        super().clear_runtime_states()
 
     def forward_maybe_with_nosync(self, *args, **kwargs):
         return self.engine(*args, **kwargs)
