@@ -187,3 +187,11 @@ def check_comm(run: Run, mc: MeshCase, world: int, steps: int) -> None:
     tie = CFG.vocab_size * CFG.n_embd * 4 if run.tied_buckets else 0
     assert run.comm_bytes["pp"].get("all_reduce", 0) == steps * tie
     assert run.comm_bytes["mesh"]["step_check"] == steps * step_check_bytes(world)
+
+
+def check_mesh_runs(runs: list[Run], mc: MeshCase, mesh_sizes: dict[str, int], steps: int) -> None:
+    """Every rank's run of one case on a mesh: parity with one process, then each rank's traffic and memory."""
+    check_parity(runs, mc, mesh_sizes["dp"], steps)
+    for run in runs:
+        check_comm(run, mc, mesh_sizes["pp"] * mesh_sizes["dp"] * mesh_sizes["tp"], steps)
+        check_memory(run, mc, mesh_sizes)

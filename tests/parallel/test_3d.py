@@ -2,7 +2,7 @@
 reproduce one process, with the GPT's embedding tied across the first and last stage."""
 
 from tests.distributed import run_ranks
-from tests.parallel.mesh_recipes import MeshCase, check_comm, check_memory, check_parity, train_on_mesh
+from tests.parallel.mesh_recipes import MeshCase, check_mesh_runs, train_on_mesh
 from tests.recipes import Case
 from zeroshard.parallel import build_mesh
 
@@ -19,9 +19,6 @@ def test_pp2_dp2_tp2_match_one_process():
     per_rank = run_ranks(_ranks, 8, CASES)
     for i, mc in enumerate(CASES):
         runs = [r[i] for r in per_rank]
-        check_parity(runs, mc, 2, STEPS)
-        for run in runs:
-            check_comm(run, mc, 8, STEPS)
-            check_memory(run, mc, {"pp": 2, "dp": 2, "tp": 2})
+        check_mesh_runs(runs, mc, {"pp": 2, "dp": 2, "tp": 2}, STEPS)
         for run in runs:  # the tie's gradients are summed over the two stages once per step
             assert run.comm["pp"].get("all_reduce", 0) == STEPS

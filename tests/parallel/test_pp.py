@@ -23,9 +23,7 @@ from tests.distributed import run_ranks
 from tests.parallel.mesh_recipes import (
     MeshCase,
     batch,
-    check_comm,
-    check_memory,
-    check_parity,
+    check_mesh_runs,
     make_engine,
     make_gpt,
     reference,
@@ -63,10 +61,7 @@ def test_pp2_dp2_schedules_match_one_process_and_count_reductions(tmp_path):
     per_rank = run_ranks(_ranks, 4, CASES, tmp_path)
     for i, mc in enumerate(CASES):
         runs = [r[i] for r in per_rank]
-        check_parity(runs, mc, 2, STEPS)
-        for run in runs:
-            check_comm(run, mc, 4, STEPS)
-            check_memory(run, mc, {"pp": 2, "dp": 2, "tp": 1})
+        check_mesh_runs(runs, mc, {"pp": 2, "dp": 2, "tp": 1}, STEPS)
         for run in runs:
             op = "all_reduce" if mc.case.stage == 0 else "reduce_scatter"
             per_step = M * run.buckets + run.tied_buckets if mc.per_micro_batch else run.buckets

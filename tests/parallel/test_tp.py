@@ -16,9 +16,7 @@ import zeroshard
 from tests.distributed import run_ranks
 from tests.parallel.mesh_recipes import (
     MeshCase,
-    check_comm,
-    check_memory,
-    check_parity,
+    check_mesh_runs,
     make_engine,
     reference,
     train_on_mesh,
@@ -116,10 +114,7 @@ def test_dp2_tp2_stages_0_to_3_match_one_process(tmp_path):
     per_rank = run_ranks(_ranks, 4, CASES, tmp_path)
     for i, mc in enumerate(CASES):
         runs = [r[0][i] for r in per_rank]
-        check_parity(runs, mc, 2, STEPS)
-        for run in runs:
-            check_comm(run, mc, 4, STEPS)
-            check_memory(run, mc, {"pp": 1, "dp": 2, "tp": 2})
+        check_mesh_runs(runs, mc, {"pp": 1, "dp": 2, "tp": 2}, STEPS)
         for r in runs:  # the tp pair's replicated parameters take the same update on both ranks
             assert torch.equal(r.weights["wte.weight"], runs[0].weights["wte.weight"])
     ref = sp_reference(STEPS)
