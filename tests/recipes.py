@@ -40,6 +40,10 @@ class Case:
     persistence: int = 0  # stage 3: stage3_param_persistence_threshold, elements
     dtype: str = "fp32"  # "fp32" | "bf16" | "fp16": the training dtype
     wire: str | None = None  # communication_data_type; None: the training dtype
+    offload: str = "none"  # offload_optimizer's device: "none" | "cpu" | "nvme"
+    offload_params: str = "none"  # stage 3: offload_param's device
+    nvme_path: str = ""  # where "nvme" swap files go
+    ratio: float = 1.0  # offload_optimizer's ratio
 
     def config(self) -> dict:
         precision = {} if self.dtype == "fp32" else {self.dtype: {"enabled": True}}
@@ -54,8 +58,18 @@ class Case:
             } | ({
                 "stage3_wrap_classes": ["Block"] if self.wrap else [],
                 "stage3_param_persistence_threshold": self.persistence,
-            } if self.stage == 3 else {}),
+            } if self.stage == 3 else {}) | self.offload_config(),
         }
+
+    def offload_config(self) -> dict:
+        blocks = {}
+        if self.offload != "none":
+            blocks["offload_optimizer"] = {"device": self.offload, "ratio": self.ratio} | (
+                {"nvme_path": self.nvme_path} if self.offload == "nvme" else {})
+        if self.offload_params != "none":
+            blocks["offload_param"] = {"device": self.offload_params} | (  # every shard on disk, none kept in cpu
+                {"nvme_path": self.nvme_path, "max_in_cpu": 0} if self.offload_params == "nvme" else {})
+        return blocks
 
 
 class TwiceGPT(GPT):

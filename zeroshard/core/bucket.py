@@ -71,7 +71,12 @@ class Bucket:
     """
 
     def __init__(self, flat: FlatParams, switches: StageSwitches, use_reduce_scatter: bool, param_group: int,
-                 name: str = "", precision: Precision = FP32, accumulation: int = 1, qgz: Qgz | None = None):
+                 name: str = "", precision: Precision = FP32, accumulation: int = 1, qgz: Qgz | None = None,
+                 offload: bool = False, own_master: bool = False):
+        """`offload`: the master, its fp32 gradient and the optimizer state live in host memory (or, moved
+        there by `OptimizerTiers`, on disk): the master is an fp32 tensor of its own on the CPU even in fp32
+        training, and the reduced gradient shard is summed there in fp32 (`host_grad` at stage 1).
+        `own_master`: never share the parameters' storage (stage 3's shards offloaded, fp32 master kept)."""
         self.flat = flat
         self.qgz = qgz  # stage 3 with ZeRO++: gradients reduced by qgZ's two quantized hops
         self.name = name  # for messages: "bucket 3", "unit 'blocks.1', param group 0"
@@ -79,6 +84,7 @@ class Bucket:
         self.use_reduce_scatter = use_reduce_scatter  # false: all-reduce + slice, for comparison
         self.param_group = param_group  # index of the optimizer param group its parameters belong to
         self.precision = precision
+        self.offload, self._own_master = offload, own_master
         if switches.shard_params:
             flat.keep_shard_only()
         self.master = self._init_master()  # before the cast: from the model's own values
@@ -89,21 +95,28 @@ class Bucket:
         self.staging: torch.Tensor | None = None
         # 16-bit gradients are summed in fp32 across micro-steps, and an fp32 reduction needs an fp32 buffer.
         fp32_sum = precision.mixed and (accumulation > 1 or precision.reduce_dtype == precision.master_dtype)
+        self.host_grad: torch.Tensor | None = None  # stage 1 with offload: the shard's fp32 gradient on the host
         if switches.shard_grads:
-            dtype = precision.master_dtype if fp32_sum else precision.reduce_dtype
-            self.grad_shard = torch.zeros(flat.shard_numel, dtype=dtype, device=flat.device)
+            dtype = precision.master_dtype if fp32_sum or offload else precision.reduce_dtype
+            self.grad_shard = torch.zeros(flat.shard_numel, dtype=dtype, device=self.master.device)
         else:
             self.full_grad = torch.zeros(flat.padded_numel, dtype=flat.dtype, device=flat.device)
             if fp32_sum:
                 self.grad_acc = torch.zeros(flat.padded_numel, dtype=precision.master_dtype, device=flat.device)
             reduced = self.grad_acc if self._reduces_in(self.grad_acc) else self.full_grad
             self.grad_shard = flat.shard(reduced) if switches.shard_optimizer else reduced
+            if offload:
+                self.host_grad = torch.zeros(flat.shard_numel, dtype=precision.master_dtype, device="cpu")
         self._staged = [False] * len(flat.params)  # stage 2: slots of `staging` holding this micro-step
         self._accumulated = False  # stage 2: grad_shard already holds part of this window
 
     def _init_master(self) -> torch.Tensor:
         """What the optimizer updates: in fp32 the parameters' own storage, no copy; else an fp32 copy."""
         values = self._own_params()
+        if self.offload:
+            return values.to(device="cpu", dtype=self.precision.master_dtype, copy=True)
+        if self._own_master:
+            return values.to(self.precision.master_dtype, copy=True)
         if not self.precision.mixed:
             return values
         if values.dtype == self.precision.master_dtype and (values is self.flat.data or values is self.flat.shard_data):
@@ -206,7 +219,8 @@ class Bucket:
             comm.world_size, scale)
         if before != 1.0:
             staging.mul_(before)
-        direct = not self._accumulated and self.grad_shard.dtype == staging.dtype  # reduce into grad_shard
+        direct = (not self._accumulated and self.grad_shard.dtype == staging.dtype  # reduce into grad_shard
+                  and self.grad_shard.device == staging.device)
         out = self.grad_shard if direct else pool.acquire(self.flat.shard_numel, staging.dtype, staging.device)
         if self.qgz is not None:
             pending = self.qgz.reduce_scatter(out, staging, what=self.name)
@@ -220,8 +234,8 @@ class Bucket:
         def accumulate():
             if direct:
                 out.mul_(after)
-            else:  # in grad_shard's dtype: fp32 when 16-bit gradients accumulate
-                self.grad_shard.add_(out, alpha=after)
+            else:  # in grad_shard's dtype (fp32 when 16-bit gradients accumulate) and place (the host: offload)
+                self.grad_shard.add_(out.to(self.grad_shard.device), alpha=after)
                 pool.release(out)
             pool.release(staging)
 
@@ -256,20 +270,36 @@ class Bucket:
         return self.switches.shard_optimizer and not self.switches.shard_params
 
     def master_grad(self) -> torch.Tensor:
-        """`grad_shard` in the master's dtype, for the optimizer (a new tensor when gradients are 16-bit)."""
+        """`grad_shard` in the master's dtype, for the optimizer (a new tensor when gradients are 16-bit;
+        with offload at stage 1, copied into `host_grad`)."""
+        if self.host_grad is not None:
+            return self.host_grad.copy_(self.grad_shard)
         return self.grad_shard.to(self.master.dtype)
 
     def cast_master_to_params(self) -> None:
-        """Write the updated master into this rank's part of the parameters (nothing to do in fp32)."""
-        own = self._own_params()
+        """Write the updated master into this rank's part of the parameters (nothing to do in fp32); a shard
+        on disk is written behind (`settle` waits for it)."""
+        own, swap = self._own_params(), self.flat.shard_swap
         if own.data_ptr() != self.master.data_ptr():
+            if swap is not None:
+                swap.claim()  # replaced whole: no read
             with torch.no_grad():
                 own.copy_(self.master)
+            if swap is not None:
+                swap.write()
+
+    def settle(self) -> None:
+        """Wait for the shard's write to disk (parameter offload) and give its buffer back."""
+        if self.flat.shard_swap is not None:
+            self.flat.shard_swap.finish()
 
     def take_params_into_master(self) -> None:
         """After the parameters were edited outside training: start the master from them (16-bit:
         the master takes their rounded values; in fp32 they are the master already)."""
         own = self._own_params()
+        if self.master.numel() != own.numel():
+            raise RuntimeError(f"{self.name}: its master is on disk (offload_optimizer nvme), so parameters "
+                               "cannot be edited in place; load them through a checkpoint instead")
         if own.data_ptr() != self.master.data_ptr():
             with torch.no_grad():
                 self.master.copy_(own)

@@ -71,6 +71,10 @@ class FlatParams:
                     view.copy_(local(p).data)
                     point_at(p, view)
         self.shard_data: torch.Tensor | None = None  # stage 3: the persistent shard
+        # Stage 3 with parameters offloaded to disk: shard_data's swap file (core/swapped.py's Swapped);
+        # shard_data is empty except from a read until the gather that copies it, or from the step's cast
+        # until its write lands.
+        self.shard_swap = None
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's part of the node's copy, until the step
 
     # -- stage 3: the full buffer exists only while gathered --------------------
@@ -97,7 +101,11 @@ class FlatParams:
         # edit of their values, so their version counter must not move.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.data):
             if node is None:
+                if self.shard_swap is not None:
+                    self.shard_swap.wait()
                 self.shard(self.data).copy_(self.shard_data)
+                if self.shard_swap is not None:
+                    self.shard_swap.finish()
             else:
                 self.data.view(node[1], -1)[node[0]].copy_(self.secondary)
         for p, view in zip(self.params, self.views(self.data)):

@@ -19,8 +19,9 @@ import torch.nn as nn
 from zeroshard.core.bucket import Bucket
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import local
-from zeroshard.core.optim import state_tensors
+from zeroshard.core.optimizer_tiers import OptimizerTiers, Tier
 from zeroshard.core.staging import StagingPool
+from zeroshard.core.swapped import BufferPool
 
 
 class MemoryStats(dict):
@@ -50,21 +51,53 @@ def _storage_bytes(tensors, seen: set[int]) -> int:
 
 def model_state_bytes(
     model: nn.Module, buckets: list[Bucket], optimizer: torch.optim.Optimizer, pool: StagingPool,
-    frozen: list[FlatParams] = (),
-) -> MemoryStats:
-    """Bytes per kind of model state this rank holds; `staging` is the pooled communication staging memory.
+    frozen: list[FlatParams] = (), tiers: OptimizerTiers | None = None, param_tier: Tier = Tier.DEVICE,
+    offload_buffers: BufferPool | None = None,
+) -> dict[str, MemoryStats]:
+    """Bytes per kind of model state this rank holds, by pool: {"device", "host", "disk"}.
 
-    `frozen`: stage 3's flat buffers of parameters that do not require grad.
+    `staging` is the pooled communication staging memory on the device, and on the host the offload's
+    aligned buffers (a disk sub-group or parameter shard in flight). `frozen`: stage 3's flat buffers of
+    parameters that do not require grad. `tiers`: where each bucket's master and optimizer state live;
+    `param_tier`: where stage 3's sharded parameters live.
     """
-    seen: set[int] = set()
+    tier = [tiers.tier_of(i) if tiers else Tier.DEVICE for i in range(len(buckets))]
     flats = [b.flat for b in buckets] + list(frozen)
-    params = _storage_bytes([f.data for f in flats] + [f.shard_data for f in flats]
-                            + [local(p).data for p in model.parameters()], seen)
-    grads = _storage_bytes([b.grad_shard for b in buckets] + [b.full_grad for b in buckets]
-                           + [b.grad_acc for b in buckets] + [local(p.grad) for p in model.parameters()], seen)
-    master = _storage_bytes([b.master for b in buckets], seen)
-    opt = _storage_bytes(state_tensors(optimizer), seen)
-    staging = _storage_bytes(pool.tensors(), seen)
-    secondary = _storage_bytes([f.secondary for f in flats], seen)
-    return MemoryStats(params=params, grads=grads, master=master, optimizer=opt, staging=staging,
-                       hpz_secondary=secondary)
+    # Stage 3's sharded flats: with parameter offload their shards live on the host or on disk.
+    apart = [f for f in flats if f.shard_data is not None] if param_tier is not Tier.DEVICE else []
+    seen: set[int] = set()
+    device = MemoryStats(
+        params=_storage_bytes([f.data for f in flats] + [f.shard_data for f in flats if f not in apart]
+                              + [local(p).data for p in model.parameters()], seen),
+        grads=_storage_bytes([b.grad_shard for b in buckets if not b.offload] + [b.full_grad for b in buckets]
+                             + [b.grad_acc for b in buckets] + [local(p.grad) for p in model.parameters()], seen),
+        master=_storage_bytes([b.master for b, t in zip(buckets, tier) if t is Tier.DEVICE], seen),
+        optimizer=_storage_bytes(_state_of(optimizer, buckets, tier, {Tier.DEVICE}), seen),
+        staging=_storage_bytes(pool.tensors(), seen),
+        hpz_secondary=_storage_bytes([f.secondary for f in flats], seen))
+    host = MemoryStats(
+        params=_storage_bytes([f.shard_data for f in apart if f.shard_swap is None], seen),
+        grads=_storage_bytes([b.grad_shard for b in buckets if b.offload] + [b.host_grad for b in buckets], seen),
+        master=_storage_bytes([b.master for b, t in zip(buckets, tier) if t is Tier.HOST], seen),
+        # A disk master's scalar state (Adam's step) stays in host memory.
+        optimizer=_storage_bytes(_state_of(optimizer, buckets, tier, {Tier.HOST, Tier.DISK}), seen),
+        staging=_storage_bytes(offload_buffers.tensors() if offload_buffers else [], seen),
+        hpz_secondary=0)
+    on_disk = tiers.disk_bytes() if tiers else {"master": 0, "optimizer": 0}
+    disk = MemoryStats(params=sum(f.shard_swap.nbytes for f in flats if f.shard_swap is not None), grads=0,
+                       master=on_disk["master"], optimizer=on_disk["optimizer"], staging=0, hpz_secondary=0)
+    return {"device": device, "host": host, "disk": disk}
+
+
+def _state_of(optimizer: torch.optim.Optimizer, buckets: list[Bucket], tier: list[Tier], where: set[Tier]):
+    """The optimizer's state tensors held in memory for the masters in the tiers `where` (state of any
+    other tensor counts on the device)."""
+    masters = {id(b.master): t for b, t in zip(buckets, tier)}
+    return [v for p, state in optimizer.state.items() if masters.get(id(p), Tier.DEVICE) in where
+            for v in state.values() if torch.is_tensor(v)]
+
+
+def total(by_pool: dict[str, MemoryStats]) -> MemoryStats:
+    """The pools added up, kind by kind (without offload: the device pool)."""
+    pools = list(by_pool.values())
+    return MemoryStats({kind: sum(p[kind] for p in pools) for kind in pools[0]})

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zeroshard.comm import Comm, CommRecorder, Hops, Qgz, broadcast, ensure_process_group
+from zeroshard.comm import Comm, CommRecorder, Hops, Qgz, all_gather_object, broadcast, ensure_process_group
 from zeroshard.comm.quantize import BlockCodec
 from zeroshard.comm.topology import build_topology, declared_scope
 from zeroshard.config import Config
@@ -28,7 +28,9 @@ from zeroshard.core.precision import Precision
 from zeroshard.core.reducer import GradReducer
 from zeroshard.core.staging import StagingPool
 from zeroshard.engine.agreement import check_ranks_agree
+from zeroshard.engine.offload import Offload, build_offload, offload_choice
 from zeroshard.engine.validate import check_device_matches_group, check_model, device_of, mark_wrapped, trainable_groups
+from zeroshard.offload import OffloadError
 from zeroshard.stage3.gathered import Placement, place
 from zeroshard.stage3.gathers import Gathers
 from zeroshard.stage3.generation import sync_generation
@@ -56,6 +58,7 @@ class Parts:
     schedule: GatherSchedule | None  # stage 3's gathers; None below stage 3
     pool: StagingPool
     reducer: GradReducer
+    offload: Offload  # where masters, optimizer state and stage 3's shards live (all on the device by default)
 
 
 def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, group: dist.ProcessGroup | None,
@@ -82,12 +85,13 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     mark_wrapped(model)
     names = {id(p): name for name, p in model.named_parameters()}
     units, schedule = [], None
+    choose = offload_choice(config, sum(local(p).numel() for g in groups for p in g))
     if switches.shard_params:
         gathers, qgz = zeropp(comm, config)
-        units, schedule = _build_units(model, groups, config, gathers, qgz, precision, materialize)
+        units, schedule = _build_units(model, groups, config, gathers, qgz, precision, materialize, choose)
         buckets = [b for unit in units for b in unit.buckets]
     else:
-        buckets = _build_buckets(model, groups, config, comm, precision, switches)
+        buckets = _build_buckets(model, groups, config, comm, precision, switches, choose)
     if precision.mixed:  # frozen parameters and buffers; the buckets' parameters already are (left untouched:
         dtype = precision.param_dtype  # a DTensor's .to() would replace even a tensor of the right dtype)
         model._apply(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
@@ -96,23 +100,41 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     pool = StagingPool(block_numel=0 if schedule else max((b.flat.padded_numel for b in buckets), default=0))
     shard_optimizer(optimizer, [[b for b in buckets if b.param_group == i] for i in range(len(groups))],
                     fuse=device.type in _FUSED_DEVICES)
+    offload = _agreed(comm, lambda: build_offload(config, comm, optimizer, buckets, units))
     reducer = _build_reducer(buckets, units, schedule, comm, pool, config.zero_optimization.overlap_comm, names)
     for t, target in enumerate(reducer.targets):
         for i, p in enumerate(target.params):
             p.register_post_accumulate_grad_hook(lambda _p, t=t, i=i: on_grad(t, i))
     _place_params(model, comm, buckets, units, schedule)
-    return Parts(comm, device, precision, switches, names, buckets, units, schedule, pool, reducer)
+    return Parts(comm, device, precision, switches, names, buckets, units, schedule, pool, reducer, offload)
+
+
+def _agreed(comm: Comm, build_part: Callable):
+    """Run `build_part` on every rank; if it raised on any, raise on every rank (a full disk on one rank
+    must not leave the others waiting in their first collective)."""
+    result, error = None, None
+    try:
+        result = build_part()
+    except Exception as exc:  # any failure: the other ranks must hear of it before they go on
+        error = exc
+    failures = [f for f in all_gather_object(comm, None if error is None else f"rank {comm.rank}: {error}") if f]
+    if error is not None:
+        raise error
+    if failures:
+        raise OffloadError("offload could not be set up on another rank: " + "; ".join(failures))
+    return result
 
 
 def _build_buckets(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, comm: Comm,
-                   precision: Precision, switches: StageSwitches) -> list[Bucket]:
+                   precision: Precision, switches: StageSwitches, offload: Callable[[int], bool]) -> list[Bucket]:
     """Stages 0-2: size buckets in backward order, started from rank 0's values."""
     zero = config.zero_optimization
     buckets = bucket_params(model, groups, min(zero.reduce_bucket_size, zero.allgather_bucket_size))
     flats = [FlatParams(b.params, comm.world_size, comm.rank) for b in buckets]
     broadcast_from_rank0(comm, model, flats)  # in the model's dtype: masters start from these values
     return [Bucket(flat, switches, zero.reduce_scatter, b.group, f"bucket {i}", precision,
-                   config.gradient_accumulation_steps) for i, (flat, b) in enumerate(zip(flats, buckets))]
+                   config.gradient_accumulation_steps, offload=offload(flat.numel))
+            for i, (flat, b) in enumerate(zip(flats, buckets))]
 
 
 def zeropp(comm: Comm, config: Config) -> tuple[Gathers, Qgz | None]:
@@ -135,13 +157,14 @@ def zeropp(comm: Comm, config: Config) -> tuple[Gathers, Qgz | None]:
 
 
 def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, gathers: Gathers,
-                 qgz: Qgz | None, precision: Precision, materialize: Materializer | None
-                 ) -> tuple[list[Unit], GatherSchedule]:
+                 qgz: Qgz | None, precision: Precision, materialize: Materializer | None,
+                 offload: Callable[[int], bool]) -> tuple[list[Unit], GatherSchedule]:
     """Stage 3: plan the units, then flatten, broadcast and shard them one by one."""
     zero, comm = config.zero_optimization, gathers.comm
     plans = plan_units(model, unit_modules(model, zero.stage3_wrap_classes, zero.stage3_auto_wrap_min_params))
     units = build_units(plans, groups, comm, zero.stage3_param_persistence_threshold, materialize, precision,
-                        config.gradient_accumulation_steps, zero.reduce_scatter, qgz)
+                        config.gradient_accumulation_steps, zero.reduce_scatter, qgz, offload,
+                        own_master=zero.offload_param.device != "none")
     if materialize:  # modules that hold buffers but no parameters
         materialize([m for m in model.modules() if any(b.is_meta for b in m.buffers(recurse=False))], [])
     # The units' flat buffers were broadcast before sharding, one by one.

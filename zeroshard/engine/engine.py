@@ -38,7 +38,7 @@ from zeroshard.comm.entry import enter
 from zeroshard.config import Config
 from zeroshard.core.grad_norm import NonFiniteError, NonFiniteSkips, StepCheck, check_step, clip_coefficient
 from zeroshard.core.local import local
-from zeroshard.core.memory import model_state_bytes
+from zeroshard.core.memory import model_state_bytes, total
 from zeroshard.core.precision import LossScaler, cast_inputs
 from zeroshard.core.reducer import GradientError
 from zeroshard.engine.build import broadcast_buffers, build
@@ -88,6 +88,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.comm, self.precision, self.switches = parts.comm, parts.precision, parts.switches
         self._device, self._names, self.pool, self.reducer = parts.device, parts.names, parts.pool, parts.reducer
         self.buckets, self.units, self.schedule = parts.buckets, parts.units, parts.schedule
+        self.offload = parts.offload  # where masters, optimizer state and stage 3's shards live
         if self.comm.rank == 0:
             log.info("zeroshard stage %d on %d ranks: %d buckets, %d elements", config.stage,
                      self.comm.world_size, len(self.buckets), sum(b.flat.numel for b in self.buckets))
@@ -257,15 +258,12 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         if coef != 1.0:
             torch._foreach_mul_(grads, coef)
         # The optimizer sees gradients only during its step, so the user's optimizer.zero_grad()
-        # between micro-steps cannot touch the window's accumulating gradients.
-        for bucket, grad in zip(self.buckets, grads):
-            bucket.master.grad = grad
-        self.optimizer.step()
+        # between micro-steps cannot touch the window's accumulating gradients. The tiers step it over
+        # the masters wherever they live and cast each into its parameters.
+        self.offload.tiers.step(grads)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        for bucket in self.buckets:
-            bucket.master.grad = None
-        self.params_from_masters()
+        self._gather_params()
         self._skips.applied()
         self._step_applied = True
         self._end_step(overflow=False)
@@ -318,10 +316,12 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
             self.schedule.release_all()
 
     def params_from_masters(self) -> None:
-        if self.schedule is not None:  # after a load: hpZ's secondary shards are stale
+        self.offload.tiers.cast_to_params()
+        self._gather_params()
+
+    def _gather_params(self) -> None:
+        if self.schedule is not None:  # hpZ's secondary shards are stale after a step or a load
             self.schedule.drop_secondaries()
-        for bucket in self.buckets:
-            bucket.cast_master_to_params()
         wait_all([bucket.gather_params(self.comm) for bucket in self.buckets if bucket.gathers_after_step])
 
     # -- reports ------------------------------------------------------------
@@ -338,9 +338,17 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
                              f"{['dp'] + (list(self.cross.recorders) if self.cross else [])}")
         return self.cross.recorders[dim].snapshot()
 
-    def memory_stats(self) -> dict[str, int]:
-        """Bytes of model states this rank holds: params, grads, master, optimizer, staging."""
-        return model_state_bytes(self.module, self.buckets, self.optimizer, self.pool, self.frozen_flats())
+    def memory_stats(self, pool: str | None = None) -> dict[str, int]:
+        """Bytes of model states this rank holds: params, grads, master, optimizer, staging, hpz_secondary.
+
+        `pool`: "device", "host" or "disk" (offload), each by the same kinds; None: all pools together."""
+        by_pool = model_state_bytes(self.module, self.buckets, self.optimizer, self.pool, self.frozen_flats(),
+                                    self.offload.tiers, self.offload.param_tier, self.offload.pool)
+        if pool is None:
+            return total(by_pool)
+        if pool not in by_pool:
+            raise ValueError(f"memory_stats(pool={pool!r}): the pools are {', '.join(map(repr, by_pool))}")
+        return by_pool[pool]
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The complete model state dict (full tensors, copies): on every rank, or on rank 0 only.

@@ -118,6 +118,8 @@ class GatherSchedule:
         numel = unit.gathered_numel
         if numel <= self.max_prefetch_numel and self.live_numel() + numel <= self.max_live_numel:
             unit.start_gather(self.gathers, exact=False)
+            if following[i] in following:  # shards on disk: read the unit after it meanwhile
+                self.units[following[following[i]]].read_shards()
 
     def live_numel(self) -> int:
         """Elements of the units gathered or being gathered now."""

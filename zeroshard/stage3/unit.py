@@ -15,6 +15,7 @@ tensor per group):
 from __future__ import annotations
 
 from enum import Enum
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -73,6 +74,13 @@ class Unit:
         self.quantized = gathers.quantizes(exact)
         self.state = UnitState.GATHERING
 
+    def read_shards(self) -> None:
+        """Start reading the shards that live on disk (parameter offload), ahead of this unit's gather."""
+        if self.state is UnitState.SHARDED:
+            for flat in self.gathered_flats:
+                if flat.shard_swap is not None:
+                    flat.shard_swap.read()
+
     def wait_gather(self) -> None:
         """GATHERING -> GATHERED."""
         if self._gather is not None:
@@ -117,9 +125,14 @@ class Unit:
         self.drop_secondaries()
         with torch.no_grad():
             for flat in self.gathered_flats:
+                if flat.shard_swap is not None:
+                    flat.shard_swap.claim()
                 flat.shard_data.copy_(flat.shard(flat.data))
         for bucket in self.buckets:
             bucket.take_params_into_master()
+        for flat in self.gathered_flats:
+            if flat.shard_swap is not None:
+                flat.shard_swap.swap_out()
 
     # -- the reducer's interface ---------------------------------------------
 
@@ -137,7 +150,8 @@ class Unit:
 def build_units(
     plans: list[UnitPlan], groups: list[list[nn.Parameter]], comm: Comm, persistence_threshold: int,
     materialize: Materializer | None = None, precision: Precision = FP32, accumulation: int = 1,
-    use_reduce_scatter: bool = True, qgz: Qgz | None = None,
+    use_reduce_scatter: bool = True, qgz: Qgz | None = None, offload: Callable[[int], bool] = lambda numel: False,
+    own_master: bool = False,
 ) -> list[Unit]:
     """Flatten each planned unit's parameters, start them from rank 0's values, and shard them.
 
@@ -145,7 +159,9 @@ def build_units(
     exists beside the model's original parameters; for a model on the meta
     device, `materialize` initialises each unit in its buffer, so no rank
     ever holds more than one unit of the full model. `qgz`: ZeRO++'s gradient
-    reduction for the sharded buckets (persistent ones reduce plainly).
+    reduction for the sharded buckets (persistent ones reduce plainly). `offload(numel)`: whether a
+    bucket's master and optimizer state go to the host (`Bucket`'s `offload`); `own_master`: the
+    parameter shards are offloaded, so no master may share their storage.
     """
     group_of = {id(p): g for g, params in enumerate(groups) for p in params}
     device = materialize.device if materialize else None
@@ -156,12 +172,12 @@ def build_units(
         if materialize:
             materialize(plan.owners, plan.params)
         units.append(_shard_parts(plan.name, plan.module, parts, comm, precision, accumulation, use_reduce_scatter,
-                                  qgz))
+                                  qgz, offload, own_master))
     return units
 
 
-def _shard_parts(name: str, module: nn.Module, parts, comm: Comm, precision: Precision,
-                 accumulation: int, use_reduce_scatter: bool, qgz: Qgz | None) -> Unit:
+def _shard_parts(name: str, module: nn.Module, parts, comm: Comm, precision: Precision, accumulation: int,
+                 use_reduce_scatter: bool, qgz: Qgz | None, offload: Callable[[int], bool], own_master: bool) -> Unit:
     """Broadcast rank 0's values of each flat buffer, then keep only what this rank holds.
 
     In the model's dtype: fp32 masters start from the model's own values, and
@@ -180,5 +196,6 @@ def _shard_parts(name: str, module: nn.Module, parts, comm: Comm, precision: Pre
             switches = StageSwitches.for_stage(2 if persistent else 3)
             kind = "persistent parameters" if persistent else "param group"
             buckets.append(Bucket(flat, switches, use_reduce_scatter, g, f"unit '{name}', {kind} {g}", precision,
-                                  accumulation, None if persistent else qgz))
+                                  accumulation, None if persistent else qgz, offload(flat.numel),
+                                  own_master and not persistent))
     return Unit(name, module, buckets, frozen)

@@ -1,0 +1,227 @@
+"""Where each bucket's master and optimizer state live, and the optimizer step over them (ZeRO-Offload,
+ZeRO-Infinity).
+
+Three tiers: `DEVICE` (beside the parameters, as without offload), `HOST`
+(host memory: the step runs on the CPU with the user's torch optimizer, fused
+where it has a fused kernel) and `DISK` (swap files under `nvme_path`: the
+step runs sub-group by sub-group, reading the next sub-groups' masters and
+state while this one steps, and writing each one back behind, so the I/O
+overlaps the CPU step). A partial offload (`ratio` < 1) keeps the last buckets
+on the device.
+
+The optimizer is stepped once per sub-group with only that sub-group's
+masters holding a gradient: torch's optimizers skip a parameter without one,
+and each master's own step counter advances once per step, so the update is
+the same as one step over all of them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from contextlib import contextmanager
+from enum import Enum
+from typing import Iterator
+
+import torch
+
+from zeroshard.core.bucket import Bucket
+from zeroshard.core.optim import hyperparams
+from zeroshard.core.swapped import BufferPool, Swapped, SwapState
+from zeroshard.offload import SwapDir
+
+
+class Tier(Enum):
+    """Where a tensor lives: memory pools as `memory_stats(pool=...)` names them."""
+
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+def offloaded_prefix(buckets: list[Bucket], ratio: float) -> int:
+    """How many buckets, from the first, are offloaded: the fewest whose masters reach `ratio` of the bytes."""
+    total = sum(b.flat.shard_numel for b in buckets)
+    taken, count = 0, 0
+    for bucket in buckets:
+        if taken >= ratio * total:
+            break
+        taken += bucket.flat.shard_numel
+        count += 1
+    return count
+
+
+def swapped_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> list[str]:
+    """The optimizer's state tensors of a master's size (Adam: exp_avg, exp_avg_sq), from one probe step."""
+    probe = torch.zeros(4, requires_grad=True)
+    hp = {k: v for k, v in hyperparams(optimizer, group).items() if k not in ("fused", "capturable", "foreach")}
+    opt = type(optimizer)([probe], **hp)
+    probe.grad = torch.zeros(4)
+    opt.step()
+    return sorted(k for k, v in opt.state[probe].items() if torch.is_tensor(v) and v.shape == probe.shape)
+
+
+class OptimizerTiers:
+    """The tier of every bucket's master and optimizer state, and the step that runs over them."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], tiers: list[Tier],
+                 swap: SwapDir | None = None, pool: BufferPool | None = None, sub_group_numel: int = 0,
+                 buffer_count: int = 4):
+        self.optimizer, self.buckets, self.tiers = optimizer, buckets, tiers
+        self.pool = pool
+        self.ahead = max(1, buffer_count - 2)  # sub-groups read ahead; one steps, one writes behind
+        self.swaps: dict[int, dict[str, Swapped]] = {}  # bucket index -> "master" and each state key
+        on_disk = [i for i, t in enumerate(tiers) if t is Tier.DISK]
+        for i in on_disk:
+            self.swaps[i] = self._create_swaps(i, swap)
+        self.sub_groups = _sub_groups(on_disk, [b.flat.shard_numel for b in buckets], sub_group_numel)
+        self._holding = False  # inside `all_resident`: nothing is sent out before it ends
+        self.adopt()
+
+    def _create_swaps(self, i: int, swap: SwapDir) -> dict[str, Swapped]:
+        bucket = self.buckets[i]
+        master = bucket.master
+        keys = swapped_state_keys(self.optimizer, self.optimizer.param_groups[bucket.param_group])
+        swaps = {"master": Swapped(swap, f"bucket{i}.master", master.numel(), master.dtype, self.pool, master)}
+        for key in keys:
+            swaps[key] = Swapped(swap, f"bucket{i}.{key}", master.numel(), master.dtype, self.pool)
+        return swaps
+
+    def tier_of(self, index: int) -> Tier:
+        return self.tiers[index]
+
+    @property
+    def on_disk(self) -> bool:
+        return bool(self.swaps)
+
+    # -- the step --------------------------------------------------------------
+
+    def step(self, grads: list[torch.Tensor]) -> None:
+        """One optimizer step: device and host buckets in one call, disk buckets sub-group by sub-group;
+        every bucket's parameters take its updated master (`cast_master_to_params`)."""
+        in_memory = [i for i in range(len(self.buckets)) if i not in self.swaps]
+        self._step_buckets(in_memory, grads)
+        self._settle(in_memory)
+        for group in self.resident_groups(write=True):
+            self._step_buckets(group, grads)
+
+    def _step_buckets(self, indices: list[int], grads: list[torch.Tensor]) -> None:
+        if not indices:
+            return
+        for i in indices:
+            self.buckets[i].master.grad = grads[i]
+        try:
+            self.optimizer.step()
+        finally:
+            for i in indices:
+                self.buckets[i].master.grad = None
+        for i in indices:
+            self.buckets[i].cast_master_to_params()
+
+    def cast_to_params(self) -> None:
+        """Every bucket's parameters from its master (after a load), the disk ones read a sub-group at a time."""
+        for i, bucket in enumerate(self.buckets):
+            if i not in self.swaps:
+                bucket.cast_master_to_params()
+        self._settle([i for i in range(len(self.buckets)) if i not in self.swaps])
+        for group in self.resident_groups(write=False):
+            for i in group:
+                self.buckets[i].cast_master_to_params()
+
+    def resident_groups(self, write: bool, groups: list[list[int]] | None = None) -> Iterator[list[int]]:
+        """Yield each disk sub-group with its masters and state in memory: the next `ahead` sub-groups are
+        read meanwhile; after the caller's turn the sub-group is written back (`write`) or dropped."""
+        groups = self.sub_groups if groups is None else groups
+        behind: deque[list[int]] = deque()
+        try:
+            for n, group in enumerate(groups):
+                for later in groups[n + 1 : n + 1 + self.ahead]:
+                    self._each(later, Swapped.read)
+                self._each(group, Swapped.wait)
+                yield group
+                if write:
+                    self._bind_state(group)
+                    self._each(group, Swapped.write)
+                behind.append(group)
+                while len(behind) > 1:
+                    self._finish(behind.popleft())
+        finally:
+            for group in list(behind) + groups:  # also after an error: nothing stays in flight
+                self._finish(group)
+
+    def _finish(self, group: list[int]) -> None:
+        if not self._holding:
+            self._each(group, Swapped.finish)
+        self._settle(group)
+
+    @contextmanager
+    def all_resident(self, write: bool) -> Iterator[None]:
+        """Every disk master and its state in memory while a checkpoint reads them (`write` False: dropped
+        after) or replaces them (`write`: sent back out after, following the optimizer's new state tensors).
+
+        This holds the disk tier's whole share in host memory for the checkpoint's duration."""
+        if not self.swaps:
+            yield
+            return
+        for group in self.sub_groups:
+            self._each(group, Swapped.read)
+        self._holding = True
+        try:
+            for group in self.sub_groups:
+                self._each(group, Swapped.wait)
+            yield
+        finally:
+            self._holding = False
+            if write:
+                self.adopt()
+            for group in self.sub_groups:
+                self._finish(group)
+
+    def _settle(self, indices: list[int]) -> None:
+        """Wait for the parameter shards written to disk after their cast (parameter offload)."""
+        for i in indices:
+            self.buckets[i].settle()
+
+    def _each(self, group: list[int], action) -> None:
+        for i in group:
+            for swapped in self.swaps[i].values():
+                if swapped.bound:
+                    action(swapped)
+
+    def _bind_state(self, group: list[int]) -> None:
+        """After the optimizer's first step its state tensors exist: the swap files follow them."""
+        for i in group:
+            state = self.optimizer.state.get(self.buckets[i].master, {})
+            for key, swapped in self.swaps[i].items():
+                if key != "master" and key in state and state[key] is not swapped.tensor:
+                    swapped.bind(state[key])
+
+    def adopt(self) -> None:
+        """Send the disk buckets' masters and state, as they are in memory now, to their swap files (at
+        construction, and after a load replaced them)."""
+        for i, swaps in self.swaps.items():
+            self._bind_state([i])
+            for swapped in swaps.values():
+                if swapped.bound and swapped.state is SwapState.RESIDENT:
+                    swapped.swap_out()
+
+    # -- reports -----------------------------------------------------------------
+
+    def disk_bytes(self) -> dict[str, int]:
+        """Bytes on disk by kind: {"master", "optimizer"} (values, without the files' alignment padding)."""
+        master = sum(s["master"].nbytes for s in self.swaps.values())
+        state = sum(w.nbytes for s in self.swaps.values() for k, w in s.items() if k != "master" and w.bound)
+        return {"master": master, "optimizer": state}
+
+
+def _sub_groups(indices: list[int], numels: list[int], sub_group_numel: int) -> list[list[int]]:
+    """Consecutive disk buckets packed up to `sub_group_numel` elements (at least one bucket each)."""
+    groups: list[list[int]] = []
+    size = 0
+    for i in indices:
+        if groups and size + numels[i] <= sub_group_numel:
+            groups[-1].append(i)
+            size += numels[i]
+        else:
+            groups.append([i])
+            size = numels[i]
+    return groups
