@@ -5,19 +5,21 @@ flags, counts Ψ and the largest unit when given a model (a demo preset or any
 `transformers` model, built on the meta device: `zeroshard.app.model_count`),
 and prints either that object as JSON or a table. With `--tp`/`--pp` above 1
 (a preset only) it prints each model part's model-state bytes per rank
-instead (`zeroshard.estimate.parallel.mesh_summary`).
+instead (`zeroshard.estimate.parallel.mesh_summary`). With `--offload-optimizer`
+or `--offload-params` it adds the three memory pools of ZeRO-Offload and
+ZeRO-Infinity (`zeroshard.estimate.offload_summary`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import re
 
 from rich.console import Console
 from rich.table import Table
 
 from zeroshard import estimate
+from zeroshard.app.cli_estimate_offload import add_offload, offload_setup, print_offload
 from zeroshard.app.flags import add_command, add_dtype, positive_int
 from zeroshard.app.model_count import (
     AUTO_WRAP_MIN_PARAMS,
@@ -27,6 +29,7 @@ from zeroshard.app.model_count import (
     count_parts,
 )
 from zeroshard.app.models import PRESETS
+from zeroshard.app.units import count, human_bytes, human_count, memory_size, threshold
 from zeroshard.estimate.parallel import mesh_summary
 
 EXAMPLES = """\
@@ -38,37 +41,10 @@ examples:
   zeroshard estimate --params 7B --gpus 32 --gpus-per-node 8 --zeropp    stage 3 by scope, with ZeRO++
   zeroshard estimate --model gpt2 --gpus 4 --gpus-per-node 2 --hpz --qgz --gradient-bits 8
   zeroshard estimate --model demo --gpus 8 --tp 2 --pp 2      per model part on a pp x dp x tp mesh
+  zeroshard estimate --params 13B --gpus 1 --dtype fp16 --gpu-mem 32GiB --host-mem 1.5TB --offload-optimizer cpu
+  zeroshard estimate --params 1T --gpus 16 --dtype fp16 --offload-optimizer nvme --offload-params nvme \\
+      --gpu-mem 32GiB --host-mem 1.5TB --disk-mem 28TB         ZeRO-Infinity on one DGX-2 node
 """
-
-_SUFFIXES = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def count(text: str) -> int:
-    """argparse type: a whole number of elements, such as 7.5e9, 124439808 or 7B."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMBT]?)\s*", text)
-    try:
-        value = float(match.group(1)) * _SUFFIXES[match.group(2)] if match else -1.0
-    except ValueError:
-        value = -1.0
-    if value < 1 or not value.is_integer():
-        raise argparse.ArgumentTypeError(f"expected a whole number of elements such as 7.5e9 or 7B, "
-                                         f"got '{text}'")
-    return int(value)
-
-
-def threshold(text: str) -> int:
-    """argparse type: a count of elements or 0 (a persistence threshold of 0: nothing stays whole)."""
-    return 0 if text.strip() == "0" else count(text)
-
-
-def memory_size(text: str) -> int:
-    """argparse type: bytes with a unit, decimal (80GB = 80e9) or binary (80GiB = 80 × 2^30)."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?I?B)\s*", text.upper())
-    if not match or float(match.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"expected a size with a unit such as 80GB or 40GiB, got '{text}'")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -112,6 +88,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--pp", type=positive_int, default=1, metavar="P",
                         help="pipeline stages (GPTStage; a preset only) (default: %(default)s)")
     _add_zeropp(parser)
+    add_offload(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (bytes; see zeroshard.estimate.summarize)")
 
@@ -140,6 +117,7 @@ def zeropp_parts(args: argparse.Namespace) -> estimate.ZeroPP:
 
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
     """Compute and print the estimate; returns the exit status."""
+    setup = offload_setup(args)  # before the mesh: a flag that needs another is refused on both paths
     if args.tp * args.pp > 1:
         return run_mesh(args, console)
     name, largest_unit, flats = None, args.largest_unit, None
@@ -154,7 +132,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     try:
         summary = estimate.summarize(args.params, args.gpus, args.gpus_per_node, args.dtype,
                                      args.optimizer_bytes, largest_unit or 0, args.gpu_mem, flats,
-                                     zeropp_parts(args))
+                                     zeropp_parts(args), setup)
     except ValueError as error:
         args.command_parser.error(str(error))
     console = console or Console()
@@ -168,7 +146,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
 # Flags whose figures the per-part estimate does not model: refused rather than ignored.
 _NOT_ON_MESH = (("zeropp", "--zeropp"), ("qwz", "--qwz"), ("hpz", "--hpz"), ("qgz", "--qgz"),
                 ("gpu_mem", "--gpu-mem"), ("largest_unit", "--largest-unit"),
-                ("persistence_threshold", "--persistence-threshold"), ("gpus_per_node", "--gpus-per-node"))
+                ("persistence_threshold", "--persistence-threshold"), ("gpus_per_node", "--gpus-per-node"),
+                ("offload_optimizer", "--offload-optimizer"), ("offload_params", "--offload-params"))
 
 
 def run_mesh(args: argparse.Namespace, console: Console | None = None) -> int:
@@ -180,7 +159,8 @@ def run_mesh(args: argparse.Namespace, console: Console | None = None) -> int:
     refused = [flag for key, flag in _NOT_ON_MESH if getattr(args, key)]
     if refused:
         error(f"{' '.join(refused)} with --tp/--pp: the per-part estimate covers model states only, without "
-              "ZeRO++, persistent parameters, nodes or a memory limit; drop those flags, or use --tp 1 --pp 1")
+              "ZeRO++, persistent parameters, nodes, offload or a memory limit; drop those flags, or use "
+              "--tp 1 --pp 1")
     replica = args.tp * args.pp  # the ranks of one data-parallel replica
     if args.gpus % replica:
         error(f"--gpus {args.gpus} is not a multiple of --pp {args.pp} x --tp {args.tp} = {replica} ranks "
@@ -222,21 +202,6 @@ def print_mesh(console: Console, summary: dict) -> None:
                   "stage 3: with the largest unit gathered, its parameters and gradients[/]")
 
 
-def human_bytes(n: float) -> str:
-    """Decimal units with three significant digits, as the paper prints: 31.4 GB, 1.88 GB, 120 GB."""
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
-
-
-def human_count(n: int) -> str:
-    for suffix, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {suffix}"
-    return str(n)
-
-
 def _formulas(summary: dict) -> dict[str, str]:
     """Each stage's memory formula with this setup's bytes per element."""
     p, g, k = (*estimate.DTYPE_BYTES[summary["dtype"]][:2], summary["optimizer_bytes"])
@@ -274,6 +239,8 @@ def print_summary(console: Console, summary: dict, name: str | None = None) -> N
                       f"{human_bytes(summary['cross_node_bytes']['3'])} "
                       f"(3M -> {summary['cross_node_bytes_zeropp'] / model:.3g}M)")
     print_stage3(console, summary)
+    if summary["offload"] is not None:
+        print_offload(console, summary["offload"])
     notes = ["memory: model states per GPU (no activations or buffers); U: the largest unit",
              "comm: logical bytes per step summed over collectives, as engine.comm_stats() records "
              "them (an all-reduce counts its buffer once)",

@@ -1,7 +1,9 @@
 """The memory and communication model of ZeRO: pure formulas over element counts.
 
-`summarize(numel, gpus)` returns what `zeroshard estimate --json` prints. It knows no model
-class: callers (the CLI, the demo) count a model and hand the counts in.
+`summarize(numel, gpus)` returns what `zeroshard estimate --json` prints;
+`offload_pool_bytes` is the memory of ZeRO-Offload and ZeRO-Infinity in three
+pools (device, host, disk). It knows no model class: callers (the CLI, the
+demo) count a model and hand the counts in.
 """
 
 from zeroshard.estimate.formulas import (
@@ -18,6 +20,15 @@ from zeroshard.estimate.formulas import (
     state_bytes_per_element,
     step_check_bytes,
     wire_bytes,
+)
+from zeroshard.estimate.offload import (
+    Offload,
+    UnboundedError,
+    largest_model_offload,
+    offload_pool_bytes,
+    offload_summary,
+    pool_totals,
+    ratio_numel,
 )
 from zeroshard.estimate.summary import summarize
 from zeroshard.estimate.zeropp import (
@@ -42,19 +53,26 @@ __all__ = [
     "SHARDED",
     "STAGES",
     "Flat",
+    "Offload",
+    "UnboundedError",
     "ZeroPP",
     "by_scope",
     "comm_bytes_per_step",
     "cross_node_bytes",
     "hpz_secondary_bytes",
     "largest_model",
+    "largest_model_offload",
     "memory_per_gpu",
     "model_state_bytes",
+    "offload_pool_bytes",
+    "offload_summary",
     "order_check_bytes",
+    "pool_totals",
     "precision_bytes",
     "qgz_reduce_scatter_bytes",
     "quantized_bytes",
     "qwz_all_gather_bytes",
+    "ratio_numel",
     "shard_numel",
     "stage3_comm_bytes",
     "stage3_comm_calls",

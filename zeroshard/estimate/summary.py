@@ -20,7 +20,9 @@ from zeroshard.estimate.formulas import (
     precision_bytes,
     wire_bytes,
 )
+from zeroshard.estimate.offload import Offload, offload_summary
 from zeroshard.estimate.zeropp import (
+    PERSISTENT,
     Flat,
     ZeroPP,
     by_scope,
@@ -35,7 +37,7 @@ ALL_PARTS = ZeroPP(qwz=True, hpz=True, qgz=True, gradient_bits=4)  # the paper's
 def summarize(numel: int, gpus: int, gpus_per_node: int | None = None, dtype: str = "bf16",
               optimizer_bytes: int | None = None, largest_unit: int = 0,
               gpu_mem: int | None = None, flats: list[Flat] | None = None,
-              zeropp: ZeroPP | None = None) -> dict:
+              zeropp: ZeroPP | None = None, offload: Offload | None = None) -> dict:
     """The estimate for one setup, JSON-ready: what `zeroshard estimate --json` prints.
 
     Keys "0".."3" are stages. `memory_bytes`: model-state bytes per GPU;
@@ -55,7 +57,8 @@ def summarize(numel: int, gpus: int, gpus_per_node: int | None = None, dtype: st
     alike, `stage3_model_bytes` M (e × Ψ), `stage3_flats` (how many flat
     buffers: `flats`, default one sharded flat of Ψ). `cross_node_bytes_zeropp`:
     stage 3's cross-node logical bytes per step with qwZ + hpZ + qgZ on one
-    flat of Ψ (null when `gpus_per_node` does not divide `gpus`).
+    flat of Ψ (null when `gpus_per_node` does not divide `gpus`). "offload":
+    the three pools with `offload` on (offload.offload_summary), else null.
     """
     gpus_per_node = min(gpus, 8) if gpus_per_node is None else gpus_per_node
     if gpus_per_node < 1:
@@ -87,6 +90,9 @@ def summarize(numel: int, gpus: int, gpus_per_node: int | None = None, dtype: st
         "max_params": None if gpu_mem is None else {
             str(s): largest_model(gpu_mem, gpus, s, dtype, k, largest_unit, hpz if s == 3 else 1) for s in STAGES},
         **_stage3(numel, flats, gpus, gpus_per_node, elem, zeropp),
+        "offload": None if offload is None or not offload.on else offload_summary(
+            numel, gpus, min(gpus, gpus_per_node), dtype, optimizer_bytes, offload, largest_unit,
+            sum(f.numel for f in flats if f.kind == PERSISTENT), gpu_mem),
     }
 
 
