@@ -21,7 +21,6 @@ from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import local
 from zeroshard.core.optimizer_tiers import OptimizerTiers, Tier
 from zeroshard.core.staging import StagingPool
-from zeroshard.core.swapped import BufferPool
 
 
 class MemoryStats(dict):
@@ -52,7 +51,7 @@ def _storage_bytes(tensors, seen: set[int]) -> int:
 def model_state_bytes(
     model: nn.Module, buckets: list[Bucket], optimizer: torch.optim.Optimizer, pool: StagingPool,
     frozen: list[FlatParams] = (), tiers: OptimizerTiers | None = None, param_tier: Tier = Tier.DEVICE,
-    offload_buffers: BufferPool | None = None,
+    offload_buffers: list[torch.Tensor] = (),
 ) -> dict[str, MemoryStats]:
     """Bytes per kind of model state this rank holds, by pool: {"device", "host", "disk"}.
 
@@ -81,7 +80,7 @@ def model_state_bytes(
         master=_storage_bytes([b.master for b, t in zip(buckets, tier) if t is Tier.HOST], seen),
         # A disk master's scalar state (Adam's step) stays in host memory.
         optimizer=_storage_bytes(_state_of(optimizer, buckets, tier, {Tier.HOST, Tier.DISK}), seen),
-        staging=_storage_bytes(offload_buffers.tensors() if offload_buffers else [], seen),
+        staging=_storage_bytes(offload_buffers, seen),
         hpz_secondary=0)
     on_disk = tiers.disk_bytes() if tiers else {"master": 0, "optimizer": 0}
     disk = MemoryStats(params=sum(f.shard_swap.nbytes for f in flats if f.shard_swap is not None), grads=0,

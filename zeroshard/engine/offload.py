@@ -5,10 +5,13 @@ From the config's `offload_optimizer` (stages 1-3) and `offload_param` (stage 3)
 - `offload_choice` says, bucket by bucket in build order, whether its master
   and optimizer state are offloaded (`ratio` < 1: the first buckets, until
   their elements reach that share of the trained elements);
-- `build_offload` then opens the swap directories, moves the disk tier's
-  masters and state out (`core/optimizer_tiers.py`), and puts each sharded
-  unit's parameter shard on the host or on disk (`core/swapped.py`), the first
-  `max_in_cpu` elements staying on the host.
+- `OffloadBuild` opens the swap directories before stage 3's units are
+  built; as each unit is built (`unit_built`), its buckets' disk-tier masters
+  and its parameter shards leave memory at once (`core/swapped.py`; the
+  first `max_in_cpu` elements of shards stay on the host), so construction
+  never holds the whole rank's share of them in memory, only the unit being
+  built; `finish` then makes the optimizer's tiers (`core/optimizer_tiers.py`)
+  over every bucket, moving out what no unit moved (stages 1-2).
 
 Every rank builds the same tiers (the choice depends only on the model and
 the config); a rank that cannot open or fill its swap files raises, and the
@@ -43,6 +46,10 @@ class Offload:
     swaps: dict[str, SwapDir] = field(default_factory=dict)  # nvme_path -> this rank's swap directory
     pool: BufferPool = field(default_factory=BufferPool)
 
+    def buffers(self) -> list[torch.Tensor]:
+        """Host memory offload holds for transfers: the aligned buffers and the I/O threads' bounce buffers."""
+        return self.pool.tensors() + [b for swap in self.swaps.values() for b in swap.buffers()]
+
     def close(self) -> None:
         for swap in self.swaps.values():
             swap.close()
@@ -64,25 +71,62 @@ def offload_choice(config: Config, trained_numel: int) -> Callable[[int], bool]:
     return choose
 
 
-def build_offload(config: Config, comm: Comm, optimizer: torch.optim.Optimizer, buckets: list[Bucket],
-                  units: list[Unit]) -> Offload:
-    """Tiers for the optimizer and, at stage 3, the parameter shards (see the module's docstring)."""
-    zero = config.zero_optimization
-    opt, param = zero.offload_optimizer, zero.offload_param
-    pool = BufferPool(pin=(opt.pin_memory or param.pin_memory) and torch.cuda.is_available())
-    poison = Poison.from_env()
-    swaps: dict[str, SwapDir] = {}
-    disk = opt.device == "nvme"
-    tiers = [Tier.DEVICE if not b.offload else Tier.DISK if disk else Tier.HOST for b in buckets]
-    swap = _swap_dir(opt.nvme_path, comm, config, poison, swaps) if disk else None
-    optimizer_tiers = OptimizerTiers(optimizer, buckets, tiers, swap, pool, zero.sub_group_size,
-                                     opt.buffer_count)
-    offload = Offload(optimizer_tiers, Tier.DEVICE, swaps, pool)
-    if param.device != "none":
-        offload.param_tier = Tier.DISK if param.device == "nvme" else Tier.HOST
-        param_swap = _swap_dir(param.nvme_path, comm, config, poison, swaps) if param.device == "nvme" else None
-        _offload_shards(units, param_swap, pool, param.max_in_cpu if param_swap else None)
-    return offload
+class OffloadBuild:
+    """Offload set up around construction: the swap directories first, then each unit as it is built.
+
+    Every rank makes the same calls in the same order (the choice depends only
+    on the model and the config). A rank whose swap files cannot be made
+    raises; the caller makes every rank raise with it (`engine/build.py`).
+    """
+
+    def __init__(self, config: Config, comm: Comm, optimizer: torch.optim.Optimizer):
+        zero = config.zero_optimization
+        opt, param = zero.offload_optimizer, zero.offload_param
+        self.config = config
+        self.pool = BufferPool(pin=(opt.pin_memory or param.pin_memory) and torch.cuda.is_available())
+        poison = Poison.from_env()
+        self.swaps: dict[str, SwapDir] = {}
+        self.opt_swap = _swap_dir(opt.nvme_path, comm, config, poison, self.swaps) if opt.device == "nvme" else None
+        self.param_tier = {"none": Tier.DEVICE, "cpu": Tier.HOST, "nvme": Tier.DISK}[param.device]
+        self.param_swap = (_swap_dir(param.nvme_path, comm, config, poison, self.swaps)
+                           if param.device == "nvme" else None)
+        self.max_in_cpu = param.max_in_cpu if self.param_swap else None
+        self.masters: dict[int, Swapped] = {}  # bucket index -> its master's swap file, written out already
+        # An optimizer that makes its state in its constructor (Adagrad) needs the masters' sizes in memory
+        # when it is pointed at them: its masters go out in `finish`, with their state.
+        self._stream_masters = self.opt_swap is not None and not optimizer.state
+        self._units = self._buckets = self._in_cpu = 0  # units and buckets seen; shard elements kept on the host
+
+    @property
+    def streams(self) -> bool:
+        """Whether `unit_built` moves anything (else the caller need not call it, nor agree on it)."""
+        return self._stream_masters or self.param_tier is not Tier.DEVICE
+
+    def unit_built(self, unit: Unit) -> None:
+        """Move the unit just built out of memory: its disk-tier masters, and its parameter shards."""
+        for bucket in unit.buckets:
+            index, self._buckets = self._buckets, self._buckets + 1
+            if self._stream_masters and bucket.offload:
+                master = bucket.master
+                swapped = Swapped(self.opt_swap, f"bucket{index}.master", master.numel(), master.dtype, self.pool,
+                                  master)
+                swapped.swap_out()
+                self.masters[index] = swapped
+        if self.param_tier is not Tier.DEVICE:
+            self._in_cpu = _offload_shards(self._units, unit, self.param_swap, self.pool, self.max_in_cpu,
+                                           self._in_cpu)
+        self._units += 1
+
+    def finish(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], units: list[Unit]) -> Offload:
+        """The optimizer's tiers over every bucket (after `shard_optimizer`), and the units not yet moved."""
+        for unit in units[self._units:]:
+            self.unit_built(unit)
+        zero = self.config.zero_optimization
+        disk = self.opt_swap is not None
+        tiers = [Tier.DEVICE if not b.offload else Tier.DISK if disk else Tier.HOST for b in buckets]
+        optimizer_tiers = OptimizerTiers(optimizer, buckets, tiers, self.opt_swap, self.pool, zero.sub_group_size,
+                                         zero.offload_optimizer.buffer_count, masters=self.masters)
+        return Offload(optimizer_tiers, self.param_tier, self.swaps, self.pool)
 
 
 def _swap_dir(path: str, comm: Comm, config: Config, poison: Poison | None, swaps: dict[str, SwapDir]) -> SwapDir:
@@ -96,19 +140,20 @@ def _swap_dir(path: str, comm: Comm, config: Config, poison: Poison | None, swap
     return swap
 
 
-def _offload_shards(units: list[Unit], swap: SwapDir | None, pool: BufferPool, max_in_cpu: int | None) -> None:
-    """Each sharded flat's `shard_data` to the host; with `swap`, to disk past the first `max_in_cpu` elements."""
-    in_cpu = 0
-    for u, unit in enumerate(units):
-        for k, flat in enumerate(unit.gathered_flats):
-            if flat.shard_data.device.type != "cpu":
-                flat.shard_data = flat.shard_data.to("cpu", copy=True)
-                if pool.pin:
-                    flat.shard_data = flat.shard_data.pin_memory()
-            frozen = flat in unit.frozen  # stays on the host: checkpoints read its shard as it is
-            if swap is None or frozen or in_cpu + flat.shard_numel <= max_in_cpu:
-                in_cpu += flat.shard_numel
-                continue
-            shard = flat.shard_data
-            flat.shard_swap = Swapped(swap, f"unit{u}.flat{k}.shard", shard.numel(), shard.dtype, pool, shard)
-            flat.shard_swap.swap_out()
+def _offload_shards(u: int, unit: Unit, swap: SwapDir | None, pool: BufferPool, max_in_cpu: int | None,
+                    in_cpu: int) -> int:
+    """Unit `u`'s sharded flats' `shard_data` to the host; with `swap`, to disk past the first `max_in_cpu`
+    elements of all units (`in_cpu` of them kept so far). Returns the elements kept on the host now."""
+    for k, flat in enumerate(unit.gathered_flats):
+        if flat.shard_data.device.type != "cpu":
+            flat.shard_data = flat.shard_data.to("cpu", copy=True)
+            if pool.pin:
+                flat.shard_data = flat.shard_data.pin_memory()
+        frozen = flat in unit.frozen  # stays on the host: checkpoints read its shard as it is
+        if swap is None or frozen or in_cpu + flat.shard_numel <= max_in_cpu:
+            in_cpu += flat.shard_numel
+            continue
+        shard = flat.shard_data
+        flat.shard_swap = Swapped(swap, f"unit{u}.flat{k}.shard", shard.numel(), shard.dtype, pool, shard)
+        flat.shard_swap.swap_out()
+    return in_cpu
