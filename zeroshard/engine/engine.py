@@ -343,7 +343,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
 
         `pool`: "device", "host" or "disk" (offload), each by the same kinds; None: all pools together."""
         by_pool = model_state_bytes(self.module, self.buckets, self.optimizer, self.pool, self.frozen_flats(),
-                                    self.offload.tiers, self.offload.param_tier, self.offload.pool)
+                                    self.offload.tiers, self.offload.param_tier, self.offload.buffers())
         if pool is None:
             return total(by_pool)
         if pool not in by_pool:
