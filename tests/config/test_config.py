@@ -42,6 +42,12 @@ DEFAULTS = {
         "stage3_param_persistence_threshold": 100_000,
         "stage3_max_live_parameters": 1_000_000_000,
         "stage3_prefetch_bucket_size": 50_000_000,
+        "offload_optimizer": {"device": "none", "nvme_path": None, "pin_memory": False, "buffer_count": 4,
+                              "ratio": 1.0, "fast_init": False, "pipeline_read": False, "pipeline_write": False,
+                              "delayed_update": False},
+        "offload_param": {"device": "none", "nvme_path": None, "pin_memory": False, "buffer_count": 5,
+                          "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000},
+        "sub_group_size": 1_000_000_000,
         "zero_quantized_weights": False,
         "zero_hpz_partition_size": 1,
         "zero_quantized_gradients": False,
@@ -58,6 +64,8 @@ DEFAULTS = {
     "dataloader_drop_last": False,
     "checkpoint": {"tag_validation": "Warn"},
     "non_finite": {"action": "skip", "max_consecutive_skips": 10},
+    "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+            "overlap_events": True, "use_gds": False},
 }
 
 

@@ -1,9 +1,11 @@
 """Acceptance 2: Hugging Face's ds_config_zero2.json and ds_config_zero3.json, verbatim (tests/config/data).
 
-As they are, each fails naming its offload blocks. Without them (the block
-removed, or "device": "none"), each loads with no other change to the file:
-the keys with no effect are reported once each, every "auto" is resolved
-from the optimizer and scheduler passed in code, and what a user must add
+Each loads with no other change to the file, its offload blocks included
+(the optimizer state in host memory, at zero3 the parameters too; the
+guide's NVMe example once its misplaced "aio" moves to the top level), and
+with them removed or "device": "none": the keys with no effect are reported
+once each, every "auto" is resolved from the optimizer and scheduler passed
+in code, and what a user must add
 is what Hugging Face's Trainer adds from its own arguments: a micro-batch
 size and a clipping norm, given as a dict override. An "auto" nothing
 resolves is an error naming the key. At 2 ranks, the zero2 file trains as
@@ -32,13 +34,10 @@ OVERRIDE = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0}
 NO_EFFECT = {
     "ds_config_zero2.json": ["zero_optimization.allgather_partitions", "zero_optimization.contiguous_gradients",
                              "steps_per_print", "wall_clock_breakdown"],
-    "ds_config_zero3.json": ["zero_optimization.contiguous_gradients", "zero_optimization.sub_group_size",
-                             "zero_optimization.stage3_max_reuse_distance",
+    "ds_config_zero3.json": ["zero_optimization.contiguous_gradients", "zero_optimization.stage3_max_reuse_distance",
                              "zero_optimization.stage3_gather_fp16_weights_on_model_save",
                              "steps_per_print", "wall_clock_breakdown"],
 }
-OFFLOAD_ERROR = ('zero_optimization.{} is not supported by zeroshard yet: zeroshard keeps the optimizer state and '
-                 'parameters on the training device; remove the block (or set "device": "none")')
 
 
 def verbatim(name: str) -> dict:
@@ -60,12 +59,16 @@ def code_facts(hidden_size=None) -> ConfigFacts:
 
 
 @pytest.mark.parametrize("name", FILES)
-def test_verbatim_file_fails_naming_its_offload_blocks(name):
-    with pytest.raises(ConfigError) as info:
-        Config.load(DATA / name, code_facts())
-    blocks = ["offload_optimizer"] + (["offload_param"] if "zero3" in name else [])
-    assert str(info.value) == f"invalid zeroshard config (file '{DATA / name}'):\n" + "\n".join(
-        "  - " + OFFLOAD_ERROR.format(block) for block in blocks)
+def test_verbatim_file_loads_with_its_offload_blocks(name):
+    config, report = Config.load_with_report({**verbatim(name), **OVERRIDE}, code_facts(hidden_size=64))
+    zero = config.zero_optimization
+    assert (zero.offload_optimizer.device, zero.offload_optimizer.pin_memory) == ("cpu", True)
+    if "zero3" in name:
+        assert (zero.stage, zero.offload_param.device, zero.offload_param.pin_memory) == (3, "cpu", True)
+        assert zero.sub_group_size == 10**14  # the file's 1e14
+    else:
+        assert (zero.stage, zero.offload_param.enabled) == (2, False)
+    assert sorted(key for key, _ in report.no_effect) == sorted(NO_EFFECT[name])
 
 
 @pytest.mark.parametrize("name", FILES)
@@ -77,9 +80,8 @@ def test_file_without_offload_loads_and_reports(name, offload):
             if key in raw["zero_optimization"]:
                 raw["zero_optimization"][key]["device"] = "none"
     config, report = Config.load_with_report(raw, code_facts(hidden_size=64))
-    idle = [f"zero_optimization.{k}" for k in ("offload_optimizer", "offload_param")
-            if offload == "device none" and k in verbatim(name)["zero_optimization"]]
-    assert sorted(key for key, _ in report.no_effect) == sorted(NO_EFFECT[name] + idle)
+    assert sorted(key for key, _ in report.no_effect) == sorted(NO_EFFECT[name])
+    assert not (config.zero_optimization.offload_optimizer.enabled or config.zero_optimization.offload_param.enabled)
     resolved = {key: value for key, value, _ in report.resolved}
     assert {k: resolved[f"optimizer.params.{k}"] for k in ("lr", "betas", "eps", "weight_decay")} == {
         "lr": 5e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
@@ -124,13 +126,21 @@ def test_block_must_agree_with_the_code_optimizer_and_scheduler():
     assert Config.load(raw, code_facts()).optimizer.params.lr == 5e-5
 
 
-def test_guide_nvme_example_fails_naming_offload_and_the_misplaced_aio():
+def test_guide_nvme_example_fails_only_on_the_misplaced_aio():
     # The guide nests "aio" in zero_optimization; DeepSpeed's own schema (extra="forbid") rejects it there too.
     with pytest.raises(ConfigError) as info:
         Config.load(DATA / "docs_zero3_nvme.json", code_facts())
     lines = str(info.value).splitlines()[1:]
-    assert lines[0].startswith("  - unknown key 'zero_optimization.aio' (did you mean 'aio'?)")
-    assert lines[1:] == ["  - " + OFFLOAD_ERROR.format(k) for k in ("offload_optimizer", "offload_param")]
+    assert len(lines) == 1 and lines[0].startswith("  - unknown key 'zero_optimization.aio' (did you mean 'aio'?)")
+    raw = {**verbatim("docs_zero3_nvme.json"), **OVERRIDE}
+    raw["aio"] = raw["zero_optimization"].pop("aio")
+    config = Config.load(raw, code_facts(hidden_size=64))
+    zero = config.zero_optimization
+    assert (zero.offload_optimizer.device, zero.offload_optimizer.nvme_path, zero.offload_optimizer.buffer_count) == (
+        "nvme", "/local_nvme", 4)
+    assert (zero.offload_param.device, zero.offload_param.nvme_path, zero.offload_param.buffer_size,
+            zero.offload_param.max_in_cpu) == ("nvme", "/local_nvme", 10**8, 10**9)
+    assert (config.aio.block_size, config.aio.queue_depth, config.aio.thread_count) == (262144, 32, 1)
 
 
 def test_auto_lr_is_the_lr_the_optimizer_was_built_with():

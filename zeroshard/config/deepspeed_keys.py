@@ -8,10 +8,12 @@ https://www.deepspeed.ai/docs/config-json/) has one `Rule` here:
   Listed once at start-up.
 - error: rejected; `why` says what to do instead.
 - not yet: rejected until zeroshard implements it; `why` says what to do now.
+- mapped: another DeepSpeed name for what a schema field holds (`cpu_offload`
+  for offload_optimizer's device); `why` says which. offload_merge.py reads it
+  into that field before the key scan, so the scan never meets it.
 
 An error or not-yet rule may name the values that ask for nothing (`idle`,
-such as an offload block with device "none" or a monitor with enabled
-false): those load as no effect. A dotted key with keys of its own listed
+such as a monitor with enabled false): those load as no effect. A dotted key with keys of its own listed
 below it is a section whose keys are checked one by one; any other key is
 one rule for its whole value. docs/deepspeed-config.md's key table is
 generated from this registry (keys_table.py), and a test keeps it so.
@@ -29,6 +31,7 @@ class Status(enum.Enum):
     NO_EFFECT = "no effect"
     ERROR = "error"
     NOT_YET = "not yet"
+    MAPPED = "mapped"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ def not_yet(why: str, idle: Callable[[Any], bool] | None = None, idle_values: st
     return Rule(Status.NOT_YET, why, idle, idle_values)
 
 
+def mapped(why: str) -> Rule:
+    return Rule(Status.MAPPED, why)
+
+
 def _is(expected: Any) -> Callable[[Any], bool]:
     # `is` for booleans: 0 and false are different JSON values
     if isinstance(expected, bool):
@@ -63,13 +70,7 @@ def _disabled(value: Any) -> bool:
     return isinstance(value, dict) and value.get("enabled", False) is False
 
 
-def _no_offload(value: Any) -> bool:
-    return isinstance(value, dict) and value.get("device", "none") in ("none", None)
-
-
-FALSE, DISABLED, NO_DEVICE = "false", "enabled false", 'device "none" (or no device)'
-_OFFLOAD = ("zeroshard keeps the optimizer state and parameters on the training device; "
-            'remove the block (or set "device": "none")')
+FALSE, DISABLED = "false", "enabled false"
 _MONITOR = ("zeroshard has no built-in monitor: log engine.get_lr(), the loss and engine.get_global_grad_norm() "
             'with your own tool, and remove the section (or set "enabled": false)')
 _ZERO_PP = ("this part of ZeRO++ is not implemented yet (qwZ, hpZ and qgZ are: zero_quantized_weights, "
@@ -121,12 +122,20 @@ RULES: dict[str, Rule] = {
     "zero_optimization.load_from_fp32_weights": no_effect(
         "a checkpoint always restores the fp32 master weights it holds"),
     "zero_optimization.grad_hooks": no_effect("gradients are always reduced from backward hooks"),
-    "zero_optimization.round_robin_gradients": no_effect("it only orders copies for CPU offload, which zeroshard has not"),
-    "zero_optimization.offload_param": not_yet(_OFFLOAD, _no_offload, NO_DEVICE),
-    "zero_optimization.offload_optimizer": not_yet(_OFFLOAD, _no_offload, NO_DEVICE),
-    "zero_optimization.cpu_offload": not_yet(_OFFLOAD, _is(False), FALSE),
-    "zero_optimization.cpu_offload_param": not_yet(_OFFLOAD, _is(False), FALSE),
-    "zero_optimization.cpu_offload_use_pin_memory": no_effect("there is no offload to pin memory for"),
+    "zero_optimization.round_robin_gradients": no_effect(
+        "it spreads DeepSpeed's stage 1-2 gradient copies to host memory over the ranks; the copied values are "
+        "the same, and zeroshard's offload orders its own copies"),
+    "zero_optimization.cpu_offload": mapped(
+        'DeepSpeed\'s legacy switch: true is offload_optimizer.device "cpu", false is "none"'),
+    "zero_optimization.cpu_offload_param": mapped(
+        'DeepSpeed\'s legacy switch: true is offload_param.device "cpu", false is "none"'),
+    "zero_optimization.cpu_offload_use_pin_memory": mapped(
+        "DeepSpeed's legacy switch: pin_memory of each offload block that is enabled (no effect without one)"),
+    "zero_optimization.offload_optimizer.super_offload": not_yet(
+        "SuperOffload (DeepSpeed's offload for CPU-GPU superchips) is not implemented yet: remove the key; "
+        "offload_optimizer offloads as ZeRO-Offload does", _is(False), FALSE),
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": no_effect(
+        "it sets the CPU cores of SuperOffload's CPU Adam, which zeroshard has not"),
     "zero_optimization.stage3_max_reuse_distance": no_effect(
         "units are freed after use and prefetched in order; stage3_max_live_parameters bounds what is gathered"),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": no_effect(
@@ -139,7 +148,6 @@ RULES: dict[str, Rule] = {
         "every parameter under stage3_param_persistence_threshold stays whole, without a total cap"),
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": error(
         "units are gathered with all-gather; remove the key", _is(False), FALSE),
-    "zero_optimization.sub_group_size": no_effect("the optimizer steps each bucket's master shard; no sub-groups"),
     "zero_optimization.elastic_checkpoint": no_effect("checkpoints always reshard to any world size and stage"),
     "zero_optimization.ignore_unused_parameters": no_effect(
         "a parameter that gets no gradient is reduced as zeros at the end of backward"),
@@ -149,7 +157,9 @@ RULES: dict[str, Rule] = {
     "zero_optimization.pipeline_loading_checkpoint": no_effect("there is no pipeline engine"),
     "zero_optimization.use_multi_rank_bucket_allreduce": no_effect("buckets are reduced one collective each"),
     "zero_optimization.log_trace_cache_warnings": no_effect("stage 3 keeps no trace cache"),
-    "zero_optimization.save_muon_momentum_buffer_in_memory": no_effect("there is no Muon optimizer or NVMe offload"),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": no_effect(
+        "it keeps DeepSpeed's Muon momentum off the disk; zeroshard's optimizer blocks have no Muon, and the "
+        "whole state of an optimizer passed in code is placed as offload_optimizer says"),
     "zero_optimization.zero_quantized_nontrainable_weights": not_yet(_ZERO_PP, _is(False), FALSE),
     "zero_optimization.mics_shard_size": not_yet("MiCS is not implemented yet: remove the key", _is(-1), "-1"),
     "zero_optimization.mics_hierarchical_params_gather": not_yet(
@@ -161,8 +171,10 @@ RULES: dict[str, Rule] = {
     "zero_optimization.enable_sanity_checks": no_effect("zeroshard always checks the ranks agree at start-up"),
     "zero_optimization.leaf_module": no_effect("stage 3's units come from stage3_wrap_classes"),
     "zero_allow_untested_optimizer": no_effect("zeroshard tests every optimizer element by element itself"),
-    "zero_force_ds_cpu_optimizer": no_effect("there is no CPU offload and no DeepSpeed CPU optimizer"),
-    "aio": no_effect("it only configures NVMe offload, which zeroshard has not"),
+    "zero_force_ds_cpu_optimizer": no_effect(
+        "with offload, zeroshard steps the optimizer it is given (or the optimizer block builds) on the CPU; "
+        "there is no DeepSpeed CPU optimizer to insist on"),
+    "aio.intra_op_parallelism": mapped("DeepSpeed's newer name for aio.thread_count"),
     # ---- parallelism and engines ----
     "tensor_parallel": not_yet(
         "tensor parallelism is not implemented yet: remove the section (or set autotp_size 1)",

@@ -18,6 +18,8 @@ from zeroshard.config.errors import ConfigError, ConfigWarning
 from zeroshard.config.report import LoadReport
 from zeroshard.config.values import show
 
+NO_EFFECT = "No effect: "  # how the description of a field that changes nothing starts
+
 
 def read_json(path: Path) -> dict[str, Any]:
     """Read a JSON object from `path`, or raise `ConfigError` saying what to fix."""
@@ -103,6 +105,8 @@ def _scan_keys(raw: dict[str, Any], model: type[BaseModel] | None, prefix: str, 
         dotted = f"{prefix}{key}"
         field = model.model_fields.get(key) if model is not None else None
         if field is not None:
+            if (why := no_effect_field(field.description)) is not None:
+                report.no_effect.append((dotted, why))
             nested = field.annotation  # a section such as ZeroConfig, or a plain type
             if isinstance(nested, type) and issubclass(nested, BaseModel) and isinstance(value, dict):
                 _scan_keys(value, nested, f"{dotted}.", unknown, rejected, report, known)
@@ -121,6 +125,16 @@ def _scan_keys(raw: dict[str, Any], model: type[BaseModel] | None, prefix: str, 
                            f"({', '.join(keys_below(dotted + '.'))}); got {show(value)}")
         else:
             unknown.append(_unknown_key_message(str(key), model, prefix, known))
+
+
+def no_effect_field(description: str | None) -> str | None:
+    """Why a schema field changes nothing (its description starts "No effect: "), else None.
+
+    DeepSpeed keys kept as fields for their section's sake (offload.py's fast_init, aio.single_submit).
+    """
+    if not description or not description.startswith(NO_EFFECT):
+        return None
+    return description.removeprefix(NO_EFFECT).partition(" DeepSpeed:")[0].rstrip(".")
 
 
 def _unknown_key_message(key: str, model: type[BaseModel] | None, prefix: str, known: list[str]) -> str:

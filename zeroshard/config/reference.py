@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from zeroshard.config.blocks import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, OptimizerBlock, SchedulerBlock
+from zeroshard.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from zeroshard.config.schema import Bf16Config, CheckpointConfig, Config, Fp16Config, NonFiniteConfig, ZeroConfig
 
 HEADER = """# Configuration reference
@@ -48,6 +49,10 @@ def table(title: str, model: type[BaseModel], prefix: str) -> str:
 def reference() -> str:
     """The whole markdown page."""
     parts = [HEADER, table("Top level", Config, ""), table("zero_optimization", ZeroConfig, "zero_optimization."),
+             table("zero_optimization.offload_optimizer", OffloadOptimizerConfig,
+                   "zero_optimization.offload_optimizer."),
+             table("zero_optimization.offload_param", OffloadParamConfig, "zero_optimization.offload_param."),
+             table("aio", AioConfig, "aio."),
              table("bf16", Bf16Config, "bf16."), table("fp16", Fp16Config, "fp16."),
              table("non_finite", NonFiniteConfig, "non_finite."),
              table("checkpoint", CheckpointConfig, "checkpoint.")]

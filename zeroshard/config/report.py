@@ -3,8 +3,9 @@
 `Config.load_with_report` returns a `LoadReport` with the config;
 `zeroshard.initialize` logs its `block()` once on rank 0, and `zeroshard
 config check` prints it, so a user sees in one place every "auto" resolved
-(key -> value, and from what), every batch key derived, and every DeepSpeed
-key accepted with no effect (and why).
+(key -> value, and from what), every batch key derived, every offload key
+set from DeepSpeed's other names or `initialize(offload=...)`
+(offload_merge.py), and every DeepSpeed key accepted with no effect (and why).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 class LoadReport:
     resolved: list[tuple[str, Any, str]] = field(default_factory=list)  # dotted key, value, from what
     deferred: list[tuple[str, str]] = field(default_factory=list)  # key, what initialize resolves it from
+    mapped: list[tuple[str, Any, str]] = field(default_factory=list)  # dotted key set, value, from what
     no_effect: list[tuple[str, str]] = field(default_factory=list)  # key, why it has none here
     ignored: list[tuple[str, str]] = field(default_factory=list)  # "strict": false: key, why it is rejected
 
@@ -27,6 +29,8 @@ class LoadReport:
             ("resolved (\"auto\" values and derived batch keys)",
              [f"{key} = {_shown(value)}  ({source})" for key, value, source in self.resolved]),
             ("\"auto\" left to zeroshard.initialize", [f"{key}: {source}" for key, source in self.deferred]),
+            ("set from DeepSpeed's other names or initialize(offload=...)",
+             [f"{key} = {_shown(value)}  ({source})" for key, value, source in self.mapped]),
             ("accepted with no effect in zeroshard", [f"{key}: {why}" for key, why in self.no_effect]),
             ("ignored because the config says \"strict\": false",
              [f"{key}: {why}" for key, why in self.ignored]),

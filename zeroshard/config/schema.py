@@ -9,7 +9,9 @@ key. DeepSpeed keys with no effect here are accepted and reported. Under
 `"strict": false` the rejected DeepSpeed keys are ignored instead, each
 reported and warned.
 
-Loading runs in order: key check (keys.py), `"auto"` values and batch sizes
+Loading runs in order: offload keys given elsewhere (DeepSpeed's other
+names, `initialize(offload=...)`: offload_merge.py), key check (keys.py),
+`"auto"` values and batch sizes
 (auto.py, from the `ConfigFacts` that `initialize` passes), the `optimizer`
 and `scheduler` blocks (blocks.py), then the typed fields.
 `load_with_report` also returns what was decided (report.py).
@@ -30,6 +32,9 @@ from zeroshard.config.auto import ConfigFacts, resolve_autos
 from zeroshard.config.blocks import OptimizerBlock, SchedulerBlock, parse_block
 from zeroshard.config.errors import ConfigError, ConfigWarning
 from zeroshard.config.keys import key_problems, read_json
+from zeroshard.config.offload import AioConfig
+from zeroshard.config.offload import section as _section_or_null
+from zeroshard.config.offload_merge import OffloadArg, merge_offload_argument, merge_other_names
 from zeroshard.config.report import LoadReport
 from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
 from zeroshard.config.values import NonNegativeInt, PositiveInt, StrictBool, any_case_choice, finite_number
@@ -40,8 +45,8 @@ from zeroshard.config.values import positive_int as _positive_int
 from zeroshard.config.zero import ZeroConfig
 from zeroshard.dtypes import TRAINING_DTYPES, TrainingDtype
 
-__all__ = ["Bf16Config", "CheckpointConfig", "Config", "ConfigError", "ConfigFacts", "ConfigWarning", "Fp16Config", "NonFiniteConfig",
-           "ZeroConfig"]
+__all__ = ["AioConfig", "Bf16Config", "CheckpointConfig", "Config", "ConfigError", "ConfigFacts", "ConfigWarning",
+           "Fp16Config", "NonFiniteConfig", "ZeroConfig"]
 
 # ---- value checks: each raises "<requirement>; got <value as JSON>[ <note>]" ----
 
@@ -241,6 +246,10 @@ class Config(BaseModel):
         default_factory=NonFiniteConfig,
         description="What a step whose gradients hold inf or nan does, in fp32 and bf16 (see "
                     "NonFiniteConfig). DeepSpeed: none.")
+    aio: Annotated[AioConfig, BeforeValidator(_section_or_null(AioConfig, '{"block_size": 1048576}'))] = Field(
+        default_factory=AioConfig,
+        description="Disk reads and writes of offload to \"nvme\" (see AioConfig); read only then. null = the "
+                    "defaults. DeepSpeed: aio.")
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:
@@ -271,27 +280,30 @@ class Config(BaseModel):
         return self.zero_optimization.stage
 
     @classmethod
-    def load(cls, source: dict[str, Any] | str | Path | Config, facts: ConfigFacts | None = None) -> Config:
+    def load(cls, source: dict[str, Any] | str | Path | Config, facts: ConfigFacts | None = None,
+             offload: OffloadArg = None) -> Config:
         """Build a config from a dict, a path to a JSON file, or a `Config`.
 
         `facts` (world size, the model's dtype, the optimizer passed in code,
         ...) resolve `"auto"` values and the batch sizes; `zeroshard.initialize`
-        passes them. A `Config` without facts is returned as is; with facts it
-        is checked against them. Raises `ConfigError` for an unreadable file,
-        invalid JSON, unknown or rejected keys, an "auto" nothing resolves, or
-        bad values; the message lists every problem.
+        passes them. `offload`: initialize's argument, written into the
+        offload blocks (offload_merge.py). A `Config` without facts or offload
+        is returned as is; with them it is checked again. Raises `ConfigError`
+        for an unreadable file, invalid JSON, unknown or rejected keys, an
+        "auto" nothing resolves, or bad values; the message lists every problem.
         """
-        return cls.load_with_report(source, facts)[0]
+        return cls.load_with_report(source, facts, offload)[0]
 
     @classmethod
-    def load_with_report(cls, source: dict[str, Any] | str | Path | Config,
-                         facts: ConfigFacts | None = None) -> tuple[Config, LoadReport]:
+    def load_with_report(cls, source: dict[str, Any] | str | Path | Config, facts: ConfigFacts | None = None,
+                         offload: OffloadArg = None) -> tuple[Config, LoadReport]:
         """`load`, and what it decided: "auto" resolutions, derived batch keys, keys with no effect."""
-        report = LoadReport()
+        report, given = LoadReport(), None
         if isinstance(source, Config):
-            if facts is None:
+            if facts is None and offload is None:
                 return source, report
-            raw, origin = source.to_dict(), "Config"
+            # every key is in to_dict(); the keys set explicitly decide what offload= may fill in
+            raw, origin, given = source.to_dict(), "Config", source.model_dump(mode="json", exclude_unset=True)
         elif isinstance(source, (str, Path)):
             raw, origin = read_json(Path(source)), f"file '{source}'"
         elif isinstance(source, dict):
@@ -300,7 +312,9 @@ class Config(BaseModel):
             raise ConfigError("Config.load expects a dict, a path to a JSON file or a Config; "
                               f"got {type(source).__name__}")
         raw = copy.deepcopy(raw)  # strict=false and "auto" change it; the caller's dict stays as it was
-        problems = key_problems(raw, cls, report)
+        problems = merge_other_names(raw, report)
+        problems += merge_offload_argument(raw, offload, report, given)
+        problems += key_problems(raw, cls, report)
         if not problems:
             raw, problems = resolve_autos(raw, facts or ConfigFacts(), report)
             raw, block_problems = _parse_blocks(raw)

@@ -1,11 +1,12 @@
-"""The `zero_optimization` section: the ZeRO stage, its buckets and units, and ZeRO++.
+"""The `zero_optimization` section: the ZeRO stage, its buckets and units, offload, and ZeRO++.
 
 ZeRO++ (stage 3) is three switches with DeepSpeed's names,
 `zero_quantized_weights` (qwZ), `zero_hpz_partition_size` (hpZ) and
 `zero_quantized_gradients` (qgZ), and zeroshard keys for what DeepSpeed
 leaves implicit: the quantization block, the gradient bits, the Hadamard
 rotation and the ranks per node. Their defaults come from
-benchmarks/quantize_error.py (docs/zeropp.md has the figures).
+benchmarks/quantize_error.py (docs/zeropp.md has the figures). The offload
+blocks and their checks are in offload.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from zeroshard.config.offload import OffloadOptimizerConfig, OffloadParamConfig, offload_problems, raise_problems
+from zeroshard.config.offload import section as _section
 from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
 from zeroshard.config.values import NonNegativeInt, PositiveInt, StrictBool
 from zeroshard.config.values import invalid as _invalid
@@ -93,6 +96,23 @@ class ZeroConfig(BaseModel):
     stage3_prefetch_bucket_size: PositiveInt = Field(50_000_000, description=(
         "Stage 3: the largest unit (elements) that is gathered ahead of its use. "
         "DeepSpeed: zero_optimization.stage3_prefetch_bucket_size (default 5e7)."))
+
+    # ---- offload (offload.py) ----
+    offload_optimizer: Annotated[OffloadOptimizerConfig, BeforeValidator(
+        _section(OffloadOptimizerConfig, '{"device": "cpu"}'))] = Field(
+        default_factory=OffloadOptimizerConfig, description=(
+            "The fp32 master shard and optimizer state in host memory or on disk, stepped on the CPU (see "
+            "OffloadOptimizerConfig); stages 1-3. null = disabled. DeepSpeed: zero_optimization.offload_optimizer "
+            "(default disabled)."))
+    offload_param: Annotated[OffloadParamConfig, BeforeValidator(
+        _section(OffloadParamConfig, '{"device": "cpu"}'))] = Field(
+        default_factory=OffloadParamConfig, description=(
+            "Stage 3's parameter shards in host memory or on disk until their gather (see OffloadParamConfig). "
+            "null = disabled. DeepSpeed: zero_optimization.offload_param (default disabled)."))
+    sub_group_size: PositiveInt = Field(1_000_000_000, description=(
+        "Elements of the optimizer stepped together when the optimizer state is on disk (offload_optimizer."
+        "device \"nvme\"): each sub-group is read, stepped and written back in turn; read only then. "
+        "DeepSpeed: zero_optimization.sub_group_size (default 1e9)."))
 
     # ---- ZeRO++ (stage 3) ----
     zero_quantized_weights: StrictBool = Field(False, description=(
@@ -193,4 +213,13 @@ class ZeroConfig(BaseModel):
             raise PydanticCustomError("zeroshard", "zero_hpz_partition_size {hpz} differs from zeropp_ranks_per_node "
                                       "{rpn}: hpZ's secondary shards span one node; set both to the ranks per node",
                                       {"hpz": hpz, "rpn": rpn})
+        return self
+
+    @model_validator(mode="after")
+    def _offload_combinations(self) -> "ZeroConfig":
+        zeropp_weights = {key: value for key, value in (("zero_quantized_weights", self.zero_quantized_weights),
+                                                        ("zero_hpz_partition_size", self.zero_hpz_partition_size))
+                          if value is True or (value is not False and value > 1)}
+        raise_problems("ZeroConfig", offload_problems(self.stage, self.offload_optimizer, self.offload_param,
+                                                      zeropp_weights))
         return self

@@ -12,6 +12,7 @@ from contextlib import nullcontext
 
 import torch
 
+from zeroshard.config.offload_merge import declared_param_device
 from zeroshard.deepspeed.unsupported import ZERO_NOT_PROVIDED, UnsupportedError, missing
 from zeroshard.stage3.gathered import gathered_parameters
 from zeroshard.stage3.meta import meta_init
@@ -22,20 +23,22 @@ class Init:
 
     DeepSpeed's keyword arguments are accepted. `enabled=False` does nothing;
     `mem_efficient_linear`, `pin_memory`, `config_dict_or_path` and `config` have
-    no effect (the config is the one `initialize` reads); the others that ask
-    for something zeroshard lacks or takes from the config (offload, other
-    groups, ZeRO++'s switches, a dtype other than fp32, an already built
-    module) raise `UnsupportedError` naming what to do.
+    no effect (the config is the one `initialize` reads). `remote_device`
+    ("cpu", "nvme") must agree with the config passed here, whose
+    `zero_optimization.offload_param.device` decides where stage 3's
+    parameters live (DeepSpeed, too, takes the config's over the argument).
+    The others that ask for something zeroshard lacks or takes from the config
+    (other groups, ZeRO++'s switches, a dtype other than fp32, an already
+    built module, a parameter swapper) raise `UnsupportedError` naming what to do.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
                  pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
                  zero_param_parallel_group=None, zero_quantized_weights=False,
                  zero_quantized_nontrainable_weights=False, sequence_data_parallel_group=None, param_swapper=None):
+        _check_remote_device(remote_device, config_dict_or_path if config_dict_or_path is not None else config)
         refused = {
             "module": (module is not None, "build the model inside the block instead of passing it"),
-            "remote_device": (remote_device not in (None, "none"),
-                              "offload is not supported yet; leave remote_device out"),
             "dtype": (dtype not in (None, torch.float32),
                       "build in fp32; the config's bf16 or fp16 section casts the parameters"),
             "data_parallel_group": (data_parallel_group is not None, "zeroshard.deepspeed uses the default group"),
@@ -49,7 +52,9 @@ class Init:
                                        "set zero_optimization.zero_quantized_weights (ZeRO++ qwZ) in the config"),
             "zero_quantized_nontrainable_weights": (bool(zero_quantized_nontrainable_weights),
                                                     "quantized frozen weights are not supported yet"),
-            "param_swapper": (param_swapper is not None, "NVMe offload is not supported yet"),
+            "param_swapper": (param_swapper is not None,
+                              "zeroshard's disk offload reads and writes the parameters itself: set "
+                              'zero_optimization.offload_param.device "nvme" and its nvme_path in the config'),
         }
         for name, (bad, fix) in refused.items():
             if bad:
@@ -62,6 +67,28 @@ class Init:
 
     def __exit__(self, *exc) -> None:
         self._block.__exit__(*exc)
+
+
+def _check_remote_device(remote_device, config) -> None:
+    """`remote_device` asks for what the config's offload_param.device says, or raises `UnsupportedError`."""
+    wanted = getattr(remote_device, "value", remote_device)  # DeepSpeed's OffloadDeviceEnum, or its string
+    if wanted is None or (wanted == "none" and config is None):
+        return
+    if wanted not in ("none", "cpu", "nvme"):
+        raise UnsupportedError(f'zero.Init(remote_device={wanted!r}) is not supported: DeepSpeed\'s values are '
+                               '"none", "cpu" and "nvme"')
+    key = "zero_optimization.offload_param.device"
+    if config is None:
+        raise UnsupportedError(
+            f"zero.Init(remote_device={wanted!r}) needs the config beside it: zeroshard reads where stage 3's "
+            f'parameters live (offload) from the config key {key}; set it to "{wanted}" there and pass the '
+            "config as config_dict_or_path, or leave remote_device out")
+    declared = declared_param_device(config)
+    if declared != wanted:
+        raise UnsupportedError(
+            f'zero.Init(remote_device={wanted!r}) disagrees with the config\'s {key} "{declared}": zeroshard '
+            f'reads where stage 3\'s parameters live (offload) from the config; set {key} to "{wanted}" there, '
+            "or leave remote_device out")
 
 
 def GatheredParameters(params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):

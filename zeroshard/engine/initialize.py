@@ -20,6 +20,7 @@ from zeroshard.config.build import (
     schedule_for,
 )
 from zeroshard.config.logs import show_info
+from zeroshard.config.offload_merge import OffloadArg
 from zeroshard.engine.agreement import config_error_everywhere
 from zeroshard.engine.engine import Engine
 from zeroshard.engine.validate import check_arguments, check_mesh_arguments
@@ -39,35 +40,34 @@ def initialize(
     model_parameters: Iterable[Any] | None = None,
     lr_scheduler: SchedulerArg = None,
     mesh: Mesh | None = None, tied: dict[str, str] | None = None,
+    offload: OffloadArg = None,
 ) -> Engine:
     """Wrap `model` and `optimizer` for ZeRO training on `group` (default: the world).
 
-    The default process group is initialized from torchrun's environment if
-    it is not yet. Rank 0's parameter values are broadcast to every rank.
-    `wrap` (stage 3): module classes whose instances each form a unit, as
+    The default process group is initialized from torchrun's environment if it is not yet. Rank 0's parameter
+    values are broadcast to every rank. `wrap` (stage 3): module classes whose instances each form a unit, as
     the config key `zero_optimization.stage3_wrap_classes`.
-    `init` (stage 3, a model built under `torch.device("meta")`): `init(module)`
-    initialises the parameters a module holds directly; the model is
-    materialised unit by unit on this rank's device, keeping only shards.
-    Without `optimizer`, the config's "optimizer" block builds one, over
-    `model_parameters` when given (parameters or param-group dicts, as
-    DeepSpeed's; a trainable parameter left out of them is an error naming
-    it: freeze it with requires_grad_(False) or list it). With `optimizer`,
-    an "optimizer" block must agree with it ("auto" takes its values), and
-    `model_parameters`, if given, must hold the same trainable parameters.
-    `mesh`, `tied`: ZeRO over the mesh's `dp`, the model being this rank's
-    part (its pipeline stage, over `tp`); tie name -> this stage's copy (docs/parallel.md).
-    `lr_scheduler`: a torch LR scheduler built on `optimizer`, or a function
-    optimizer -> scheduler (called on `engine.optimizer`; needed when the
-    block builds the optimizer); else the config's "scheduler" block. Either
-    becomes `engine.lr_scheduler`, stepped by `engine.step()` after each
-    applied optimizer step, as DeepSpeed does.
+    `init` (stage 3, a model built under `torch.device("meta")`): `init(module)` initialises the parameters a
+    module holds directly; the model is materialised unit by unit on this rank's device, keeping only shards.
+    Without `optimizer`, the config's "optimizer" block builds one, over `model_parameters` when given
+    (parameters or param-group dicts, as DeepSpeed's; a trainable parameter left out of them is an error naming
+    it: freeze it with requires_grad_(False) or list it). With `optimizer`, an "optimizer" block must agree with
+    it ("auto" takes its values), and `model_parameters`, if given, must hold the same trainable parameters.
+    `mesh`, `tied`: ZeRO over the mesh's `dp`, the model being this rank's part (its pipeline stage, over
+    `tp`); tie name -> this stage's copy (docs/parallel.md).
+    `lr_scheduler`: a torch LR scheduler built on `optimizer`, or a function optimizer -> scheduler (called on
+    `engine.optimizer`; needed when the block builds the optimizer); else the config's "scheduler" block.
+    Either becomes `engine.lr_scheduler`, stepped by `engine.step()` after each applied optimizer step, as
+    DeepSpeed does.
+    `offload`: the config's offload blocks from code: "cpu" or "nvme" (the optimizer state's device,
+    `zero_optimization.offload_optimizer.device`), or a dict with any of "optimizer" and "param" (devices
+    "none", "cpu", "nvme"), "nvme_path" (for each block on "nvme") and "ratio" (of the optimizer state), such
+    as {"optimizer": "nvme", "param": "cpu", "nvme_path": "/local_nvme"}. It fills the keys the config leaves
+    out; a key the config sets to another value is a `ConfigError` (docs/deepspeed-config.md).
 
-    Rank 0 logs one block: every "auto" resolved, every batch key derived,
-    every DeepSpeed key with no effect (zeroshard.config.logs makes it visible).
-    A config that fails on one rank only (a typo in that rank's file) raises
-    `ConfigError` on every rank, naming the rank, instead of leaving the
-    others waiting for it.
+    Rank 0 logs one block: every "auto" resolved, every batch key derived, every DeepSpeed key with no effect
+    (zeroshard.config.logs makes it visible). A config that fails on one rank only (a typo in that rank's
+    file) raises `ConfigError` on every rank, naming the rank, instead of leaving the others waiting for it.
     """
     check_arguments(model, optimizer, group, wrap, init)
     check_mesh_arguments(mesh, group, tied)
@@ -77,7 +77,7 @@ def initialize(
         model_parameters = parameter_list(model_parameters)
         check_lr_scheduler(lr_scheduler, optimizer)
         facts = config_facts(model, group, optimizer, lr_scheduler)
-        config, report = Config.load_with_report(config if config is not None else {}, facts)
+        config, report = Config.load_with_report(config if config is not None else {}, facts, offload)
         if wrap:
             config = _with_wrap_classes(config, wrap)
         optimizer = choose_optimizer(model, optimizer, config, model_parameters)
