@@ -2,12 +2,13 @@
 
 Bottom to top: the leaf modules `zeroshard.errors`, `zeroshard.version` and
 `zeroshard.dtypes`, which import nothing of zeroshard (not even each other);
-`config`, `estimate`, `comm`, `core`, `stage3`, `parallel`, `checkpoint`,
-`engine`; the public facade (`zeroshard/__init__.py`, `zeroshard/consolidate.py`);
-`app`. A module may import its own layer (any order within a subpackage) or
-any layer below it. Every import statement counts, wherever it is: at module
-level, inside a function, under `if TYPE_CHECKING:`. The module graph has no
-cycle at all, inside a subpackage either.
+`config`, `estimate`, `comm`, `offload`, `core`, `stage3`, `parallel`,
+`checkpoint`, `engine`; the public facade (`zeroshard/__init__.py`,
+`zeroshard/consolidate.py`); `app`. A module may import its own layer (any
+order within a subpackage) or any layer below it. Every import statement
+counts, wherever it is: at module level, inside a function, under `if
+TYPE_CHECKING:`. The module graph has no cycle at all, inside a subpackage
+either.
 
 Edges follow the import statement, as import-linter does: `import a.b` and
 `from a.b import name` point at `a.b`; `from a import b` points at `a.b`
@@ -29,7 +30,7 @@ MAX_FUNCTION_LINES = 60
 # Bottom to top. Leaves import nothing of zeroshard (zeroshard.dtypes: "a leaf: it imports torch only").
 # The facade holds the two public modules of the package root.
 LEAVES = ("zeroshard.errors", "zeroshard.version", "zeroshard.dtypes")
-SUBPACKAGES = ("config", "estimate", "comm", "core", "stage3", "parallel", "checkpoint", "engine")
+SUBPACKAGES = ("config", "estimate", "comm", "offload", "core", "stage3", "parallel", "checkpoint", "engine")
 FACADE = ("zeroshard", "zeroshard.consolidate",
           # `import zeroshard.deepspeed as deepspeed`: DeepSpeed's names over the engine, beside the facade
           "zeroshard.deepspeed", "zeroshard.deepspeed.initialize", "zeroshard.deepspeed.launch",

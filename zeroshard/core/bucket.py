@@ -96,6 +96,9 @@ class Bucket:
         # 16-bit gradients are summed in fp32 across micro-steps, and an fp32 reduction needs an fp32 buffer.
         fp32_sum = precision.mixed and (accumulation > 1 or precision.reduce_dtype == precision.master_dtype)
         self.host_grad: torch.Tensor | None = None  # stage 1 with offload: the shard's fp32 gradient on the host
+        # Offload keeps the shard in fp32 on the host; a window of one micro-step is still rounded as on the
+        # device (scaled in the reduce dtype, then widened), so offloading changes no bit.
+        self._scale_in_reduce_dtype = offload and not fp32_sum
         if switches.shard_grads:
             dtype = precision.master_dtype if fp32_sum or offload else precision.reduce_dtype
             self.grad_shard = torch.zeros(flat.shard_numel, dtype=dtype, device=self.master.device)
@@ -231,9 +234,14 @@ class Bucket:
         else:
             pending = all_reduce(comm, staging, what=self.name).then(lambda: out.copy_(self.flat.shard(staging)))
 
+        first = not self._accumulated
+
         def accumulate():
             if direct:
                 out.mul_(after)
+            elif first and self._scale_in_reduce_dtype:
+                self.grad_shard.copy_(out.mul_(after))
+                pool.release(out)
             else:  # in grad_shard's dtype (fp32 when 16-bit gradients accumulate) and place (the host: offload)
                 self.grad_shard.add_(out.to(self.grad_shard.device), alpha=after)
                 pool.release(out)

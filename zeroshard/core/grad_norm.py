@@ -59,7 +59,8 @@ def check_step(grads: list[torch.Tensor], comm: Comm, global_steps: int, micro_s
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)
     if grads:
-        squares = torch.stack(torch._foreach_norm(grads)).double().square().sum()
+        # Offloaded buckets' gradients live on the host, the others on the device: norms meet on `device`.
+        squares = torch.stack([n.to(device) for n in torch._foreach_norm(grads)]).double().square().sum()
     counters = torch.tensor([global_steps, micro_steps], dtype=torch.float64, device=device)
     mine = torch.cat([squares.reshape(1), torch.isfinite(squares).logical_not().double().reshape(1), counters])
     rows = step_check(comm, mine).cpu().tolist()

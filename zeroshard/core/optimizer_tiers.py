@@ -65,25 +65,29 @@ class OptimizerTiers:
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], tiers: list[Tier],
                  swap: SwapDir | None = None, pool: BufferPool | None = None, sub_group_numel: int = 0,
-                 buffer_count: int = 4):
+                 buffer_count: int = 4, masters: dict[int, Swapped] | None = None):
+        """`masters`: disk buckets' masters already sent to their swap files (by bucket index), as
+        construction moves them out unit by unit; the others' files are made here."""
         self.optimizer, self.buckets, self.tiers = optimizer, buckets, tiers
         self.pool = pool
         self.ahead = max(1, buffer_count - 2)  # sub-groups read ahead; one steps, one writes behind
         self.swaps: dict[int, dict[str, Swapped]] = {}  # bucket index -> "master" and each state key
         on_disk = [i for i, t in enumerate(tiers) if t is Tier.DISK]
         for i in on_disk:
-            self.swaps[i] = self._create_swaps(i, swap)
+            self.swaps[i] = self._create_swaps(i, swap, (masters or {}).get(i))
         self.sub_groups = _sub_groups(on_disk, [b.flat.shard_numel for b in buckets], sub_group_numel)
         self._holding = False  # inside `all_resident`: nothing is sent out before it ends
         self.adopt()
 
-    def _create_swaps(self, i: int, swap: SwapDir) -> dict[str, Swapped]:
+    def _create_swaps(self, i: int, swap: SwapDir, master: Swapped | None) -> dict[str, Swapped]:
         bucket = self.buckets[i]
-        master = bucket.master
+        if master is None:
+            master = Swapped(swap, f"bucket{i}.master", bucket.master.numel(), bucket.master.dtype, self.pool,
+                             bucket.master)
         keys = swapped_state_keys(self.optimizer, self.optimizer.param_groups[bucket.param_group])
-        swaps = {"master": Swapped(swap, f"bucket{i}.master", master.numel(), master.dtype, self.pool, master)}
-        for key in keys:
-            swaps[key] = Swapped(swap, f"bucket{i}.{key}", master.numel(), master.dtype, self.pool)
+        swaps = {"master": master}
+        for key in keys:  # the master's size: a master already out is an empty tensor in memory
+            swaps[key] = Swapped(swap, f"bucket{i}.{key}", master.numel, master.dtype, self.pool)
         return swaps
 
     def tier_of(self, index: int) -> Tier:

@@ -28,7 +28,7 @@ from zeroshard.core.precision import Precision
 from zeroshard.core.reducer import GradReducer
 from zeroshard.core.staging import StagingPool
 from zeroshard.engine.agreement import check_ranks_agree
-from zeroshard.engine.offload import Offload, build_offload, offload_choice
+from zeroshard.engine.offload import Offload, OffloadBuild, offload_choice
 from zeroshard.engine.validate import check_device_matches_group, check_model, device_of, mark_wrapped, trainable_groups
 from zeroshard.offload import OffloadError
 from zeroshard.stage3.gathered import Placement, place
@@ -79,6 +79,8 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     switches = StageSwitches.for_stage(config.stage)
     groups = trainable_groups(model, optimizer)  # before any change: a failure leaves all as it was
     check_ranks_agree(comm, model, optimizer, config.to_dict())
+    # Opened before the units: each unit's shards go to the host or disk as soon as it is built.
+    stream = _agreed(comm, lambda: OffloadBuild(config, comm, optimizer))
     # Before mark_wrapped: its checks (zeroshard.pretrained's keys and shapes) fail with the model still free
     # for the retry their message suggests.
     materialize = Materializer.for_model(model, init, device) if on_meta(model) else None
@@ -88,7 +90,8 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     choose = offload_choice(config, sum(local(p).numel() for g in groups for p in g))
     if switches.shard_params:
         gathers, qgz = zeropp(comm, config)
-        units, schedule = _build_units(model, groups, config, gathers, qgz, precision, materialize, choose)
+        built = (lambda unit: _agreed(comm, lambda: stream.unit_built(unit))) if stream.streams else None
+        units, schedule = _build_units(model, groups, config, gathers, qgz, precision, materialize, choose, built)
         buckets = [b for unit in units for b in unit.buckets]
     else:
         buckets = _build_buckets(model, groups, config, comm, precision, switches, choose)
@@ -100,7 +103,7 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     pool = StagingPool(block_numel=0 if schedule else max((b.flat.padded_numel for b in buckets), default=0))
     shard_optimizer(optimizer, [[b for b in buckets if b.param_group == i] for i in range(len(groups))],
                     fuse=device.type in _FUSED_DEVICES)
-    offload = _agreed(comm, lambda: build_offload(config, comm, optimizer, buckets, units))
+    offload = _agreed(comm, lambda: stream.finish(optimizer, buckets, units))
     reducer = _build_reducer(buckets, units, schedule, comm, pool, config.zero_optimization.overlap_comm, names)
     for t, target in enumerate(reducer.targets):
         for i, p in enumerate(target.params):
@@ -158,13 +161,14 @@ def zeropp(comm: Comm, config: Config) -> tuple[Gathers, Qgz | None]:
 
 def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, gathers: Gathers,
                  qgz: Qgz | None, precision: Precision, materialize: Materializer | None,
-                 offload: Callable[[int], bool]) -> tuple[list[Unit], GatherSchedule]:
-    """Stage 3: plan the units, then flatten, broadcast and shard them one by one."""
+                 offload: Callable[[int], bool], built: Callable[[Unit], None] | None = None,
+                 ) -> tuple[list[Unit], GatherSchedule]:
+    """Stage 3: plan the units, then flatten, broadcast and shard them one by one (`built(unit)` after each)."""
     zero, comm = config.zero_optimization, gathers.comm
     plans = plan_units(model, unit_modules(model, zero.stage3_wrap_classes, zero.stage3_auto_wrap_min_params))
     units = build_units(plans, groups, comm, zero.stage3_param_persistence_threshold, materialize, precision,
                         config.gradient_accumulation_steps, zero.reduce_scatter, qgz, offload,
-                        own_master=zero.offload_param.device != "none")
+                        own_master=zero.offload_param.device != "none", built=built)
     if materialize:  # modules that hold buffers but no parameters
         materialize([m for m in model.modules() if any(b.is_meta for b in m.buffers(recurse=False))], [])
     # The units' flat buffers were broadcast before sharding, one by one.

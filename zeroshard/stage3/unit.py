@@ -151,7 +151,7 @@ def build_units(
     plans: list[UnitPlan], groups: list[list[nn.Parameter]], comm: Comm, persistence_threshold: int,
     materialize: Materializer | None = None, precision: Precision = FP32, accumulation: int = 1,
     use_reduce_scatter: bool = True, qgz: Qgz | None = None, offload: Callable[[int], bool] = lambda numel: False,
-    own_master: bool = False,
+    own_master: bool = False, built: Callable[[Unit], None] | None = None,
 ) -> list[Unit]:
     """Flatten each planned unit's parameters, start them from rank 0's values, and shard them.
 
@@ -161,7 +161,8 @@ def build_units(
     ever holds more than one unit of the full model. `qgz`: ZeRO++'s gradient
     reduction for the sharded buckets (persistent ones reduce plainly). `offload(numel)`: whether a
     bucket's master and optimizer state go to the host (`Bucket`'s `offload`); `own_master`: the
-    parameter shards are offloaded, so no master may share their storage.
+    parameter shards are offloaded, so no master may share their storage. `built(unit)` runs after each
+    unit is made, before the next (offload moves its shards out of memory there).
     """
     group_of = {id(p): g for g, params in enumerate(groups) for p in params}
     device = materialize.device if materialize else None
@@ -173,6 +174,8 @@ def build_units(
             materialize(plan.owners, plan.params)
         units.append(_shard_parts(plan.name, plan.module, parts, comm, precision, accumulation, use_reduce_scatter,
                                   qgz, offload, own_master))
+        if built is not None:
+            built(units[-1])
     return units
 
 
