@@ -13,7 +13,7 @@ from zeroshard.core.precision import LossScaleError
 from zeroshard.core.reducer import GradientError
 from zeroshard.engine import Engine, EngineStateError, initialize
 from zeroshard.engine.agreement import RankMismatchError
-from zeroshard.errors import ModelError, ZeroshardError
+from zeroshard.errors import ModelError, OutOfMemoryError, ZeroshardError
 from zeroshard.stage3.gathered import gathered_parameters
 from zeroshard.stage3.generation import GenerationError
 from zeroshard.stage3.meta import meta_init
@@ -22,6 +22,6 @@ from zeroshard.version import __version__
 __all__ = [
     "CheckpointError", "CollectiveError", "Config", "ConfigError", "Engine", "EngineStateError", "GenerationError",
     "GradientError",
-    "LaunchError", "LossScaleError", "ModelError", "NonFiniteError", "OptimizerError", "RankMismatchError",
+    "LaunchError", "LossScaleError", "ModelError", "NonFiniteError", "OptimizerError", "OutOfMemoryError", "RankMismatchError",
     "TopologyError", "ZeroshardError", "__version__", "consolidate", "gathered_parameters", "initialize", "meta_init", "pretrained",
 ]

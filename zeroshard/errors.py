@@ -10,3 +10,7 @@ class ZeroshardError(Exception):
 
 class ModelError(ZeroshardError, ValueError):
     """A model that zeroshard cannot train as given (devices, dtypes, shared storage, meta device, units)."""
+
+
+class OutOfMemoryError(ZeroshardError, MemoryError):
+    """The model states cannot fit in the memory a node's ranks have (checked before any is made)."""

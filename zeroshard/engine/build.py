@@ -28,6 +28,7 @@ from zeroshard.core.precision import Precision
 from zeroshard.core.reducer import GradReducer
 from zeroshard.core.staging import StagingPool
 from zeroshard.engine.agreement import check_ranks_agree
+from zeroshard.engine.memory_fit import check_states_fit
 from zeroshard.engine.offload import Offload, OffloadBuild, offload_choice
 from zeroshard.engine.validate import check_device_matches_group, check_model, device_of, mark_wrapped, trainable_groups
 from zeroshard.offload import OffloadError
@@ -79,6 +80,7 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     switches = StageSwitches.for_stage(config.stage)
     groups = trainable_groups(model, optimizer)  # before any change: a failure leaves all as it was
     check_ranks_agree(comm, model, optimizer, config.to_dict())
+    check_states_fit(comm, config, optimizer, device, [local(p) for g in groups for p in g])
     # Opened before the units: each unit's shards go to the host or disk as soon as it is built.
     stream = _agreed(comm, lambda: OffloadBuild(config, comm, optimizer))
     # Before mark_wrapped: its checks (zeroshard.pretrained's keys and shapes) fail with the model still free

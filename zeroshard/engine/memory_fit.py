@@ -1,0 +1,104 @@
+"""Before any model state is made: do the model states of a node's ranks fit in the memory they have?
+
+Without this check a model too large for its node is found out by the
+kernel: its OOM killer ends one rank part-way through construction or the
+first step, with no message, and the other ranks wait in a collective. So
+construction first counts, per rank, the model states it is about to hold
+in memory by pool (`estimate.offload.offload_pool_bytes` over its trained
+elements, with its offload settings; on a CPU device the device pool is host
+memory too), less the trained parameters it holds already, and compares
+each limit's sum over the ranks under it (a memory cgroup, the host's
+available memory: `offload.headroom`; a GPU's free memory) with that limit's
+headroom. Every rank gathers every rank's figures, so every rank raises the
+same `OutOfMemoryError`, naming the limit and the fixes.
+
+Only a certain failure raises: the count leaves out what is not certain
+(activations, staging buffers, a gathered unit, fragmentation), so a run that
+passes can still run out, and `zeroshard estimate` remains the planning tool.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import torch
+
+from zeroshard.comm import Comm, all_gather_object
+from zeroshard.config import Config
+from zeroshard.core.optimizer_tiers import swapped_state_keys
+from zeroshard.errors import OutOfMemoryError
+from zeroshard.estimate.formulas import state_bytes_per_element
+from zeroshard.estimate.offload import offload_pool_bytes, ratio_numel
+from zeroshard.offload.headroom import Headroom, host_limits
+
+_CERTAIN = ("params", "grads", "master", "optimizer")  # the kinds that exist once construction ends
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One rank's need against one limit it lives under."""
+
+    key: tuple[str, str]  # (host name, the limit): ranks with the same key share the limit
+    rank: int
+    need: int  # bytes this rank will add under the limit
+    limit: Headroom
+
+
+def check_states_fit(comm: Comm, config: Config, optimizer: torch.optim.Optimizer, device: torch.device,
+                     params: list[torch.nn.Parameter]) -> None:
+    """Raise `OutOfMemoryError` on every rank if some limit cannot hold its ranks' model states."""
+    pools = _state_bytes(config, optimizer, sum(p.numel() for p in params), comm.world_size)
+    held = sum(p.numel() * p.element_size() for p in params if p.device.type == device.type and not p.is_meta)
+    host = socket.gethostname()
+    on_host = pools["host"] + (pools["device"] if device.type == "cpu" else 0)
+    host_need = max(0, on_host - (held if device.type == "cpu" else 0))
+    rows = [_Row((host, limit.where), comm.rank, host_need, limit) for limit in host_limits()]
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        gpu = Headroom(free, f"the free memory of GPU {device.index}", total)
+        rows.append(_Row((host, gpu.where), comm.rank, max(0, pools["device"] - held), gpu))
+    everyone = [row for rank_rows in all_gather_object(comm, rows) for row in rank_rows]
+    over = _over_limits(everyone)
+    if over:
+        raise OutOfMemoryError(
+            f"the model states do not fit: {'; '.join(over)}. Started anyway, the kernel would end a rank "
+            "part-way with no message. Offload the optimizer state (zero_optimization.offload_optimizer "
+            '{"device": "cpu"} or {"device": "nvme", "nvme_path": ...}) and at stage 3 the parameters '
+            "(offload_param), train on more ranks or nodes, or a smaller model; `zeroshard estimate` "
+            "(--host-mem, --disk-mem) gives the largest model that fits")
+
+
+def _state_bytes(config: Config, optimizer: torch.optim.Optimizer, numel: int, world: int) -> dict[str, int]:
+    """This rank's model states per pool, bytes: the kinds construction makes, staging left out."""
+    zero = config.zero_optimization
+    opt, param = zero.offload_optimizer, zero.offload_param
+    per_element = state_bytes_per_element(config.training_dtype, config.communication_data_type,
+                                          config.gradient_accumulation_steps, config.stage)
+    keys = min(len(swapped_state_keys(optimizer, group)) for group in optimizer.param_groups)
+    per_element["optimizer_bytes"] = 4 * keys  # fp32 state of the master's size (Adam: exp_avg, exp_avg_sq)
+    offloaded = ratio_numel(numel, world, opt.ratio) if opt.device != "none" else None
+    pools = offload_pool_bytes(numel, world, config.stage, **per_element, offload_optimizer=opt.device,
+                               offload_param=param.device, offloaded_numel=offloaded,
+                               max_in_cpu=param.max_in_cpu)
+    return {pool: sum(pools[pool][kind] for kind in _CERTAIN) for pool in ("device", "host")}
+
+
+def _over_limits(rows: list[_Row]) -> list[str]:
+    """A sentence for each limit whose ranks together need more than its headroom."""
+    by_key: dict[tuple[str, str], list[_Row]] = {}
+    for row in rows:
+        by_key.setdefault(row.key, []).append(row)
+    out = []
+    for (host, where), under in by_key.items():
+        need = sum(r.need for r in under)
+        free = max(r.limit.nbytes for r in under)  # measured apart: the most generous reading decides
+        if need > free:
+            ranks = ", ".join(f"rank {r.rank} {_gib(r.need)}" for r in under)
+            out.append(f"on {host}, {where} (limit {_gib(under[0].limit.limit)}) has {_gib(free)} free but the "
+                       f"ranks under it need {_gib(need)} more ({ranks})")
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
