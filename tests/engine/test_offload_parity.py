@@ -8,6 +8,11 @@ fp32 and bf16, with clipping, accumulation over 3 micro-steps, a block used
 twice per forward and reentrant checkpointing (a unit's gradients arriving
 in two backward passes). Every case also checks placement: after training
 no master or optimizer state is in the device pool.
+
+The copy-discipline mode (ZEROSHARD_OFFLOAD_POISON) fills the destination
+of every asynchronous read or copy with NaN before issuing it and holds its
+completion back: a read of a buffer before its wait would show as NaN in
+the losses or weights, so training must still equal the run without offload.
 """
 
 import dataclasses
@@ -18,6 +23,7 @@ import torch
 
 from tests.distributed import run_ranks
 from tests.recipes import Case, relative_error, train_zeroshard
+from zeroshard.offload.transfer import POISON_ENV
 
 STEPS = 4
 
@@ -81,3 +87,23 @@ def test_offload_equals_the_run_without_it(world, tmp_path):
         if case.offload_params == "nvme":
             assert pools["disk"]["params"] > 0, (case, pools)
     assert not os.listdir(tmp_path) or all(not os.listdir(tmp_path / d) for d in os.listdir(tmp_path))
+
+
+def _run_poisoned(rank, world, device, cases, delay_ms):
+    os.environ[POISON_ENV] = str(delay_ms)
+    try:
+        return _run(rank, world, device, cases)
+    finally:
+        del os.environ[POISON_ENV]
+
+
+def test_poisoned_transfers_change_nothing(tmp_path):
+    disk = {"nvme_path": str(tmp_path)}
+    cases = [
+        Case(stage=3, accumulation=3, clip=0.5, offload="nvme", offload_params="nvme", **disk),
+        Case(stage=2, accumulation=2, offload="nvme", bucket=1500, **disk),
+        Case(stage=1, clip=0.5, offload="nvme", **disk),
+    ]
+    for i, ((ref_losses, ref_weights), (losses, weights), _) in enumerate(run_ranks(_run_poisoned, 2, cases, 2)[0]):
+        assert losses == ref_losses and torch.equal(weights, ref_weights), (
+            f"{cases[i]}: poisoned transfers changed the training ({relative_error(weights, ref_weights):.2e})")

@@ -78,10 +78,15 @@ def test_fp32_training_still_has_an_fp32_master_on_the_host():
 def test_nvme_optimizer_moves_master_and_state_to_disk_through_buffers():
     out = pools(2, offload_optimizer="nvme", buffer_count=2, sub_group_size=2)
     assert out["device"] == kinds(params=2 * PSI)
-    assert out["host"] == kinds(grads=4 * S, staging=2 * (4 + 8) * 2)  # 2 buffers of a 2-element sub-group
-    assert out["disk"] == kinds(master=4 * S, optimizer=8 * S)
+    # 2 buffers of a 2-element sub-group: master, moments and the gradient shard read back with them
+    assert out["host"] == kinds(staging=2 * (4 + 8 + 4) * 2)
+    assert out["disk"] == kinds(grads=4 * S, master=4 * S, optimizer=8 * S)
     # a sub-group larger than the shard: each buffer holds the shard
-    assert pools(2, offload_optimizer="nvme", buffer_count=2, sub_group_size=100)["host"]["staging"] == 2 * 12 * S
+    assert pools(2, offload_optimizer="nvme", buffer_count=2, sub_group_size=100)["host"]["staging"] == 2 * 16 * S
+    # stage 1 keeps the whole gradient on the device, and its fp32 shard for the step on the host
+    out = pools(1, offload_optimizer="nvme", buffer_count=2, sub_group_size=2)
+    assert out["host"] == kinds(grads=4 * S, staging=2 * (4 + 8) * 2)
+    assert out["disk"] == kinds(master=4 * S, optimizer=8 * S)
 
 
 def test_partial_offload_splits_the_shard():
@@ -122,9 +127,9 @@ def test_everything_on_disk():
     out = pools(3, offload_optimizer="nvme", offload_param="nvme", largest_unit=4, max_in_cpu=0, buffer_count=1,
                 sub_group_size=1, param_buffer_count=1, param_buffer_size=4, reduce_bucket_size=4)
     assert out["device"] == kinds(params=2 * 4, grads=2 * 4, staging=2 * 4)
-    assert out["host"] == kinds(grads=4 * S, staging=12 * 1 + 4 * 2)
-    assert out["disk"] == kinds(params=2 * S, master=4 * S, optimizer=8 * S)
-    assert pool_totals(out) == {"device": 24, "host": 32, "disk": 42}
+    assert out["host"] == kinds(staging=16 * 1 + 4 * 2)  # one sub-group's master, moments, gradient; params
+    assert out["disk"] == kinds(params=2 * S, grads=4 * S, master=4 * S, optimizer=8 * S)
+    assert pool_totals(out) == {"device": 24, "host": 24, "disk": 54}
 
 
 # -- pinned host memory -------------------------------------------------------------------------------------
@@ -139,7 +144,7 @@ def test_pinned_is_every_host_tensor_the_device_copies_not_the_moments():
     assert pools(3, offload_optimizer="cpu", offload_param="cpu", param_pin_memory=True)["pinned"] == 2 * S
     out = pools(3, offload_optimizer="nvme", offload_param="nvme", pin_memory=True, max_in_cpu=1, buffer_count=2,
                 sub_group_size=2, param_buffer_count=2, param_buffer_size=5)
-    assert out["pinned"] == out["host"]["grads"] + out["host"]["staging"] + out["host"]["params"] == 12 + 48 + 20 + 2
+    assert out["pinned"] == out["host"]["grads"] + out["host"]["staging"] + out["host"]["params"] == 0 + 64 + 20 + 2
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -226,15 +231,17 @@ def test_zero_infinity_one_dgx2_node(capsys):
                          "--offload-optimizer", "nvme", "--offload-params", "nvme", "--gpu-mem", "32GiB",
                          "--host-mem", "1.5TB", "--disk-mem", "28TB")["offload"]
     assert list(out["device"]) == ["3"]
-    buffers = 4 * 12 * 10**9 + 5 * 10**8 * 2  # 4 optimizer buffers of a 1e9 sub-group, 5 parameter buffers
-    assert out["host"]["3"] == kinds(params=2 * 10**9, grads=4 * shard, staging=buffers)
-    assert out["disk"]["3"] == kinds(params=2 * (shard - 10**9), master=4 * shard, optimizer=8 * shard)
-    # The disks hold the 16 TB of model states (less what stays in host memory): 13.97 TB of 28 TB.
-    assert out["disk_per_node"]["3"] == 13_968 * 10**9
-    # But the host keeps the fp32 gradient shards, 4Ψ per node = 4 TB > 1.5 TB: under this layout the
-    # node fits 171B parameters (host: 4Ψ/16 + 49 GB + 2 GB per rank <= 1.5 TB / 16).
-    assert out["host_per_node"]["3"] == ranks * (4 * shard + buffers + 2 * 10**9) > 15 * 10**11
-    assert out["largest_model"]["3"] == 171 * 10**9
+    # 4 optimizer buffers of a 1e9 sub-group (fp32 master, two moments, fp32 gradient), 5 parameter buffers
+    buffers = 4 * 16 * 10**9 + 5 * 10**8 * 2
+    assert out["host"]["3"] == kinds(params=2 * 10**9, staging=buffers)
+    assert out["disk"]["3"] == kinds(params=2 * (shard - 10**9), grads=4 * shard, master=4 * shard,
+                                     optimizer=8 * shard)
+    # The disks hold the model states and the fp32 gradient shards (less what stays in host memory):
+    # 17.97 TB of 28 TB; the host 1.07 TB of 1.5 TB: the trillion parameters fit on one node, as the paper has.
+    assert out["disk_per_node"]["3"] == 17_968 * 10**9
+    assert out["host_per_node"]["3"] == ranks * (buffers + 2 * 10**9) == 1_072 * 10**9 < 15 * 10**11
+    # The disks bound it: 16 ranks x (2(S - 1e9) + 16S) <= 28 TB, S = Ψ / 16: 1.557T parameters.
+    assert out["largest_model"]["3"] == 1_557_333_333_328
 
 
 # -- the CLI ------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import local_grad
 from zeroshard.core.precision import Precision
 from zeroshard.core.staging import StagingPool
+from zeroshard.core.swapped import Swapped, WriteBehind
 
 FP32 = Precision(torch.float32, torch.float32)
 
@@ -112,6 +113,11 @@ class Bucket:
                 self.host_grad = torch.zeros(flat.shard_numel, dtype=precision.master_dtype, device="cpu")
         self._staged = [False] * len(flat.params)  # stage 2: slots of `staging` holding this micro-step
         self._accumulated = False  # stage 2: grad_shard already holds part of this window
+        # Stages 2-3 with the master on disk: the gradient shard waits on disk too (`swap_grads`), and its
+        # norm, taken before each write, stands in for it in the step check.
+        self.grad_swap: Swapped | None = None
+        self._write_behind: WriteBehind | None = None
+        self.grad_norm = 0.0  # fp32's value, held as a float: no tensor outlives the step
 
     def _init_master(self) -> torch.Tensor:
         """What the optimizer updates: in fp32 the parameters' own storage, no copy; else an fp32 copy."""
@@ -222,8 +228,8 @@ class Bucket:
             comm.world_size, scale)
         if before != 1.0:
             staging.mul_(before)
-        direct = (not self._accumulated and self.grad_shard.dtype == staging.dtype  # reduce into grad_shard
-                  and self.grad_shard.device == staging.device)
+        direct = (self.grad_swap is None and not self._accumulated  # reduce straight into grad_shard
+                  and self.grad_shard.dtype == staging.dtype and self.grad_shard.device == staging.device)
         out = self.grad_shard if direct else pool.acquire(self.flat.shard_numel, staging.dtype, staging.device)
         if self.qgz is not None:
             pending = self.qgz.reduce_scatter(out, staging, what=self.name)
@@ -236,15 +242,20 @@ class Bucket:
 
         first = not self._accumulated
 
+        def add() -> None:
+            if first and self._scale_in_reduce_dtype:
+                self.grad_shard.copy_(out.mul_(after))
+            else:  # in grad_shard's dtype (fp32 when 16-bit gradients accumulate) and place (the host: offload)
+                self.grad_shard.add_(out.to(self.grad_shard.device), alpha=after)
+            pool.release(out)
+
         def accumulate():
             if direct:
                 out.mul_(after)
-            elif first and self._scale_in_reduce_dtype:
-                self.grad_shard.copy_(out.mul_(after))
-                pool.release(out)
-            else:  # in grad_shard's dtype (fp32 when 16-bit gradients accumulate) and place (the host: offload)
-                self.grad_shard.add_(out.to(self.grad_shard.device), alpha=after)
-                pool.release(out)
+            elif self.grad_swap is not None:
+                self._add_on_disk(add, first)
+            else:
+                add()
             pool.release(staging)
 
         self.staging = None
@@ -277,11 +288,32 @@ class Bucket:
         """Whether the step's updated shards are all-gathered into replicated parameters (stages 1-2)."""
         return self.switches.shard_optimizer and not self.switches.shard_params
 
+    def swap_grads(self, swapped: Swapped, write_behind: WriteBehind) -> None:
+        """Keep `grad_shard` in `swapped`'s file between reductions (stages 2-3, the master on disk): a
+        reduction reads it back (none at a window's first), adds, takes its norm and writes it behind."""
+        self.grad_swap, self._write_behind = swapped, write_behind
+        swapped.finish()  # zeros until now: the window's first reduction replaces them without a read
+
+    def _add_on_disk(self, add, first: bool) -> None:
+        swap = self.grad_swap
+        swap.finish()  # its last write landed: the values may change now
+        if first:
+            swap.claim()
+            self.grad_shard.zero_()
+        else:
+            swap.wait()
+        add()
+        self.grad_norm = torch._foreach_norm([self.grad_shard])[0].item()
+        swap.write()
+        self._write_behind.add(swap)
+
     def master_grad(self) -> torch.Tensor:
         """`grad_shard` in the master's dtype, for the optimizer (a new tensor when gradients are 16-bit;
-        with offload at stage 1, copied into `host_grad`)."""
+        with offload at stage 1, copied into `host_grad`; on disk, the tensor its sub-group reads back)."""
         if self.host_grad is not None:
             return self.host_grad.copy_(self.grad_shard)
+        if self.grad_swap is not None and not self._accumulated:  # no reduction reached it: zeros
+            self._add_on_disk(lambda: None, first=True)
         return self.grad_shard.to(self.master.dtype)
 
     def cast_master_to_params(self) -> None:
@@ -329,7 +361,10 @@ class Bucket:
             if self.grad_acc is not None:
                 self.grad_acc.zero_()
             return
-        self.grad_shard.zero_()
+        if self.grad_swap is not None:
+            self.grad_swap.finish()  # the next window's first reduction replaces it without a read
+        else:
+            self.grad_shard.zero_()
         self._accumulated = False
         self._staged = [False] * len(self.params)
         if self.staging is not None:

@@ -46,21 +46,22 @@ class StepCheck:
     nonfinite_ranks: tuple[int, ...]
 
 
-def check_step(grads: list[torch.Tensor], comm: Comm, global_steps: int, micro_steps: int,
+def check_step(norms: list[torch.Tensor], comm: Comm, global_steps: int, micro_steps: int,
                loss_scale: float = 1.0) -> StepCheck:
     """Exchange this rank's figures with every rank (one collective) and agree on the step.
 
-    `grads`: this rank's disjoint part of the reduced gradients (fp32), still
-    multiplied by `loss_scale`: its shard at stages 1-3, and at stage 0 its
-    shard's slice of the replicated gradient, so that the ranks split the
-    work there too. The squares are summed over ranks. Raises
+    `norms`: the L2 norms (`torch._foreach_norm`) of this rank's disjoint part
+    of the reduced gradients (fp32), still multiplied by `loss_scale`: its
+    shard at stages 1-3, and at stage 0 its shard's slice of the replicated
+    gradient, so that the ranks split the work there too. The squares are
+    summed over ranks. Raises
     `CollectiveError`, on every rank, if the ranks' counters differ.
     """
-    device = grads[0].device if grads else torch.device("cpu")
+    device = norms[0].device if norms else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)
-    if grads:
+    if norms:
         # Offloaded buckets' gradients live on the host, the others on the device: norms meet on `device`.
-        squares = torch.stack([n.to(device) for n in torch._foreach_norm(grads)]).double().square().sum()
+        squares = torch.stack([n.to(device) for n in norms]).double().square().sum()
     counters = torch.tensor([global_steps, micro_steps], dtype=torch.float64, device=device)
     mine = torch.cat([squares.reshape(1), torch.isfinite(squares).logical_not().double().reshape(1), counters])
     rows = step_check(comm, mine).cpu().tolist()

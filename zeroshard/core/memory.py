@@ -76,14 +76,16 @@ def model_state_bytes(
         hpz_secondary=_storage_bytes([f.secondary for f in flats], seen))
     host = MemoryStats(
         params=_storage_bytes([f.shard_data for f in apart if f.shard_swap is None], seen),
-        grads=_storage_bytes([b.grad_shard for b in buckets if b.offload] + [b.host_grad for b in buckets], seen),
+        grads=_storage_bytes([b.grad_shard for b in buckets if b.offload and b.grad_swap is None]
+                             + [b.host_grad for b in buckets], seen),
         master=_storage_bytes([b.master for b, t in zip(buckets, tier) if t is Tier.HOST], seen),
         # A disk master's scalar state (Adam's step) stays in host memory.
         optimizer=_storage_bytes(_state_of(optimizer, buckets, tier, {Tier.HOST, Tier.DISK}), seen),
         staging=_storage_bytes(offload_buffers, seen),
         hpz_secondary=0)
-    on_disk = tiers.disk_bytes() if tiers else {"master": 0, "optimizer": 0}
-    disk = MemoryStats(params=sum(f.shard_swap.nbytes for f in flats if f.shard_swap is not None), grads=0,
+    on_disk = tiers.disk_bytes() if tiers else {"master": 0, "optimizer": 0, "grads": 0}
+    disk = MemoryStats(params=sum(f.shard_swap.nbytes for f in flats if f.shard_swap is not None),
+                       grads=on_disk["grads"],
                        master=on_disk["master"], optimizer=on_disk["optimizer"], staging=0, hpz_secondary=0)
     return {"device": device, "host": host, "disk": disk}
 

@@ -26,7 +26,7 @@ import torch
 
 from zeroshard.core.bucket import Bucket
 from zeroshard.core.optim import hyperparams
-from zeroshard.core.swapped import BufferPool, Swapped, SwapState
+from zeroshard.core.swapped import BufferPool, Swapped, SwapState, WriteBehind
 from zeroshard.offload import SwapDir
 
 
@@ -69,9 +69,11 @@ class OptimizerTiers:
         """`masters`: disk buckets' masters already sent to their swap files (by bucket index), as
         construction moves them out unit by unit; the others' files are made here."""
         self.optimizer, self.buckets, self.tiers = optimizer, buckets, tiers
-        self.pool = pool
+        self.pool, self._swap = pool, swap
         self.ahead = max(1, buffer_count - 2)  # sub-groups read ahead; one steps, one writes behind
         self.swaps: dict[int, dict[str, Swapped]] = {}  # bucket index -> "master" and each state key
+        self.grad_swaps: dict[int, Swapped] = {}  # bucket index -> its gradient shard's file (`swap_grads`)
+        self.write_behind = WriteBehind(buffer_count)  # gradient shards written as backward reduces them
         on_disk = [i for i, t in enumerate(tiers) if t is Tier.DISK]
         for i in on_disk:
             self.swaps[i] = self._create_swaps(i, swap, (masters or {}).get(i))
@@ -99,13 +101,33 @@ class OptimizerTiers:
 
     # -- the step --------------------------------------------------------------
 
-    def step(self, grads: list[torch.Tensor]) -> None:
+    def swap_grads(self) -> None:
+        """Stages 2-3: each disk bucket's fp32 gradient shard lives on disk too, between the reductions that
+        add to it (ZeRO-Infinity's gradients on NVMe), and is read back with its sub-group for the step: host
+        memory then holds no part of the model states that grows with the model beyond the sub-groups in
+        flight. Not on a mesh: the step check's norm there counts parts of the gradients it cannot read."""
+        for i in self.swaps:
+            bucket = self.buckets[i]
+            if bucket.switches.shard_grads:
+                grad = bucket.grad_shard
+                self.grad_swaps[i] = Swapped(self._swap, f"bucket{i}.grad", grad.numel(), grad.dtype, self.pool, grad)
+                bucket.swap_grads(self.grad_swaps[i], self.write_behind)
+
+    def settle_grads(self) -> None:
+        """Before the step reads the gradients: every gradient shard's write landed (none in flight)."""
+        self.write_behind.drain()
+
+    def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
         """One optimizer step: device and host buckets in one call, disk buckets sub-group by sub-group;
-        every bucket's parameters take its updated master (`cast_master_to_params`)."""
+        every bucket's parameters take its updated master (`cast_master_to_params`). `coef`: the unscale and
+        clip factor the caller applied to `grads` in memory, applied here to the gradients read from disk."""
         in_memory = [i for i in range(len(self.buckets)) if i not in self.swaps]
         self._step_buckets(in_memory, grads)
         self._settle(in_memory)
-        for group in self.resident_groups(write=True):
+        for group in self.resident_groups(write=True, grads=True):
+            on_disk = [grads[i] for i in group if i in self.grad_swaps]
+            if coef != 1.0 and on_disk:
+                torch._foreach_mul_(on_disk, coef)
             self._step_buckets(group, grads)
 
     def _step_buckets(self, indices: list[int], grads: list[torch.Tensor]) -> None:
@@ -131,20 +153,22 @@ class OptimizerTiers:
             for i in group:
                 self.buckets[i].cast_master_to_params()
 
-    def resident_groups(self, write: bool, groups: list[list[int]] | None = None) -> Iterator[list[int]]:
-        """Yield each disk sub-group with its masters and state in memory: the next `ahead` sub-groups are
-        read meanwhile; after the caller's turn the sub-group is written back (`write`) or dropped."""
+    def resident_groups(self, write: bool, groups: list[list[int]] | None = None,
+                        grads: bool = False) -> Iterator[list[int]]:
+        """Yield each disk sub-group with its masters and state (and with `grads` its gradient shards) in
+        memory: the next `ahead` sub-groups are read meanwhile; after the caller's turn the sub-group's masters
+        and state are written back (`write`) or dropped, and its gradients dropped."""
         groups = self.sub_groups if groups is None else groups
         behind: deque[list[int]] = deque()
         try:
             for n, group in enumerate(groups):
                 for later in groups[n + 1 : n + 1 + self.ahead]:
-                    self._each(later, Swapped.read)
-                self._each(group, Swapped.wait)
+                    self._each(later, Swapped.read, grads)
+                self._each(group, Swapped.wait, grads)
                 yield group
-                if write:
+                if write:  # masters and state; a gradient is spent once stepped
                     self._bind_state(group)
-                    self._each(group, Swapped.write)
+                    self._each(group, Swapped.write, grads=False)
                 behind.append(group)
                 while len(behind) > 1:
                     self._finish(behind.popleft())
@@ -167,11 +191,11 @@ class OptimizerTiers:
             yield
             return
         for group in self.sub_groups:
-            self._each(group, Swapped.read)
+            self._each(group, Swapped.read, grads=False)
         self._holding = True
         try:
             for group in self.sub_groups:
-                self._each(group, Swapped.wait)
+                self._each(group, Swapped.wait, grads=False)
             yield
         finally:
             self._holding = False
@@ -185,9 +209,10 @@ class OptimizerTiers:
         for i in indices:
             self.buckets[i].settle()
 
-    def _each(self, group: list[int], action) -> None:
+    def _each(self, group: list[int], action, grads: bool = True) -> None:
         for i in group:
-            for swapped in self.swaps[i].values():
+            for swapped in [*self.swaps[i].values(), *([self.grad_swaps[i]] if grads and i in self.grad_swaps
+                                                       else [])]:
                 if swapped.bound:
                     action(swapped)
 
@@ -211,10 +236,11 @@ class OptimizerTiers:
     # -- reports -----------------------------------------------------------------
 
     def disk_bytes(self) -> dict[str, int]:
-        """Bytes on disk by kind: {"master", "optimizer"} (values, without the files' alignment padding)."""
+        """Bytes on disk by kind: {"master", "optimizer", "grads"} (values, without the files' alignment
+        padding)."""
         master = sum(s["master"].nbytes for s in self.swaps.values())
         state = sum(w.nbytes for s in self.swaps.values() for k, w in s.items() if k != "master" and w.bound)
-        return {"master": master, "optimizer": state}
+        return {"master": master, "optimizer": state, "grads": sum(g.nbytes for g in self.grad_swaps.values())}
 
 
 def _sub_groups(indices: list[int], numels: list[int], sub_group_numel: int) -> list[list[int]]:

@@ -15,6 +15,7 @@ its first step) starts RESIDENT in memory the optimizer allocated.
 
 from __future__ import annotations
 
+from collections import deque
 from enum import Enum
 
 import torch
@@ -152,3 +153,26 @@ class Swapped:
         offset = self._buffer.storage_offset() // self.dtype.itemsize
         with torch.no_grad():
             self.tensor.set_(self._buffer.untyped_storage(), offset, (self.numel,), (1,))
+
+
+class WriteBehind:
+    """Swapped tensors whose writes are in flight, at most `limit` at once: the oldest is finished (its
+    write waited for, its buffer given back) before another starts, so host memory holds `limit` buffers
+    however many tensors go out (the gradient shards written as backward reduces them)."""
+
+    def __init__(self, limit: int):
+        self.limit = max(1, limit)
+        self._flying: deque[Swapped] = deque()
+
+    def add(self, swapped: Swapped) -> None:
+        """`swapped` has just started its write."""
+        if swapped in self._flying:  # its previous write was finished already; one entry per tensor
+            self._flying.remove(swapped)
+        self._flying.append(swapped)
+        while len(self._flying) > self.limit:
+            self._flying.popleft().finish()
+
+    def drain(self) -> None:
+        """Finish every write in flight."""
+        while self._flying:
+            self._flying.popleft().finish()

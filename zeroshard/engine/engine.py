@@ -89,6 +89,8 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self._device, self._names, self.pool, self.reducer = parts.device, parts.names, parts.pool, parts.reducer
         self.buckets, self.units, self.schedule = parts.buckets, parts.units, parts.schedule
         self.offload = parts.offload  # where masters, optimizer state and stage 3's shards live
+        if mesh is None:
+            self.offload.tiers.swap_grads()
         if self.comm.rank == 0:
             log.info("zeroshard stage %d on %d ranks: %d buckets, %d elements", config.stage,
                      self.comm.world_size, len(self.buckets), sum(b.flat.numel for b in self.buckets))
@@ -228,8 +230,9 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
                 self._reduce_now(ties=True)
             # fp32 gradients for the optimizer: new tensors, freed after the step, when gradients are 16-bit.
             grads = [bucket.master_grad() for bucket in self.buckets]
-            check = check_step(self._owned(grads), self.cross.world if self.cross else self.comm, self.global_steps,
-                               self.micro_steps, self.loss_scale * self._grad_divisor)
+            self.offload.tiers.settle_grads()
+            check = check_step(self._grad_norms(grads), self.cross.world if self.cross else self.comm,
+                               self.global_steps, self.micro_steps, self.loss_scale * self._grad_divisor)
             self.global_grad_norm = check.norm
             if check.nonfinite_ranks:
                 self._skip_step(check)
@@ -242,6 +245,14 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
             self.fail(f"the optimizer step failed on this rank ({type(exc).__name__}: {exc})")
             raise
         self.state = TrainingState.IDLE
+
+    def _grad_norms(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The L2 norm of each part of the gradients this rank counts; a gradient shard on disk gives the
+        norm its bucket took before writing it (the step reads it back only later, sub-group by sub-group)."""
+        norms = list(torch._foreach_norm(self._owned(grads)))
+        if self.cross is None:  # one part per bucket (gradients on disk exist only then)
+            norms = [n if b.grad_swap is None else torch.tensor(b.grad_norm) for b, n in zip(self.buckets, norms)]
+        return norms
 
     def _owned(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's disjoint part of the gradients for the norm: at stage 0, its shard's slice of the
@@ -260,7 +271,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         # The optimizer sees gradients only during its step, so the user's optimizer.zero_grad()
         # between micro-steps cannot touch the window's accumulating gradients. The tiers step it over
         # the masters wherever they live and cast each into its parameters.
-        self.offload.tiers.step(grads)
+        self.offload.tiers.step(grads, coef)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._gather_params()

@@ -24,11 +24,15 @@ only; S_p = ceil((Ψ - P) / N), the sharded parameters.
 - host, optimizer "cpu": grads 4O (the fp32 gradient shard the CPU step
   reads, micro-steps summed into it), master 4O (fp32, a tensor of its own
   even in fp32 training: the device keeps the parameters), optimizer KO.
-  "nvme": grads 4O, staging buffer_count × (4 + K) × min(sub_group_size, O)
-  (the buffers a sub-group's master and state are read into).
+  "nvme": grads 4O at stage 1 (0 at stages 2-3: on disk), staging
+  buffer_count × (4 + K + G) × min(sub_group_size, O) (the buffers a
+  sub-group's master, state and, at stages 2-3, gradient are read into;
+  G = 4 at stages 2-3, else 0).
   Parameters "cpu": params pS_p; "nvme": params p·min(max_in_cpu, S_p) and
   staging + param_buffer_count × param_buffer_size × p (read buffers).
-- disk, optimizer "nvme": master 4O, optimizer KO; parameters "nvme":
+- disk, optimizer "nvme": master 4O, optimizer KO, and at stages 2-3 grads
+  4O (the gradient shard waits there between the reductions that add to
+  it; not on a tp/pp mesh, where it stays on the host); parameters "nvme":
   params p(S_p - min(max_in_cpu, S_p)).
 - pinned (a part of the host pool, with pin_memory): every host tensor the
   device copies to or from: grads, master, params, staging. The optimizer's
@@ -151,11 +155,12 @@ def offload_pool_bytes(
         "staging": reduce_bucket_size * (param_bytes if reduce_bytes is None else reduce_bytes) * (off > 0),
     } | ({"hpz_secondary": base["hpz_secondary"]} if "hpz_secondary" in base else {})
     in_cpu = min(max_in_cpu, param_shard) if offload_param == "nvme" else param_shard * (offload_param == "cpu")
-    staging = {"optimizer": buffer_count * (FP32_BYTES + optimizer_bytes) * min(sub_group_size, off)
+    grads_out = FP32_BYTES * (stage >= 2)  # G: the gradient shard read with its sub-group
+    staging = {"optimizer": buffer_count * (FP32_BYTES + optimizer_bytes + grads_out) * min(sub_group_size, off)
                             * (offload_optimizer == "nvme"),
                "params": param_buffer_count * param_buffer_size * param_bytes * (offload_param == "nvme")}
     host, disk = _off_device(offload_optimizer, offload_param, off, param_bytes, optimizer_bytes, in_cpu,
-                             param_shard, staging)
+                             param_shard, staging, grads_on_disk=stage >= 2)
     pin_params = pin_memory if param_pin_memory is None else param_pin_memory
     pinned = (pin_memory * (host["grads"] + host["master"] + staging["optimizer"])
               + pin_params * (host["params"] + staging["params"]))
@@ -163,13 +168,18 @@ def offload_pool_bytes(
 
 
 def _off_device(offload_optimizer: str, offload_param: str, off: int, param_bytes: int, optimizer_bytes: int,
-                in_cpu: int, param_shard: int, staging: dict[str, int]) -> tuple[dict[str, int], dict[str, int]]:
+                in_cpu: int, param_shard: int, staging: dict[str, int],
+                grads_on_disk: bool) -> tuple[dict[str, int], dict[str, int]]:
     """The host and disk pools: O offloaded elements of optimizer state, `in_cpu` parameter elements on the
-    host (the rest of the shard S_p on disk with offload_param "nvme"), and the host's disk buffers."""
+    host (the rest of the shard S_p on disk with offload_param "nvme"), and the host's disk buffers;
+    `grads_on_disk` (stages 2-3): the gradient shard of disk masters lives on disk too."""
     on_host, on_disk = offload_optimizer == "cpu", offload_optimizer == "nvme"
-    host = {"params": param_bytes * in_cpu, "grads": FP32_BYTES * off, "master": FP32_BYTES * off * on_host,
+    grads_out = on_disk and grads_on_disk
+    host = {"params": param_bytes * in_cpu, "grads": FP32_BYTES * off * (not grads_out),
+            "master": FP32_BYTES * off * on_host,
             "optimizer": optimizer_bytes * off * on_host, "staging": staging["optimizer"] + staging["params"]}
-    disk = {"params": param_bytes * (param_shard - in_cpu) * (offload_param == "nvme"), "grads": 0,
+    disk = {"params": param_bytes * (param_shard - in_cpu) * (offload_param == "nvme"),
+            "grads": FP32_BYTES * off * grads_out,
             "master": FP32_BYTES * off * on_disk, "optimizer": optimizer_bytes * off * on_disk, "staging": 0}
     return host, disk
 
