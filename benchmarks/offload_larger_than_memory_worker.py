@@ -92,6 +92,7 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     with zeroshard.meta_init():
         model = GPT(cfg)
+    result["num_params"] = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = time.perf_counter()
     try:

@@ -65,18 +65,24 @@ class OptimizerTiers:
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], tiers: list[Tier],
                  swap: SwapDir | None = None, pool: BufferPool | None = None, sub_group_numel: int = 0,
-                 buffer_count: int = 4, masters: dict[int, Swapped] | None = None):
-        """`masters`: disk buckets' masters already sent to their swap files (by bucket index), as
-        construction moves them out unit by unit; the others' files are made here."""
+                 buffer_count: int = 4, masters: dict[int, Swapped] | None = None, grads_on_disk: bool = False,
+                 grads: dict[int, Swapped] | None = None, write_behind: WriteBehind | None = None):
+        """`masters`, `grads`: disk buckets' masters and gradient shards already sent to their swap files (by
+        bucket index), as construction moves them out unit by unit; the others' files are made here.
+        `grads_on_disk`: stages 2-3, a disk bucket's gradient shard lives on disk too (`swap_grad`)."""
         self.optimizer, self.buckets, self.tiers = optimizer, buckets, tiers
-        self.pool, self._swap = pool, swap
+        self.pool = pool
         self.ahead = max(1, buffer_count - 2)  # sub-groups read ahead; one steps, one writes behind
         self.swaps: dict[int, dict[str, Swapped]] = {}  # bucket index -> "master" and each state key
-        self.grad_swaps: dict[int, Swapped] = {}  # bucket index -> its gradient shard's file (`swap_grads`)
-        self.write_behind = WriteBehind(buffer_count)  # gradient shards written as backward reduces them
+        self.write_behind = write_behind or WriteBehind(buffer_count)  # gradient shards written as reduced
+        self.grad_swaps: dict[int, Swapped] = dict(grads or {})  # bucket index -> its gradient shard's file
         on_disk = [i for i, t in enumerate(tiers) if t is Tier.DISK]
         for i in on_disk:
             self.swaps[i] = self._create_swaps(i, swap, (masters or {}).get(i))
+        if grads_on_disk:
+            for i in on_disk:
+                if i not in self.grad_swaps and buckets[i].switches.shard_grads:
+                    self.grad_swaps[i] = swap_grad(swap, i, buckets[i], pool, self.write_behind)
         self.sub_groups = _sub_groups(on_disk, [b.flat.shard_numel for b in buckets], sub_group_numel)
         self._holding = False  # inside `all_resident`: nothing is sent out before it ends
         self.adopt()
@@ -100,18 +106,6 @@ class OptimizerTiers:
         return bool(self.swaps)
 
     # -- the step --------------------------------------------------------------
-
-    def swap_grads(self) -> None:
-        """Stages 2-3: each disk bucket's fp32 gradient shard lives on disk too, between the reductions that
-        add to it (ZeRO-Infinity's gradients on NVMe), and is read back with its sub-group for the step: host
-        memory then holds no part of the model states that grows with the model beyond the sub-groups in
-        flight. Not on a mesh: the step check's norm there counts parts of the gradients it cannot read."""
-        for i in self.swaps:
-            bucket = self.buckets[i]
-            if bucket.switches.shard_grads:
-                grad = bucket.grad_shard
-                self.grad_swaps[i] = Swapped(self._swap, f"bucket{i}.grad", grad.numel(), grad.dtype, self.pool, grad)
-                bucket.swap_grads(self.grad_swaps[i], self.write_behind)
 
     def settle_grads(self) -> None:
         """Before the step reads the gradients: every gradient shard's write landed (none in flight)."""
@@ -241,6 +235,17 @@ class OptimizerTiers:
         master = sum(s["master"].nbytes for s in self.swaps.values())
         state = sum(w.nbytes for s in self.swaps.values() for k, w in s.items() if k != "master" and w.bound)
         return {"master": master, "optimizer": state, "grads": sum(g.nbytes for g in self.grad_swaps.values())}
+
+
+def swap_grad(swap: SwapDir, index: int, bucket: Bucket, pool: BufferPool, write_behind: WriteBehind) -> Swapped:
+    """Stages 2-3: bucket `index`'s fp32 gradient shard lives on disk too, between the reductions that add to
+    it (ZeRO-Infinity's gradients on NVMe), and is read back with its sub-group for the step: host memory then
+    holds no part of the model states that grows with the model beyond the sub-groups in flight. Not on a
+    mesh: the step check's norm there counts parts of the gradients it cannot read."""
+    grad = bucket.grad_shard
+    swapped = Swapped(swap, f"bucket{index}.grad", grad.numel(), grad.dtype, pool, grad)
+    bucket.swap_grads(swapped, write_behind)
+    return swapped
 
 
 def _sub_groups(indices: list[int], numels: list[int], sub_group_numel: int) -> list[list[int]]:

@@ -63,8 +63,10 @@ class Parts:
 
 
 def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, group: dist.ProcessGroup | None,
-          init: Callable[[nn.Module], None] | None, on_grad: Callable[[int, int], None]) -> Parts:
-    """Check the inputs, join the group, and build the parts; `on_grad(target, param)` is the gradient hook."""
+          init: Callable[[nn.Module], None] | None, on_grad: Callable[[int, int], None],
+          grads_on_disk: bool = True) -> Parts:
+    """Check the inputs, join the group, and build the parts; `on_grad(target, param)` is the gradient hook;
+    `grads_on_disk`: whether offload to disk may keep the gradient shards there (not on a tp/pp mesh)."""
     check_materializable(model, init, config.stage)
     device = default_device() if on_meta(model) else device_of(model)
     precision = Precision.from_config(config)
@@ -82,7 +84,7 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     check_ranks_agree(comm, model, optimizer, config.to_dict())
     check_states_fit(comm, config, optimizer, device, [local(p) for g in groups for p in g])
     # Opened before the units: each unit's shards go to the host or disk as soon as it is built.
-    stream = _agreed(comm, lambda: OffloadBuild(config, comm, optimizer))
+    stream = _agreed(comm, lambda: OffloadBuild(config, comm, optimizer, grads_on_disk))
     # Before mark_wrapped: its checks (zeroshard.pretrained's keys and shapes) fail with the model still free
     # for the retry their message suggests.
     materialize = Materializer.for_model(model, init, device) if on_meta(model) else None

@@ -82,15 +82,14 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         # Before the flat buffers: ties start every stage's copy from the lowest stage's values.
         self.cross = CrossParallel(mesh, model, tied or {}, config.collective_timeout, config.rank_check_timeout) \
             if mesh is not None else None
-        parts = build(model, optimizer, config, mesh.group("dp") if mesh else group, init, self._on_grad)
+        parts = build(model, optimizer, config, mesh.group("dp") if mesh else group, init, self._on_grad,
+                      grads_on_disk=mesh is None)
         if compiled_call is not None:  # compiled in place once built: a failed build leaves the module as it was
             model._compiled_call_impl = compiled_call
         self.comm, self.precision, self.switches = parts.comm, parts.precision, parts.switches
         self._device, self._names, self.pool, self.reducer = parts.device, parts.names, parts.pool, parts.reducer
         self.buckets, self.units, self.schedule = parts.buckets, parts.units, parts.schedule
         self.offload = parts.offload  # where masters, optimizer state and stage 3's shards live
-        if mesh is None:
-            self.offload.tiers.swap_grads()
         if self.comm.rank == 0:
             log.info("zeroshard stage %d on %d ranks: %d buckets, %d elements", config.stage,
                      self.comm.world_size, len(self.buckets), sum(b.flat.numel for b in self.buckets))

@@ -29,9 +29,10 @@ import torch
 from zeroshard.comm import Comm
 from zeroshard.config import Config
 from zeroshard.core.bucket import Bucket
-from zeroshard.core.optimizer_tiers import OptimizerTiers, Tier
-from zeroshard.core.swapped import BufferPool, Swapped
+from zeroshard.core.optimizer_tiers import OptimizerTiers, Tier, swap_grad
+from zeroshard.core.swapped import BufferPool, Swapped, WriteBehind
 from zeroshard.offload import Poison, SwapDir
+from zeroshard.offload.memory import MMAP_THRESHOLD, return_freed_blocks
 from zeroshard.stage3.unit import Unit
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,9 @@ class OffloadBuild:
     raises; the caller makes every rank raise with it (`engine/build.py`).
     """
 
-    def __init__(self, config: Config, comm: Comm, optimizer: torch.optim.Optimizer):
+    def __init__(self, config: Config, comm: Comm, optimizer: torch.optim.Optimizer, grads_on_disk: bool = True):
+        """`grads_on_disk`: stages 2-3 with the optimizer on disk keep the gradient shards there too (not on a
+        tp/pp mesh, whose step check reads parts of them)."""
         zero = config.zero_optimization
         opt, param = zero.offload_optimizer, zero.offload_param
         self.config = config
@@ -91,7 +94,13 @@ class OffloadBuild:
         self.param_swap = (_swap_dir(param.nvme_path, comm, config, poison, self.swaps)
                            if param.device == "nvme" else None)
         self.max_in_cpu = param.max_in_cpu if self.param_swap else None
+        if self.swaps and return_freed_blocks() and comm.rank == 0:  # host memory stays bounded by what is held
+            log.info("offload to disk: freed blocks of %d bytes and more go back to the OS at once (glibc "
+                     "M_MMAP_THRESHOLD)", MMAP_THRESHOLD)
         self.masters: dict[int, Swapped] = {}  # bucket index -> its master's swap file, written out already
+        self.grads: dict[int, Swapped] = {}  # bucket index -> its gradient shard's swap file
+        self.grads_on_disk = grads_on_disk and self.opt_swap is not None
+        self.write_behind = WriteBehind(opt.buffer_count)
         # An optimizer that makes its state in its constructor (Adagrad) needs the masters' sizes in memory
         # when it is pointed at them: its masters go out in `finish`, with their state.
         self._stream_masters = self.opt_swap is not None and not optimizer.state
@@ -100,7 +109,7 @@ class OffloadBuild:
     @property
     def streams(self) -> bool:
         """Whether `unit_built` moves anything (else the caller need not call it, nor agree on it)."""
-        return self._stream_masters or self.param_tier is not Tier.DEVICE
+        return self._stream_masters or self.grads_on_disk or self.param_tier is not Tier.DEVICE
 
     def unit_built(self, unit: Unit) -> None:
         """Move the unit just built out of memory: its disk-tier masters, and its parameter shards."""
@@ -112,6 +121,8 @@ class OffloadBuild:
                                   master)
                 swapped.swap_out()
                 self.masters[index] = swapped
+            if self.grads_on_disk and bucket.offload and bucket.switches.shard_grads:
+                self.grads[index] = swap_grad(self.opt_swap, index, bucket, self.pool, self.write_behind)
         if self.param_tier is not Tier.DEVICE:
             self._in_cpu = _offload_shards(self._units, unit, self.param_swap, self.pool, self.max_in_cpu,
                                            self._in_cpu)
@@ -125,7 +136,9 @@ class OffloadBuild:
         disk = self.opt_swap is not None
         tiers = [Tier.DEVICE if not b.offload else Tier.DISK if disk else Tier.HOST for b in buckets]
         optimizer_tiers = OptimizerTiers(optimizer, buckets, tiers, self.opt_swap, self.pool, zero.sub_group_size,
-                                         zero.offload_optimizer.buffer_count, masters=self.masters)
+                                         zero.offload_optimizer.buffer_count, masters=self.masters,
+                                         grads_on_disk=self.grads_on_disk, grads=self.grads,
+                                         write_behind=self.write_behind)
         return Offload(optimizer_tiers, self.param_tier, self.swaps, self.pool)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import torch
@@ -55,3 +56,25 @@ def _warn_once(key: str, reason: str) -> None:
         _warned.add(key)
         log.warning("offload: host buffers are pageable, not pinned: %s; host<->device copies from them "
                     "are synchronous", reason)
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+MMAP_THRESHOLD = 1 << 20  # bytes: blocks from this size up are mapped apart and unmapped when freed
+
+
+def return_freed_blocks() -> bool:
+    """Make glibc's malloc hand freed blocks of MMAP_THRESHOLD bytes and more back to the OS at once.
+
+    glibc raises its mmap threshold each time a mapped block is freed (up to 32
+    MiB), after which blocks that size come from the heap and stay in the
+    process when freed: training with a disk tier, which frees and allocates
+    a unit's and a sub-group's tensors all step long, then grows its resident
+    memory by a multiple of what it holds (measured: 1.5 GiB instead of 0.67
+    GiB for an 85M-parameter model on one rank). A fixed threshold stops that.
+    Returns False where the C library is not glibc (nothing changed).
+    """
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+    except (OSError, AttributeError):  # no mallopt: not glibc
+        return False
