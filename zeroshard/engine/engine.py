@@ -10,7 +10,10 @@ values. Gradients are reduced in `communication_data_type` and summed over
 micro-steps in fp32. A step is: the step check (one all-gather of each
 rank's gradient squares, non-finite flag and counters, `core/grad_norm.py`),
 unscale and clip in one multiply, optimizer step on the fp32 master, cast to
-16 bits, all-gather (stages 1-2).
+16 bits, all-gather (stages 1-2). With swap files (offload to disk), the
+ranks agree after the optimizer step that every rank's reads and writes
+succeeded (`core/faults.py`) before that all-gather: a damaged swap file on
+one rank raises `OffloadError` on every rank and leaves the engine FAILED.
 
 A step whose gradients hold inf or nan on any rank is not applied on any
 rank (weights, masters, optimizer state and LR scheduler untouched, the
