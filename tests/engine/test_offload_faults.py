@@ -35,6 +35,7 @@ SAVED_AT = 2  # the checkpoint: after this many steps
 SUB_GROUP = 2000  # elements: about one bucket's shard per sub-group
 # The optimizer's state on disk at each stage; at stage 3 the parameter shards on disk.
 CASES = [Case(stage=s, offload="nvme") for s in (1, 2, 3)] + [Case(stage=3, offload="cpu", offload_params="nvme")]
+FILLED = [CASES[1], CASES[3]]  # also trained on a disk filled after construction: optimizer state, then shards
 
 
 # -- what each rank runs ---------------------------------------------------------------------------------------
@@ -96,8 +97,11 @@ def _ranks(rank, world, device, good, ckpts, bad, later):
                "fault": _fault_in_training(case, good, ckpt, rank, device),
                "construction": {kind: _error(lambda: _engine(case, path, device)) for kind, path in bad.items()},
                # this rank's swap files still there after a failed construction (another rank's may be closing)
-               "left": [str(p) for path in bad.values() for p in (path / "zeroshard-swap").glob(f"rank{rank}/*")],
-               "later": _fills_later(case, later, rank, device)}
+               "left": [str(p) for path in bad.values() for p in (path / "zeroshard-swap").glob(f"rank{rank}/*")]}
+        if case in FILLED:
+            run["later"] = _fills_later(case, later, rank, device)
+        if case.offload_params == "nvme":
+            run["backward"] = _fault_in_backward(case, good, rank, device)
         run["resumed"] = _resume(case, good, ckpt, rank, device)
         out.append(run)
     return out
@@ -150,6 +154,19 @@ def _fault_in_training(case: Case, good: Path, ckpt: str, rank: int, device) -> 
            "save": _error(lambda: engine.save_checkpoint(ckpt, tag="after_the_fault"))}
     engine.offload.close()
     out["latest"] = (Path(ckpt) / "latest").read_text().strip()
+    return out
+
+
+def _fault_in_backward(case: Case, good: Path, rank: int, device) -> dict:
+    """A parameter shard damaged between a step's forward and its backward, which reads it again."""
+    engine = _engine(case, good, device)
+    _train(engine, case, rank, device, range(SAVED_AT))
+    x, y = micro_batch(SAVED_AT, case, WORLD, rank, 0)
+    loss = loss_of(engine, x, y)
+    victim = _damage(engine, case) if rank == 1 else None
+    out = {"fault": _error(lambda: engine.backward(loss)), "victim": victim,
+           "then": _error(lambda: engine.step())}
+    engine.offload.close()
     return out
 
 
@@ -223,6 +240,8 @@ def test_a_bad_nvme_path_fails_construction_on_every_rank(runs):
 
 def test_a_disk_filled_after_construction_changes_nothing(runs):
     for rank, case, run in _each(runs):
+        if case not in FILLED:
+            continue
         later, reference = run["later"], run["reference"]
         assert later["free"] == (0, 0), f"{case}: the disk must be full before the steps and stay so"
         assert later["losses"] == reference["losses"], (rank, case)
@@ -247,6 +266,16 @@ def test_a_damaged_swap_file_stops_every_rank(runs):
         assert fault["then"]["type"] == "EngineStateError" and "damaged" in fault["then"]["text"], what
         assert fault["save"]["type"] == "EngineStateError", (what, fault["save"])
         assert fault["latest"] == f"global_step{SAVED_AT}", "the failed engine must not save"
+
+
+def test_a_parameter_shard_damaged_before_the_backward_that_reads_it(runs):
+    victim = runs["per_rank"][1][-1]["backward"]["victim"]
+    for rank, per_case in enumerate(runs["per_rank"]):
+        run = per_case[-1]["backward"]
+        assert run["fault"]["type"] == "OffloadError", run["fault"]
+        assert re.search(r"reading the parameter shards of unit '.*' from disk failed on rank 1, and every rank "
+                         rf"stops there: rank 1: swap file {re.escape(victim)} is damaged", run["fault"]["text"])
+        assert run["then"]["type"] == "EngineStateError" and "damaged" in run["then"]["text"], run["then"]
 
 
 def test_the_checkpoint_saved_before_the_faults_resumes_bitwise(runs):

@@ -29,14 +29,23 @@ from zeroshard.offload import OffloadError
 T = TypeVar("T")
 
 
-def agreed(comm: Comm, work: Callable[[], T], what: str, device: torch.device) -> T:
-    """`work()` on this rank, then `agree` on how it went: its result, or OffloadError on every rank."""
+def agreed(comm: Comm, work: Callable[[], T], what: str, device: torch.device,
+           undo: Callable[[T], object] | None = None) -> T:
+    """`work()` on this rank, then `agree` on how it went: its result, or OffloadError on every rank.
+
+    `undo(result)` runs on a rank whose work succeeded when another rank's failed (closing what it opened).
+    """
     result, problem = None, None
     try:
         result = work()
     except Exception as exc:  # any failure: the other ranks must hear of it before their next collective
         problem = exc
-    agree(comm, problem, what, device)
+    try:
+        agree(comm, problem, what, device)
+    except OffloadError:
+        if problem is None and undo is not None:
+            undo(result)
+        raise
     return result
 
 

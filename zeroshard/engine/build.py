@@ -82,7 +82,7 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     groups = trainable_groups(model, optimizer)  # before any change: a failure leaves all as it was
     check_ranks_agree(comm, model, optimizer, config.to_dict())
     # Opened before the units: each unit's shards go to the host or disk as soon as it is built.
-    stream = agreed(comm, lambda: OffloadBuild(config, comm, optimizer), _SETUP, device)
+    stream = agreed(comm, lambda: OffloadBuild(config, comm, optimizer), _SETUP, device, undo=OffloadBuild.close)
     with stream.closed_on_error():  # a retry on the same nvme_path finds the swap directories free
         names, units, schedule, buckets, pool = _build_flats(model, optimizer, groups, config, comm, precision,
                                                              switches, init, device, stream)

@@ -100,15 +100,20 @@ class OffloadBuild:
         self._stream_masters = self.opt_swap is not None and not optimizer.state
         self._units = self._buckets = self._in_cpu = 0  # units and buckets seen; shard elements kept on the host
 
+    def close(self) -> None:
+        """Delete the swap files and release the directories: construction failed (here or on another rank).
+        At once, not when the exception's frames are collected: a retry in this process on the same
+        nvme_path would find them in use."""
+        for swap in self.swaps.values():
+            swap.close()
+
     @contextmanager
     def closed_on_error(self) -> Iterator[None]:
-        """Close the swap directories if the block raises: their files and locks go at once, not when the
-        exception's frames are collected (a retry in this process on the same nvme_path would find them)."""
+        """`close()` if the block raises."""
         try:
             yield
         except BaseException:
-            for swap in self.swaps.values():
-                swap.close()
+            self.close()
             raise
 
     @property
