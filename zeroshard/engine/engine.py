@@ -270,7 +270,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         # the masters wherever they live and cast each into its parameters.
         if self.offload.swaps:  # a swap file may fail on one rank alone: every rank hears of it first
             agreed(self.cross.world if self.cross else self.comm, lambda: self.offload.tiers.step(grads),
-                   f"the optimizer step at step {self.global_steps} (its swap files)", self._device)
+                   f"the swap-file reads and writes of optimizer step {self.global_steps}", self._device)
         else:
             self.offload.tiers.step(grads)
         if self.lr_scheduler is not None:
