@@ -29,7 +29,8 @@ def filesystem_of(path: Path) -> str:
     return kind
 
 
-def _mount(where: Path, fstype: str, options: str):
+def mount(where: Path, fstype: str, options: str):
+    """Mount a `fstype` at `where` for the life of a fixture (yield from it); skip the test if mounting fails."""
     where.mkdir(parents=True, exist_ok=True)
     done = subprocess.run(["mount", "-t", fstype, "-o", options, fstype, str(where)], capture_output=True, text=True)
     if done.returncode:
@@ -44,25 +45,25 @@ def _mount(where: Path, fstype: str, options: str):
 @pytest.fixture
 def tmpfs(tmp_path):
     """An 8 MiB tmpfs (O_DIRECT: refused before Linux 6.6, accepted as memory copies since)."""
-    yield from _mount(tmp_path / "tmpfs", "tmpfs", "size=8m")
+    yield from mount(tmp_path / "tmpfs", "tmpfs", "size=8m")
 
 
 @pytest.fixture
 def tiny_tmpfs(tmp_path):
     """A 1 MiB tmpfs: a full disk for any swap file larger than that."""
-    yield from _mount(tmp_path / "tiny", "tmpfs", "size=1m")
+    yield from mount(tmp_path / "tiny", "tmpfs", "size=1m")
 
 
 @pytest.fixture
 def ramfs(tmp_path):
     """A ramfs: it refuses O_DIRECT on every kernel, so swap files there fall back to buffered I/O."""
-    yield from _mount(tmp_path / "ramfs", "ramfs", "mode=0755")
+    yield from mount(tmp_path / "ramfs", "ramfs", "mode=0755")
 
 
 @pytest.fixture
 def readonly_fs(tmp_path):
     """A read-only tmpfs: writing there fails even for root (EROFS), unlike permission bits."""
-    yield from _mount(tmp_path / "readonly", "tmpfs", "ro,size=1m")
+    yield from mount(tmp_path / "readonly", "tmpfs", "ro,size=1m")
 
 
 @pytest.fixture

@@ -180,8 +180,9 @@ def test_an_unwritable_root_is_refused(tmp_path):
 def test_a_full_disk_fails_at_file_not_at_write(tiny_tmpfs):
     with SwapDir(tiny_tmpfs, 0) as swap:
         small = swap.file("small", 100_000)
-        with pytest.raises(OffloadError, match=r"no room for swap file .*big: 2097152 bytes, besides the 102400 bytes"
-                                               r".*ENOSPC.*free space on that disk or point nvme_path elsewhere"):
+        with pytest.raises(OffloadError, match=r"no room on nvme_path .* for rank 0's swap file .*big: it needs "
+                                               r"2097152 bytes, besides the 102400 bytes.*ENOSPC.*free space on that "
+                                               r"disk, point nvme_path at a larger one.*device \"cpu\""):
             swap.file("big", 2 << 20)
         assert not (swap.path / "big").exists() and swap.nbytes() == 102_400
         small.write(torch.zeros(25_000)).wait()  # what was allocated still works

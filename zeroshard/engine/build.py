@@ -21,6 +21,7 @@ from zeroshard.comm.topology import build_topology, declared_scope
 from zeroshard.config import Config
 from zeroshard.core.bucket import Bucket, StageSwitches
 from zeroshard.core.bucketing import bucket_params
+from zeroshard.core.faults import agreed
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import local
 from zeroshard.core.optim import shard_optimizer
@@ -31,7 +32,6 @@ from zeroshard.engine.agreement import check_ranks_agree
 from zeroshard.engine.memory_fit import check_states_fit
 from zeroshard.engine.offload import Offload, OffloadBuild, offload_choice
 from zeroshard.engine.validate import check_device_matches_group, check_model, device_of, mark_wrapped, trainable_groups
-from zeroshard.offload import OffloadError
 from zeroshard.stage3.gathered import Placement, place
 from zeroshard.stage3.gathers import Gathers
 from zeroshard.stage3.generation import sync_generation
@@ -41,6 +41,8 @@ from zeroshard.stage3.schedule import GatherSchedule
 from zeroshard.stage3.unit import Unit, build_units
 from zeroshard.stage3.wrapping import plan_units, unit_modules
 
+# What a rank that cannot open or fill its swap files was doing, in the error every rank raises.
+_SETUP = "setting up offload"
 # Devices whose torch optimizers have fused kernels for Adam, AdamW and SGD.
 _FUSED_DEVICES = {"cpu", "cuda"}
 
@@ -84,7 +86,25 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     check_ranks_agree(comm, model, optimizer, config.to_dict())
     check_states_fit(comm, config, optimizer, device, [local(p) for g in groups for p in g])
     # Opened before the units: each unit's shards go to the host or disk as soon as it is built.
-    stream = _agreed(comm, lambda: OffloadBuild(config, comm, optimizer, grads_on_disk))
+    stream = agreed(comm, lambda: OffloadBuild(config, comm, optimizer, grads_on_disk), _SETUP, device,
+                    undo=OffloadBuild.close)
+    with stream.closed_on_error():  # a retry on the same nvme_path finds the swap directories free
+        names, units, schedule, buckets, pool = _build_flats(model, optimizer, groups, config, comm, precision,
+                                                             switches, init, device, stream)
+        offload = agreed(comm, lambda: stream.finish(optimizer, buckets, units), _SETUP, device)
+    reducer = _build_reducer(buckets, units, schedule, comm, pool, config.zero_optimization.overlap_comm, names)
+    for t, target in enumerate(reducer.targets):
+        for i, p in enumerate(target.params):
+            p.register_post_accumulate_grad_hook(lambda _p, t=t, i=i: on_grad(t, i))
+    _place_params(model, comm, buckets, units, schedule)
+    return Parts(comm, device, precision, switches, names, buckets, units, schedule, pool, reducer, offload)
+
+
+def _build_flats(model: nn.Module, optimizer: torch.optim.Optimizer, groups: list[list[nn.Parameter]],
+                 config: Config, comm: Comm, precision: Precision, switches: StageSwitches,
+                 init: Callable[[nn.Module], None] | None, device: torch.device, stream: OffloadBuild):
+    """The flat buffers (stage 3: the units and their schedule), staging, the optimizer pointed at the masters:
+    (names, units, schedule, buckets, pool)."""
     # Before mark_wrapped: its checks (zeroshard.pretrained's keys and shapes) fail with the model still free
     # for the retry their message suggests.
     materialize = Materializer.for_model(model, init, device) if on_meta(model) else None
@@ -94,7 +114,8 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     choose = offload_choice(config, sum(local(p).numel() for g in groups for p in g))
     if switches.shard_params:
         gathers, qgz = zeropp(comm, config)
-        built = (lambda unit: _agreed(comm, lambda: stream.unit_built(unit))) if stream.streams else None
+        built = ((lambda unit: agreed(comm, lambda: stream.unit_built(unit), _SETUP, device))
+                 if stream.streams else None)
         units, schedule = _build_units(model, groups, config, gathers, qgz, precision, materialize, choose, built)
         buckets = [b for unit in units for b in unit.buckets]
     else:
@@ -107,29 +128,7 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     pool = StagingPool(block_numel=0 if schedule else max((b.flat.padded_numel for b in buckets), default=0))
     shard_optimizer(optimizer, [[b for b in buckets if b.param_group == i] for i in range(len(groups))],
                     fuse=device.type in _FUSED_DEVICES)
-    offload = _agreed(comm, lambda: stream.finish(optimizer, buckets, units))
-    reducer = _build_reducer(buckets, units, schedule, comm, pool, config.zero_optimization.overlap_comm, names)
-    for t, target in enumerate(reducer.targets):
-        for i, p in enumerate(target.params):
-            p.register_post_accumulate_grad_hook(lambda _p, t=t, i=i: on_grad(t, i))
-    _place_params(model, comm, buckets, units, schedule)
-    return Parts(comm, device, precision, switches, names, buckets, units, schedule, pool, reducer, offload)
-
-
-def _agreed(comm: Comm, build_part: Callable):
-    """Run `build_part` on every rank; if it raised on any, raise on every rank (a full disk on one rank
-    must not leave the others waiting in their first collective)."""
-    result, error = None, None
-    try:
-        result = build_part()
-    except Exception as exc:  # any failure: the other ranks must hear of it before they go on
-        error = exc
-    failures = [f for f in all_gather_object(comm, None if error is None else f"rank {comm.rank}: {error}") if f]
-    if error is not None:
-        raise error
-    if failures:
-        raise OffloadError("offload could not be set up on another rank: " + "; ".join(failures))
-    return result
+    return names, units, schedule, buckets, pool
 
 
 def _build_buckets(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, comm: Comm,

@@ -10,7 +10,10 @@ values. Gradients are reduced in `communication_data_type` and summed over
 micro-steps in fp32. A step is: the step check (one all-gather of each
 rank's gradient squares, non-finite flag and counters, `core/grad_norm.py`),
 unscale and clip in one multiply, optimizer step on the fp32 master, cast to
-16 bits, all-gather (stages 1-2).
+16 bits, all-gather (stages 1-2). With swap files (offload to disk), the
+ranks agree after the optimizer step that every rank's reads and writes
+succeeded (`core/faults.py`) before that all-gather: a damaged swap file on
+one rank raises `OffloadError` on every rank and leaves the engine FAILED.
 
 A step whose gradients hold inf or nan on any rank is not applied on any
 rank (weights, masters, optimizer state and LR scheduler untouched, the
@@ -36,6 +39,7 @@ import torch.nn as nn
 from zeroshard.comm import CollectiveError, OpStats, wait_all
 from zeroshard.comm.entry import enter
 from zeroshard.config import Config
+from zeroshard.core.faults import agreed
 from zeroshard.core.grad_norm import NonFiniteError, NonFiniteSkips, StepCheck, check_step, clip_coefficient
 from zeroshard.core.local import local
 from zeroshard.core.memory import model_state_bytes, total
@@ -50,6 +54,7 @@ from zeroshard.engine.grad_sync import GradSyncMethods
 from zeroshard.engine.state import EngineStateError, TrainingState
 from zeroshard.engine.validate import check_mesh_config
 from zeroshard.errors import ZeroshardError
+from zeroshard.offload import OffloadError
 from zeroshard.parallel.cross import CrossParallel
 from zeroshard.parallel.mesh import Mesh
 from zeroshard.stage3.gathered import full_state_dict
@@ -119,6 +124,9 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
             return self.module(*args, **kwargs)
         except CollectiveError as exc:  # a stage-3 gather failed: ranks are out of step
             self.fail(f"a collective failed in forward ({exc})")
+            raise
+        except OffloadError as exc:  # a unit's shards on disk could not be read (every rank raised it)
+            self.fail(f"a parameter shard on disk could not be read in forward ({exc})")
             raise
         except BaseException:  # the model's own error (every rank's, or the stall watch says): free the units
             if self.schedule is not None:
@@ -270,7 +278,11 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         # The optimizer sees gradients only during its step, so the user's optimizer.zero_grad()
         # between micro-steps cannot touch the window's accumulating gradients. The tiers step it over
         # the masters wherever they live and cast each into its parameters.
-        self.offload.tiers.step(grads, coef)
+        if self.offload.swaps:  # a swap file may fail on one rank alone: every rank hears of it first
+            agreed(self.cross.world if self.cross else self.comm, lambda: self.offload.tiers.step(grads, coef),
+                   f"the swap-file reads and writes of optimizer step {self.global_steps}", self._device)
+        else:
+            self.offload.tiers.step(grads, coef)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._gather_params()

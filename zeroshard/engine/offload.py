@@ -15,14 +15,17 @@ From the config's `offload_optimizer` (stages 1-3) and `offload_param` (stage 3)
 
 Every rank builds the same tiers (the choice depends only on the model and
 the config); a rank that cannot open or fill its swap files raises, and the
-construction's agreement makes every rank raise with it.
+construction's agreement (`core/faults.py`) makes every rank raise with it.
+Every swap file is allocated here, at its full size (`SwapDir.file`
+fallocates it): a step never needs new space on the disk.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -105,6 +108,22 @@ class OffloadBuild:
         # when it is pointed at them: its masters go out in `finish`, with their state.
         self._stream_masters = self.opt_swap is not None and not optimizer.state
         self._units = self._buckets = self._in_cpu = 0  # units and buckets seen; shard elements kept on the host
+
+    def close(self) -> None:
+        """Delete the swap files and release the directories: construction failed (here or on another rank).
+        At once, not when the exception's frames are collected: a retry in this process on the same
+        nvme_path would find them in use."""
+        for swap in self.swaps.values():
+            swap.close()
+
+    @contextmanager
+    def closed_on_error(self) -> Iterator[None]:
+        """`close()` if the block raises."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def streams(self) -> bool:

@@ -9,8 +9,10 @@ from zeroshard.errors import ZeroshardError
 
 # The fix for each errno a swap file may meet; the others get the generic one.
 _FIXES = {
-    errnos.ENOSPC: "free space on that disk or point nvme_path elsewhere",
-    errnos.EDQUOT: "raise the disk quota or point nvme_path elsewhere",
+    errnos.ENOSPC: ("free space on that disk, point nvme_path at a larger one (every rank of the machine keeps "
+                    "its own swap files there), or offload to the host instead (device \"cpu\") if it has the "
+                    "memory; `zeroshard estimate --offload-optimizer nvme` prints each rank's disk pool"),
+    errnos.EDQUOT: "raise the disk quota, point nvme_path elsewhere, or offload to the host instead (device \"cpu\")",
     errnos.EACCES: "give this user write permission there, or point nvme_path elsewhere",
     errnos.EPERM: "give this user write permission there, or point nvme_path elsewhere",
     errnos.EROFS: "the filesystem is mounted read-only: point nvme_path at a writable disk",

@@ -174,9 +174,10 @@ class SwapDir:
             free = f"{st.f_bavail * st.f_frsize} bytes are free there"
         except OSError:
             free = "the free space is unknown"
-        return OffloadError(f"no room for swap file {path}: {size} bytes, besides the {self.nbytes()} bytes of this "
-                            f"rank's swap files already allocated; {free} ({errno_name(exc.errno)}); "
-                            f"{fix_for(exc.errno)}", path=path, errno=exc.errno)
+        return OffloadError(f"no room on nvme_path {self.root} for rank {self.rank}'s swap file {path}: it needs "
+                            f"{size} bytes, besides the {self.nbytes()} bytes of this rank's swap files already "
+                            f"allocated; {free} ({errno_name(exc.errno)}); {fix_for(exc.errno)}", path=path,
+                            errno=exc.errno)
 
     def buffers(self) -> list[torch.Tensor]:
         """The worker threads' bounce buffers: host memory of this SwapDir (declared staging of the host pool)."""

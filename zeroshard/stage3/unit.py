@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from zeroshard.comm import Comm, PendingGroup, Qgz, broadcast
 from zeroshard.core.bucket import FP32, Bucket, StageSwitches
+from zeroshard.core.faults import agreed
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.precision import Precision
 from zeroshard.core.staging import StagingPool
@@ -69,6 +70,7 @@ class Unit:
         """
         if self.state is UnitState.GATHERING or self.whole:
             raise RuntimeError(f"unit '{self.name}' is {self.state.value}: it cannot start another gather")
+        self._wait_shards(gathers.comm)
         self._gather = PendingGroup([gathers.start(flat, exact, what=f"unit '{self.name}'")
                                      for flat in self.gathered_flats])
         self.quantized = gathers.quantizes(exact)
@@ -80,6 +82,14 @@ class Unit:
             for flat in self.gathered_flats:
                 if flat.shard_swap is not None:
                     flat.shard_swap.read()
+
+    def _wait_shards(self, comm: Comm) -> None:
+        """Shards on disk (parameter offload): wait for their reads, and agree that every rank's landed before
+        any rank starts the gather (a rank whose read failed would never join it; `core/faults.py`)."""
+        swaps = [flat.shard_swap for flat in self.gathered_flats if flat.shard_swap is not None]
+        if swaps:
+            agreed(comm, lambda: [swap.wait() for swap in swaps],
+                   f"reading the parameter shards of unit '{self.name}' from disk", self.gathered_flats[0].device)
 
     def wait_gather(self) -> None:
         """GATHERING -> GATHERED."""
