@@ -24,6 +24,9 @@ only; S_p = ceil((Ψ - P) / N), the sharded parameters.
 - host, optimizer "cpu": grads 4O (the fp32 gradient shard the CPU step
   reads, micro-steps summed into it), master 4O (fp32, a tensor of its own
   even in fp32 training: the device keeps the parameters), optimizer KO.
+  With `delayed_update` at stages 2-3, grads 8O: the CPU step of one step
+  reads its own copy of the shard while the next step's backward sums into
+  it (stage 1's 4O already is such a copy: the window sums on the device).
   "nvme": grads 4O, staging buffer_count × (4 + K) × min(sub_group_size, O)
   (the buffers a sub-group's master and state are read into).
   Parameters "cpu": params pS_p; "nvme": params p·min(max_in_cpu, S_p) and
@@ -86,6 +89,7 @@ class Offload:
     param_buffer_count: int = PARAM_BUFFER_COUNT
     param_buffer_size: int = PARAM_BUFFER_SIZE
     max_in_cpu: int = MAX_IN_CPU
+    delayed_update: bool = False  # the CPU step reads its own copy of the gradient shard (stages 2-3)
     host_mem: int | None = None
     disk_mem: int | None = None
 
@@ -98,7 +102,8 @@ class Offload:
         return {"offload_optimizer": self.optimizer, "offload_param": self.param, "pin_memory": self.pin_memory,
                 "reduce_bucket_size": self.reduce_bucket_size, "buffer_count": self.buffer_count,
                 "sub_group_size": self.sub_group_size, "param_buffer_count": self.param_buffer_count,
-                "param_buffer_size": self.param_buffer_size, "max_in_cpu": self.max_in_cpu}
+                "param_buffer_size": self.param_buffer_size, "max_in_cpu": self.max_in_cpu,
+                "delayed_update": self.delayed_update}
 
 
 def ratio_numel(numel: int, world_size: int, ratio: float) -> int:
@@ -120,7 +125,7 @@ def offload_pool_bytes(
     buffer_count: int = BUFFER_COUNT, sub_group_size: int = SUB_GROUP_SIZE,
     param_buffer_count: int = PARAM_BUFFER_COUNT, param_buffer_size: int = PARAM_BUFFER_SIZE,
     max_in_cpu: int = MAX_IN_CPU, largest_unit: int = 0, persistent_numel: int = 0, hpz_partition_size: int = 1,
-    pin_memory: bool = False, param_pin_memory: bool | None = None,
+    pin_memory: bool = False, param_pin_memory: bool | None = None, delayed_update: bool = False,
 ) -> dict:
     """Bytes one rank holds per pool and kind: {"device", "host", "disk": {kind: bytes}, "pinned": bytes}.
 
@@ -132,11 +137,13 @@ def offload_pool_bytes(
     ratio). `largest_unit`, `persistent_numel` and `hpz_partition_size`
     count at stage 3 only. `pin_memory` is the optimizer block's,
     `param_pin_memory` the parameter block's (None: `pin_memory`).
+    `delayed_update`: the optimizer block's; the CPU step's gradient copy
+    is host memory only the CPU reads (never pinned).
     """
     shard = shard_numel(numel, world_size)
     off = 0 if offload_optimizer == "none" else (shard if offloaded_numel is None else offloaded_numel)
     _check(numel, stage, shard, offload_optimizer, offload_param, offloaded_numel, off, persistent_numel,
-           hpz_partition_size)
+           hpz_partition_size, delayed_update)
     persistent = persistent_numel if stage == 3 else 0
     param_shard = shard_numel(numel - persistent, world_size)  # S_p
     base = model_state_bytes(numel, world_size, stage, param_bytes, grad_bytes, master_bytes, optimizer_bytes,
@@ -159,6 +166,7 @@ def offload_pool_bytes(
     pin_params = pin_memory if param_pin_memory is None else param_pin_memory
     pinned = (pin_memory * (host["grads"] + host["master"] + staging["optimizer"])
               + pin_params * (host["params"] + staging["params"]))
+    host["grads"] += FP32_BYTES * off * (delayed_update and stage >= 2)
     return {"device": device, "host": host, "disk": disk, "pinned": int(pinned)}
 
 
@@ -175,7 +183,8 @@ def _off_device(offload_optimizer: str, offload_param: str, off: int, param_byte
 
 
 def _check(numel: int, stage: int, shard: int, offload_optimizer: str, offload_param: str,
-           offloaded_numel: int | None, off: int, persistent_numel: int, hpz_partition_size: int) -> None:
+           offloaded_numel: int | None, off: int, persistent_numel: int, hpz_partition_size: int,
+           delayed_update: bool) -> None:
     for name, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
         if device not in DEVICES:
             raise ValueError(f"{name} must be one of {', '.join(DEVICES)}; got '{device}'")
@@ -184,6 +193,8 @@ def _check(numel: int, stage: int, shard: int, offload_optimizer: str, offload_p
                          "got stage 0")
     if offload_param != "none" and stage != 3:
         raise ValueError(f"offload_param needs ZeRO stage 3 (only stage 3 shards the parameters); got stage {stage}")
+    if offload_optimizer == "none" and delayed_update:
+        raise ValueError("delayed_update needs an offloaded optimizer: give offload_optimizer 'cpu' or 'nvme'")
     if offload_optimizer == "none" and offloaded_numel:
         raise ValueError(f"offloaded_numel {offloaded_numel} without an offloaded optimizer: give "
                          "offload_optimizer 'cpu' or 'nvme', or leave offloaded_numel out")
