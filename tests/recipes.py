@@ -44,6 +44,7 @@ class Case:
     offload_params: str = "none"  # stage 3: offload_param's device
     nvme_path: str = ""  # where "nvme" swap files go
     ratio: float = 1.0  # offload_optimizer's ratio
+    delayed: int | None = None  # offload_optimizer.delayed_update on, with this many warm-up steps
 
     def config(self) -> dict:
         precision = {} if self.dtype == "fp32" else {self.dtype: {"enabled": True}}
@@ -65,7 +66,8 @@ class Case:
         blocks = {}
         if self.offload != "none":
             blocks["offload_optimizer"] = {"device": self.offload, "ratio": self.ratio} | (
-                {"nvme_path": self.nvme_path} if self.offload == "nvme" else {})
+                {"nvme_path": self.nvme_path} if self.offload == "nvme" else {}) | (
+                {"delayed_update": True, "delayed_update_warmup": self.delayed} if self.delayed is not None else {})
         if self.offload_params != "none":
             blocks["offload_param"] = {"device": self.offload_params} | (  # every shard on disk, none kept in cpu
                 {"nvme_path": self.nvme_path, "max_in_cpu": 0} if self.offload_params == "nvme" else {})

@@ -44,7 +44,7 @@ DEFAULTS = {
         "stage3_prefetch_bucket_size": 50_000_000,
         "offload_optimizer": {"device": "none", "nvme_path": None, "pin_memory": False, "buffer_count": 4,
                               "ratio": 1.0, "fast_init": False, "pipeline_read": False, "pipeline_write": False,
-                              "delayed_update": False},
+                              "delayed_update": False, "delayed_update_warmup": 20},
         "offload_param": {"device": "none", "nvme_path": None, "pin_memory": False, "buffer_count": 5,
                           "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000},
         "sub_group_size": 1_000_000_000,

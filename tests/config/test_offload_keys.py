@@ -43,7 +43,8 @@ def test_defaults_are_deepspeeds_and_disabled():
     assert opt == OffloadOptimizerConfig() and param == OffloadParamConfig() and config.aio == AioConfig()
     assert not opt.enabled and not param.enabled
     assert (opt.device, opt.nvme_path, opt.pin_memory, opt.buffer_count, opt.ratio, opt.fast_init, opt.pipeline_read,
-            opt.pipeline_write, opt.delayed_update) == ("none", None, False, 4, 1.0, False, False, False, False)
+            opt.pipeline_write, opt.delayed_update, opt.delayed_update_warmup) == (
+        "none", None, False, 4, 1.0, False, False, False, False, 20)
     assert (param.device, param.nvme_path, param.pin_memory, param.buffer_count, param.buffer_size,
             param.max_in_cpu) == ("none", None, False, 5, 100_000_000, 1_000_000_000)
     aio = config.aio
@@ -61,8 +62,8 @@ def test_every_field_documents_its_deepspeed_key():
 def test_every_key_is_parsed():
     raw = {**zero(3, sub_group_size=1e7,
                   offload_optimizer={"device": "nvme", "nvme_path": "/nvme/opt", "pin_memory": True, "buffer_count": 8,
-                                     "ratio": 0.25, "fast_init": True, "pipeline_read": True, "pipeline_write": True,
-                                     "delayed_update": True},
+                                     "fast_init": True, "pipeline_read": True, "pipeline_write": True,
+                                     "delayed_update": True, "delayed_update_warmup": 3},
                   offload_param={"device": "nvme", "nvme_path": "/nvme/param", "pin_memory": True, "buffer_count": 6,
                                  "buffer_size": 1e6, "max_in_cpu": 0}),
            "aio": {"block_size": 262144, "queue_depth": 32, "thread_count": 2, "single_submit": True,
@@ -70,8 +71,8 @@ def test_every_key_is_parsed():
     config, report = Config.load_with_report(raw)
     z = config.zero_optimization
     assert z.offload_optimizer == OffloadOptimizerConfig(
-        device="nvme", nvme_path="/nvme/opt", pin_memory=True, buffer_count=8, ratio=0.25, fast_init=True,
-        pipeline_read=True, pipeline_write=True, delayed_update=True)
+        device="nvme", nvme_path="/nvme/opt", pin_memory=True, buffer_count=8, fast_init=True,
+        pipeline_read=True, pipeline_write=True, delayed_update=True, delayed_update_warmup=3)  # ratio < 1 refused with it
     assert z.offload_param == OffloadParamConfig(device="nvme", nvme_path="/nvme/param", pin_memory=True,
                                                  buffer_count=6, buffer_size=1_000_000, max_in_cpu=0)
     assert z.offload_optimizer.enabled and z.offload_param.enabled and z.sub_group_size == 10_000_000
@@ -171,6 +172,13 @@ def test_delayed_update_needs_an_offloaded_optimizer():
         "zero_optimization.offload_optimizer.delayed_update true needs an offloaded optimizer (it overlaps the CPU "
         'step with the next forward): set offload_optimizer.device "cpu" or "nvme", or remove delayed_update']
     assert Config.load(zero(2, offload_optimizer={"device": "cpu", "delayed_update": True}))
+
+
+def test_delayed_update_needs_the_whole_optimizer_state_offloaded():
+    assert problems(zero(2, offload_optimizer={"device": "cpu", "ratio": 0.5, "delayed_update": True})) == [
+        "zero_optimization.offload_optimizer.delayed_update true needs the whole optimizer state offloaded, not "
+        "ratio 0.5: the part kept on the device is stepped in place, in the parameters the next forward reads "
+        "while the delayed step runs; set offload_optimizer.ratio 1, or remove delayed_update"]
 
 
 @pytest.mark.parametrize("zeropp, named", [

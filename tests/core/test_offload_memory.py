@@ -49,11 +49,15 @@ def test_pools_match_formula_and_storage(world, tmp_path):
         Case(stage=3, offload="nvme", offload_params="nvme", **disk),
         Case(stage=2, offload="cpu", ratio=0.5),
         Case(stage=2, accumulation=2, offload="nvme", **disk),
+        # The delayed update's CPU step reads its own copy of the gradient shard (stage 1 has one already).
+        Case(stage=1, offload="cpu", delayed=0),
+        Case(stage=3, offload="nvme", offload_params="nvme", delayed=0, **disk),
     ]
     cases = [dataclasses.replace(c, optimizer="adamw") for c in cases]
     for case, padded, offloaded, steps, pools, held in run_ranks(_measure, world, cases)[0]:
         want = offload_pool_bytes(padded, world, case.stage, offload_optimizer=case.offload,
-                                  offload_param=case.offload_params, offloaded_numel=offloaded, max_in_cpu=0)
+                                  offload_param=case.offload_params, offloaded_numel=offloaded, max_in_cpu=0,
+                                  delayed_update=case.delayed is not None)
         for pool in ("device", "host", "disk"):
             for kind in KINDS:
                 # Adam's step counters, 4 bytes per master, in memory beside it (the host for a disk master).

@@ -132,6 +132,17 @@ def test_everything_on_disk():
     assert pool_totals(out) == {"device": 24, "host": 24, "disk": 54}
 
 
+def test_delayed_update_gives_the_cpu_step_its_own_gradient_copy_at_stages_2_and_3():
+    for stage in (2, 3):
+        plain = pools(stage, offload_optimizer="cpu", pin_memory=True)
+        delayed = pools(stage, offload_optimizer="cpu", pin_memory=True, delayed_update=True)
+        assert delayed["host"] == {**plain["host"], "grads": 4 * S + 4 * S}  # the shard the backward sums into, the copy
+        assert delayed["device"] == plain["device"] and delayed["disk"] == plain["disk"]
+        assert delayed["pinned"] == plain["pinned"]  # only the CPU reads the copy
+    # Stage 1 sums the window on the device: its host shard already is the CPU step's own.
+    assert pools(1, offload_optimizer="nvme", delayed_update=True) == pools(1, offload_optimizer="nvme")
+
+
 # -- pinned host memory -------------------------------------------------------------------------------------
 
 
@@ -153,6 +164,7 @@ def test_pinned_is_every_host_tensor_the_device_copies_not_the_moments():
     ({"stage": 2, "offload_optimizer": "disk"}, "must be one of none, cpu, nvme"),
     ({"stage": 2, "offload_optimizer": "cpu", "offloaded_numel": S + 1}, "between 0 and the rank's shard, 3"),
     ({"stage": 2, "offloaded_numel": 1}, "without an offloaded optimizer"),
+    ({"stage": 2, "delayed_update": True}, "delayed_update needs an offloaded optimizer"),
     ({"stage": 3, "offload_param": "cpu", "hpz_partition_size": 2}, "hpZ"),
     ({"stage": 3, "persistent_numel": PSI + 1}, "persistent_numel"),
 ])

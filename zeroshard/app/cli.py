@@ -19,6 +19,7 @@ from zeroshard.app import cli_estimate, compare
 from zeroshard.app.flags import add_command, add_dtype, add_group, add_nproc, positive_int
 from zeroshard.app.models import PRESETS
 from zeroshard.app.train import add_arguments, engine_config, to_argv
+from zeroshard.app.train_offload import OffloadFlagError
 from zeroshard.app.train_mesh import flag_error, resolve_defaults
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.consolidate import write
@@ -36,6 +37,11 @@ examples:
   zeroshard config check ds_config.json --world-size 8
                                            validate a DeepSpeed config, print what zeroshard will use
   zeroshard train --dtype bf16             bf16 parameters, fp32 master weights: 2+2+12 bytes per parameter
+  zeroshard train --offload cpu            ZeRO-Offload: fp32 masters and AdamW state in host memory, stepped on
+                                           the CPU; the report shows the device, host and disk pools per rank
+  zeroshard train --stage 3 --offload nvme --offload-params
+                                           ZeRO-Infinity: optimizer state and parameter shards in swap files
+                                           (under --nvme-path DIR; default: a temp directory, removed after)
   zeroshard train --save-every 50          sharded checkpoints in ./checkpoints; after a stop, go on with
   zeroshard train --save-every 50 --resume checkpoints   (any --nproc or --stage reads them)
   zeroshard consolidate checkpoints model.safetensors   one state dict for the plain model
@@ -223,6 +229,8 @@ def _check_config(args: argparse.Namespace) -> None:
     """Reject a --config file (with the flags on top) before launching ranks that would all fail."""
     try:
         engine_config(argparse.Namespace(**vars(args)))  # a copy: it fills in the resolved values
+    except OffloadFlagError as error:
+        args.command_parser.error(str(error))
     except ConfigError as error:
         args.command_parser.error(f"argument --config: {error}")
 

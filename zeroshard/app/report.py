@@ -15,6 +15,8 @@ from rich.text import Text
 import zeroshard
 from zeroshard import estimate
 from zeroshard.app.model_count import stage3_flats
+from zeroshard.app.train_offload import offloaded, pool_formula
+from zeroshard.estimate.offload import POOLS
 from zeroshard.estimate.zeropp import ZeroPP, hpz_secondary_bytes, stage3_comm_bytes, stage3_comm_calls
 
 _STEP_COUNTER_BYTES = 4  # torch's Adam(W) keeps one fp32 `step` tensor per optimizer tensor
@@ -25,17 +27,26 @@ def formulas(psi: int, world: int, args: argparse.Namespace, engine: zeroshard.E
 
     `psi` is the padded Ψ the ranks split; the engine's flat buffers hold one
     Adam step counter each, and its precision sets the bytes per element.
+    With offload, the memory is the three pools' sum (`offload_pools`).
     The step check (gradient norm, non-finite flag, counters) is its own op:
     `estimate.step_check_bytes`.
     """
     memory = estimate.model_state_bytes(psi, world, args.stage, **_bytes_per_element(engine, args),
                                         optimizer_scalar_bytes=_STEP_COUNTER_BYTES * len(engine.buckets))
+    if offloaded(engine.config):
+        pools = offload_pools(engine, args)
+        memory = {kind: sum(pools[pool][kind] for pool in POOLS) for kind in memory}
     comm = estimate.comm_bytes_per_step(
         psi, args.stage, elem_bytes=engine.precision.param_dtype.itemsize, reduce_scatter=args.reduce_scatter,
         accumulation=args.accumulation, reduce_bytes=engine.precision.reduce_dtype.itemsize)
     if _zeropp(engine.config).on:  # quantized and node-local collectives: the exact formula of each unit
         comm |= {op: sum(scopes.values()) for op, scopes in stage3_scopes(engine, args).items()}
     return memory, comm
+
+
+def offload_pools(engine: zeroshard.Engine, args: argparse.Namespace) -> dict:
+    """Each pool's bytes per rank by kind (device, host, disk; and pinned), as estimate/offload.py has them."""
+    return pool_formula(engine, _bytes_per_element(engine, args))
 
 
 def _zeropp(config: zeroshard.Config) -> ZeroPP:
@@ -87,11 +98,13 @@ def report_figures(engine: zeroshard.Engine, args: argparse.Namespace, config: z
         "buckets": len(engine.buckets), "steps": args.steps, "first_step": result.first_step, "tokens_per_step": tokens,
         "losses": result.losses, "lr": result.lrs, "step_seconds": result.step_seconds,
         "tokens_per_second": [tokens / s for s in result.step_seconds],
-        "memory_stats": [m for m, _ in everyone],
+        "memory_stats": [m for m, _, _ in everyone],
+        "memory_pools": [pools for *_, pools in everyone],  # memory_stats(pool) by rank
         "comm_stats": [{op: {"calls": c, "bytes": b, "by_scope": s} for op, (c, b, s) in ops.items()}
-                       for _, ops in everyone],
+                       for _, ops, _ in everyone],
         "estimate": {"memory": memory, "comm": comm} | ({"order_check": _zeropp_order_check_bytes(engine, args, 1)}
-                                                         if _zeropp(engine.config).on else {}),
+                                                         if _zeropp(engine.config).on else {})
+                    | ({"pools": offload_pools(engine, args)} if offloaded(config) else {}),
         "sample": result.sample,
     }
 
@@ -112,7 +125,10 @@ def print_report(console: Console, engine: zeroshard.Engine, args: argparse.Name
                   f"({sum(u.flat.numel for u in engine.buckets):,} parameters + padding)")
     console.print(Text("sample: ") + Text(result.sample, style="italic"))  # Text: no markup in the sample
     memory, comm = formulas(psi, world, args, engine)
-    console.print(_memory_table(memory, world, engine, args, result.memory, everyone))
+    if offloaded(engine.config):  # model states spread over three pools: each beside its formula
+        console.print(_pools_table(offload_pools(engine, args), [pools for *_, pools in everyone]))
+    else:
+        console.print(_memory_table(memory, world, engine, args, result.memory, everyone))
     console.print(_comm_table(comm, world, engine, args, result.comm_last_step, everyone))
     if args.stage == 3 and (engine.comm.scope == "cross_node" or _zeropp(engine.config).on):
         console.print(_scope_table(engine, args, result.comm_last_step, everyone))
@@ -143,9 +159,31 @@ def _memory_table(formula: dict[str, int], world: int, engine: zeroshard.Engine,
         numeric = name in ("measured", "formula")
         table.add_column(name, justify="right" if numeric else "left", no_wrap=name != "expression")
     for key, expected in formula.items():
-        ok = all(memory[key] == expected for memory, _ in everyone)
+        ok = all(memory[key] == expected for memory, *_ in everyone)
         table.add_row(key, f"{measured[key]:,}", f"{expected:,}", how[key], _match(ok))
     table.add_row("staging", f"{measured['staging']:,}", "-", "communication staging", "")
+    return table
+
+
+def _pools_table(formula: dict, everyone: list[dict]) -> Table:
+    """Each pool's model states: rank 0's `memory_stats(pool)` beside `estimate.offload_pool_bytes`."""
+    table = Table(title="Memory pools per rank (bytes): memory_stats(pool) beside estimate.offload_pool_bytes",
+                  title_justify="left", show_edge=False, caption_justify="left",
+                  caption="ok: every rank equals the formula (host staging, the aligned buffers of disk "
+                          "transfers: at most it); optimizer: AdamW's moments and a 4-byte step counter per "
+                          "master, in memory beside it")
+    for name in ("pool", "state", "measured", "formula", "ok"):
+        table.add_column(name, justify="right" if name in ("measured", "formula") else "left", no_wrap=True)
+    for pool in POOLS:
+        for kind in ("params", "grads", "master", "optimizer"):
+            ok = all(rank[pool][kind] == formula[pool][kind] for rank in everyone)
+            table.add_row(pool, kind, f"{everyone[0][pool][kind]:,}", f"{formula[pool][kind]:,}", _match(ok))
+        if pool == "device":
+            table.add_row(pool, "staging", f"{everyone[0][pool]['staging']:,}", "-", "communication staging")
+        elif pool == "host":
+            ok = all(rank[pool]["staging"] <= formula[pool]["staging"] for rank in everyone)
+            table.add_row(pool, "staging", f"{everyone[0][pool]['staging']:,}", f"≤ {formula[pool]['staging']:,}",
+                          _match(ok))
     return table
 
 
@@ -182,7 +220,7 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
         expected = formula.get(op, 0)
         if expected == 0 and nbytes == 0:
             continue
-        ok = all(comm[op][1] == expected for _, comm in everyone)
+        ok = all(comm[op][1] == expected for _, comm, _ in everyone)
         wire = estimate.wire_bytes(expected, world, "all_gather" if op in ("order_check", "step_check") else op)
         table.add_row(op, str(calls), f"{nbytes:,}", f"{expected:,}", how.get(op, "0"),
                       f"{wire:,.0f}", _match(ok))
@@ -222,6 +260,6 @@ def _scope_table(engine: zeroshard.Engine, args: argparse.Namespace,
     for scope in ("node", "cross_node"):
         for op, scopes in formula.items():
             expected, got = scopes.get(scope, 0), measured[op][3].get(scope, 0)
-            ok = all(comm[op][2].get(scope, 0) == expected for _, comm in everyone)
+            ok = all(comm[op][2].get(scope, 0) == expected for _, comm, _ in everyone)
             table.add_row(scope.replace("_", "-"), op, f"{got:,}", f"{expected:,}", f"{got / m:.3f}", _match(ok))
     return table

@@ -43,6 +43,7 @@ from zeroshard.app.flags import (
 from zeroshard.app.models import GPT, PRESETS
 from zeroshard.app.report import print_report, report_figures
 from zeroshard.app.run_log import StepLog, write_report
+from zeroshard.app.train_offload import add_offload, make_default_nvme_path, offload_keys, remove_default_nvme_path
 from zeroshard.app.train_mesh import MeshUsageError, on_mesh, resolve_defaults, train_on_mesh
 
 log = logging.getLogger(__name__)
@@ -99,10 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "out the LR schedule: give the first run's to reproduce it")
     add_dtype(parser, None, "training dtype: bf16 or fp16 train 16-bit parameters with fp32 master weights "
                             "(fp16 with dynamic loss scaling) (default: fp32, or the config's)")
+    add_offload(parser)  # --offload, --offload-params, --nvme-path: app/train_offload.py
     add_mesh(parser)  # --tp, --pp, --micro-batches: a run on a mesh is app/train_mesh.py's
 
 
-_PATH_FLAGS = ("config", "data", "report", "log_csv", "save_dir", "resume")  # made absolute: workers may start elsewhere
+_PATH_FLAGS = ("config", "data", "report", "log_csv", "save_dir", "resume", "nvme_path")  # made absolute: workers may start elsewhere
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:
@@ -148,6 +150,7 @@ def engine_config(args: argparse.Namespace) -> zeroshard.Config:
         for dtype in ("bf16", "fp16"):
             raw.setdefault(dtype, {})["enabled"] = args.dtype == dtype
     raw["zero_optimization"] |= _zeropp_keys(args)
+    offload_keys(args, raw["zero_optimization"], args.config)
     config = zeroshard.Config.load(raw)
     args.stage, args.reduce_scatter = config.stage, config.zero_optimization.reduce_scatter
     args.micro_batch = config.train_micro_batch_size_per_gpu
@@ -215,6 +218,7 @@ class RunResult:
     # op -> (calls, bytes, algorithms, bytes by scope), last step
     comm_last_step: dict[str, tuple[int, int, set[str], dict[str, int]]]
     memory: dict[str, int]  # memory_stats() after training, bytes
+    pools: dict[str, dict[str, int]]  # memory_stats(pool) after training, bytes, by pool (device, host, disk)
     sample: str
 
 
@@ -228,7 +232,22 @@ def train(args: argparse.Namespace, console: Console | None = None) -> RunResult
         raise UsageError(f"the corpus has {len(corpus.ids)} characters, fewer than the model's "
                          f"context of {model.cfg.block_size} + 1; use a longer --data file")
     config = engine_config(args)
-    engine = zeroshard.initialize(model, optimizer, config)
+    swap_root = make_default_nvme_path(config)
+    if swap_root is not None:
+        log.info("offload: swap files under %s (removed at the end)", swap_root)
+    engine = None
+    try:
+        engine = zeroshard.initialize(model, optimizer, config)
+        return _train(engine, optimizer, corpus, config, args, console)
+    finally:
+        if engine is not None:
+            engine.offload.close()  # this rank's swap files, now (not when the engine is collected)
+        remove_default_nvme_path(swap_root)
+
+
+def _train(engine: zeroshard.Engine, optimizer: torch.optim.Optimizer, corpus: CharCorpus, config: zeroshard.Config,
+           args: argparse.Namespace, console: Console) -> RunResult:
+    """The training loop, then every rank's figures and rank 0's report."""
     schedule = lr_schedule(optimizer, args.steps)  # the engine keeps the optimizer's param groups
     log.info("%s: %s characters, alphabet of %d; GPT '%s' with %s parameters",
              args.data or "King James Bible", f"{len(corpus.ids):,}", corpus.vocab_size,
@@ -239,12 +258,13 @@ def train(args: argparse.Namespace, console: Console | None = None) -> RunResult
     with _progress(console, rank0) as progress, step_log:
         losses, lrs, seconds, comm = _train_loop(engine, schedule, corpus, args, start, progress, step_log)
     memory = engine.memory_stats()
+    pools = {pool: dict(engine.memory_stats(pool)) for pool in ("device", "host", "disk")}
     # Every rank generates (same seed, same text): at stage 3 each forward gathers on all ranks.
-    sample = generate(model, corpus, _prompt(corpus), 80, args.seed)
-    result = RunResult(start + 1, losses, lrs, seconds, comm, memory, sample if rank0 else "")
+    sample = generate(engine.module, corpus, _prompt(corpus), 80, args.seed)
+    result = RunResult(start + 1, losses, lrs, seconds, comm, memory, pools, sample if rank0 else "")
     # Every rank's figures, so the report can say whether all ranks match the formula.
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (result.memory, {op: (c, b, s) for op, (c, b, _, s) in comm.items()}))
+    dist.all_gather_object(everyone, (result.memory, {op: (c, b, s) for op, (c, b, _, s) in comm.items()}, pools))
     if rank0:
         print_report(console, engine, args, result, everyone)
         if args.report is not None:

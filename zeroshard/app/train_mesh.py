@@ -76,6 +76,8 @@ _NOT_ON_A_MESH = {
     "save_every": "--save-every: the mesh demo (--tp/--pp) saves no checkpoints yet: drop --save-every "
                   "(engine.save_checkpoint saves one per model part in a script of your own)",
     "resume": "--resume: the mesh demo (--tp/--pp) saves no checkpoints yet, so it resumes none: drop --resume",
+    "offload": "--offload: the mesh demo (--tp/--pp) does not report offload's memory pools: drop --offload, "
+               "or --tp and --pp",
 }
 
 

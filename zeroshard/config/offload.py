@@ -108,9 +108,18 @@ class OffloadOptimizerConfig(BaseModel):
     # Off by default: it changes the arithmetic (each update uses weights one step stale), which only
     # pays once the CPU step is the bottleneck; the ZeRO-Offload paper turns it on after warm-up.
     delayed_update: StrictBool = Field(False, description=(
-        "ZeRO-Offload's delayed parameter update: the CPU step of step k overlaps the forward of step k+1, "
-        "whose weights are therefore one step stale. Needs device \"cpu\" or \"nvme\". DeepSpeed: none "
-        "(zeroshard only; the ZeRO-Offload paper's DPU)."))
+        "ZeRO-Offload's one-step delayed parameter update: the CPU step of step k runs on a thread of its own "
+        "while step k+1's forward and backward run with the parameters of step k-1; engine.step() at step k+1's "
+        "boundary waits for it, puts it into the parameters, then starts step k+1's. Every gradient is applied "
+        "once, one step late. Checkpoint saves and loads, save_pretrained and engine.flush_update() apply the "
+        "update in flight first. Needs device \"cpu\" or \"nvme\" and ratio 1. DeepSpeed: none (zeroshard "
+        "only; the ZeRO-Offload paper's DPU)."))
+    # The paper keeps the first steps exact, while the gradients change fast; its authors' code (linked from
+    # DeepSpeed issue 1260) delays from the 21st step on.
+    delayed_update_warmup: NonNegativeInt = Field(20, description=(
+        "With delayed_update: optimizer steps (count, skipped ones included) taken without the delay first; "
+        "the update of the step after them is the first applied one step late. DeepSpeed: none (zeroshard "
+        "only; the ZeRO-Offload paper's warm-up)."))
 
     @property
     def enabled(self) -> bool:
@@ -202,6 +211,11 @@ def offload_problems(stage: int, optimizer: OffloadOptimizerConfig, param: Offlo
         problems.append((("offload_optimizer", "delayed_update"), (
             "true needs an offloaded optimizer (it overlaps the CPU step with the next forward): set "
             'offload_optimizer.device "cpu" or "nvme", or remove delayed_update')))
+    elif optimizer.delayed_update and optimizer.ratio < 1:
+        problems.append((("offload_optimizer", "delayed_update"), (
+            f"true needs the whole optimizer state offloaded, not ratio {optimizer.ratio}: the part kept on the "
+            "device is stepped in place, in the parameters the next forward reads while the delayed step "
+            "runs; set offload_optimizer.ratio 1, or remove delayed_update")))
     if param.enabled and zeropp_weights:
         keys = ", ".join(f"{key} {value}".lower() for key, value in zeropp_weights.items())
         why = "; ".join(_ZEROPP_WHY[key] for key in zeropp_weights)

@@ -86,6 +86,7 @@ class Bucket:
         self.param_group = param_group  # index of the optimizer param group its parameters belong to
         self.precision = precision
         self.offload, self._own_master = offload, own_master
+        self.stepping = False  # the delayed update's CPU step is updating the master on its thread
         if switches.shard_params:
             flat.keep_shard_only()
         self.master = self._init_master()  # before the cast: from the model's own values
@@ -96,7 +97,9 @@ class Bucket:
         self.staging: torch.Tensor | None = None
         # 16-bit gradients are summed in fp32 across micro-steps, and an fp32 reduction needs an fp32 buffer.
         fp32_sum = precision.mixed and (accumulation > 1 or precision.reduce_dtype == precision.master_dtype)
-        self.host_grad: torch.Tensor | None = None  # stage 1 with offload: the shard's fp32 gradient on the host
+        # Stage 1 with offload (and stages 2-3 with a delayed update, `copy_grad_for_step`): the fp32 gradient
+        # shard on the host that the optimizer step reads, copied from `grad_shard` at the step.
+        self.host_grad: torch.Tensor | None = None
         # Offload keeps the shard in fp32 on the host; a window of one micro-step is still rounded as on the
         # device (scaled in the reduce dtype, then widened), so offloading changes no bit.
         self._scale_in_reduce_dtype = offload and not fp32_sum
@@ -307,9 +310,17 @@ class Bucket:
         swap.write()
         self._write_behind.add(swap)
 
+    def copy_grad_for_step(self) -> None:
+        """Give the optimizer step a copy of the offloaded gradient shard of its own (`host_grad`, fp32, on
+        the host, taken by `master_grad`): the delayed update's CPU step reads it while the next window's
+        backward sums into `grad_shard` (stage 1's `host_grad` already is such a copy)."""
+        if self.offload and self.host_grad is None:
+            self.host_grad = torch.zeros(self.flat.shard_numel, dtype=self.precision.master_dtype, device="cpu")
+
     def master_grad(self) -> torch.Tensor:
         """`grad_shard` in the master's dtype, for the optimizer (a new tensor when gradients are 16-bit;
-        with offload at stage 1, copied into `host_grad`; on disk, the tensor its sub-group reads back)."""
+        with `host_grad` (offload at stage 1, or `copy_grad_for_step`), copied into it; on disk, the tensor
+        its sub-group reads back)."""
         if self.host_grad is not None:
             return self.host_grad.copy_(self.grad_shard)
         if self.grad_swap is not None and not self._accumulated:  # no reduction reached it: zeros
@@ -337,6 +348,10 @@ class Bucket:
         """After the parameters were edited outside training: start the master from them (16-bit:
         the master takes their rounded values; in fp32 they are the master already)."""
         own = self._own_params()
+        if self.stepping:
+            raise RuntimeError(f"{self.name}: the delayed update (offload_optimizer.delayed_update) is stepping its "
+                               "master on another thread, so parameters cannot be edited now; call "
+                               "engine.flush_update() on every rank first")
         if self.master.numel() != own.numel():
             raise RuntimeError(f"{self.name}: its master is on disk (offload_optimizer nvme), so parameters "
                                "cannot be edited in place; load them through a checkpoint instead")

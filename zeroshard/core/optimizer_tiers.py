@@ -111,30 +111,39 @@ class OptimizerTiers:
         """Before the step reads the gradients: every gradient shard's write landed (none in flight)."""
         self.write_behind.drain()
 
-    def step(self, grads: list[torch.Tensor], coef: float = 1.0) -> None:
+    def step(self, grads: list[torch.Tensor], coef: float = 1.0, optimizer: torch.optim.Optimizer | None = None,
+             cast: bool = True) -> None:
         """One optimizer step: device and host buckets in one call, disk buckets sub-group by sub-group;
         every bucket's parameters take its updated master (`cast_master_to_params`). `coef`: the unscale and
-        clip factor the caller applied to `grads` in memory, applied here to the gradients read from disk."""
+        clip factor the caller applied to `grads` in memory, applied here to the gradients read from disk.
+
+        `cast` False (the delayed update, on a thread of its own while the next forward runs): the masters
+        and the optimizer state only, stepped by `optimizer` (a copy of the groups' settings as they were,
+        `core/delayed_update.py`); nothing a forward reads is touched, and `cast_to_params` follows later.
+        """
+        optimizer = optimizer or self.optimizer
         in_memory = [i for i in range(len(self.buckets)) if i not in self.swaps]
-        self._step_buckets(in_memory, grads)
-        self._settle(in_memory)
-        for group in self.resident_groups(write=True, grads=True):
+        self._step_buckets(in_memory, grads, optimizer, cast)
+        if cast:
+            self._settle(in_memory)
+        for group in self.resident_groups(write=True, grads=True, settle=cast):
             on_disk = [grads[i] for i in group if i in self.grad_swaps]
             if coef != 1.0 and on_disk:
                 torch._foreach_mul_(on_disk, coef)
-            self._step_buckets(group, grads)
+            self._step_buckets(group, grads, optimizer, cast)
 
-    def _step_buckets(self, indices: list[int], grads: list[torch.Tensor]) -> None:
+    def _step_buckets(self, indices: list[int], grads: list[torch.Tensor], optimizer: torch.optim.Optimizer,
+                      cast: bool) -> None:
         if not indices:
             return
         for i in indices:
             self.buckets[i].master.grad = grads[i]
         try:
-            self.optimizer.step()
+            optimizer.step()
         finally:
             for i in indices:
                 self.buckets[i].master.grad = None
-        for i in indices:
+        for i in indices if cast else ():
             self.buckets[i].cast_master_to_params()
 
     def cast_to_params(self) -> None:
@@ -148,10 +157,11 @@ class OptimizerTiers:
                 self.buckets[i].cast_master_to_params()
 
     def resident_groups(self, write: bool, groups: list[list[int]] | None = None,
-                        grads: bool = False) -> Iterator[list[int]]:
+                        grads: bool = False, settle: bool = True) -> Iterator[list[int]]:
         """Yield each disk sub-group with its masters and state (and with `grads` its gradient shards) in
         memory: the next `ahead` sub-groups are read meanwhile; after the caller's turn the sub-group's masters
-        and state are written back (`write`) or dropped, and its gradients dropped."""
+        and state are written back (`write`) or dropped, its gradients dropped, and (`settle`) its parameter
+        shards' writes to disk are waited for."""
         groups = self.sub_groups if groups is None else groups
         behind: deque[list[int]] = deque()
         try:
@@ -165,15 +175,16 @@ class OptimizerTiers:
                     self._each(group, Swapped.write, grads=False)
                 behind.append(group)
                 while len(behind) > 1:
-                    self._finish(behind.popleft())
+                    self._finish(behind.popleft(), settle)
         finally:
             for group in list(behind) + groups:  # also after an error: nothing stays in flight
-                self._finish(group)
+                self._finish(group, settle)
 
-    def _finish(self, group: list[int]) -> None:
+    def _finish(self, group: list[int], settle: bool = True) -> None:
         if not self._holding:
             self._each(group, Swapped.finish)
-        self._settle(group)
+        if settle:
+            self._settle(group)
 
     @contextmanager
     def all_resident(self, write: bool) -> Iterator[None]:

@@ -15,6 +15,7 @@ its first step) starts RESIDENT in memory the optimizer allocated.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from enum import Enum
 
@@ -31,28 +32,35 @@ class SwapState(Enum):
 
 
 class BufferPool:
-    """Aligned host buffers for swapped tensors, reused by size; their bytes are declared host memory."""
+    """Aligned host buffers for swapped tensors, reused by size; their bytes are declared host memory.
+
+    Thread-safe: the delayed update's CPU step swaps the optimizer's state on its own thread while the
+    forward reads stage 3's parameter shards through the same pool."""
 
     def __init__(self, pin: bool = False):
         self.pin = pin
         self._free: dict[int, list[torch.Tensor]] = {}
         self._all: list[torch.Tensor] = []
+        self._lock = threading.Lock()
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 buffer of at least `nbytes` bytes (rounded up to ALIGN), aligned for direct I/O."""
         size = -(-nbytes // ALIGN) * ALIGN
-        free = self._free.get(size)
-        if free:
-            return free.pop()
-        buffer = aligned_empty(size, pin=self.pin)
-        self._all.append(buffer)
-        return buffer
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+            buffer = aligned_empty(size, pin=self.pin)
+            self._all.append(buffer)
+            return buffer
 
     def release(self, buffer: torch.Tensor) -> None:
-        self._free.setdefault(buffer.numel(), []).append(buffer)
+        with self._lock:
+            self._free.setdefault(buffer.numel(), []).append(buffer)
 
     def tensors(self) -> list[torch.Tensor]:
-        return list(self._all)
+        with self._lock:
+            return list(self._all)
 
 
 def _empty(tensor: torch.Tensor) -> None:

@@ -35,6 +35,7 @@ class CheckpointMethods:
         them within `rank_check_timeout` (comm/entry.py) and writes nothing."""
         self.check_checkpoint_options(exclude_frozen_parameters=exclude_frozen_parameters)
         self._enter("save_checkpoint", CheckpointError, checkpoint_call=True)
+        self._land_update()  # a delayed update in flight, first: the state written is the whole of it
         with self.offload.tiers.all_resident(write=False):  # the optimizer's disk tier, read for the save
             if self.mesh is None:
                 return checkpoint.save(self, save_dir, tag, client_state, save_latest)
@@ -60,6 +61,7 @@ class CheckpointMethods:
         """
         self.check_checkpoint_options(load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
         self._enter("load_checkpoint", CheckpointError, checkpoint_call=True)
+        self._land_update()  # a delayed update in flight lands before the load replaces the state it writes
         load = partial(checkpoint.load, self, tag=tag, load_optimizer_states=load_optimizer_states,
                        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                        must_exist=must_exist)

@@ -39,7 +39,6 @@ import torch.nn as nn
 from zeroshard.comm import CollectiveError, OpStats, wait_all
 from zeroshard.comm.entry import enter
 from zeroshard.config import Config
-from zeroshard.core.faults import agreed
 from zeroshard.core.grad_norm import NonFiniteError, NonFiniteSkips, StepCheck, check_step, clip_coefficient
 from zeroshard.core.local import local
 from zeroshard.core.memory import model_state_bytes, total
@@ -48,6 +47,7 @@ from zeroshard.core.reducer import GradientError
 from zeroshard.engine.build import broadcast_buffers, build
 from zeroshard.engine.checkpoint_methods import CheckpointMethods
 from zeroshard.engine.compiled import CompileMethods, uncompiled
+from zeroshard.engine.delayed_update import DelayedUpdateMethods, delayed_update
 from zeroshard.engine.deepspeed_api import DeepSpeedMethods
 from zeroshard.engine.export import ExportMethods
 from zeroshard.engine.grad_sync import GradSyncMethods
@@ -62,7 +62,8 @@ from zeroshard.stage3.gathered import full_state_dict
 log = logging.getLogger(__name__)
 
 
-class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods, CompileMethods):
+class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods, CompileMethods,
+             DelayedUpdateMethods):
     """The training loop's handle: `loss = engine(*batch)`, `engine.backward(loss)`, `engine.step()`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
@@ -88,13 +89,14 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.cross = CrossParallel(mesh, model, tied or {}, config.collective_timeout, config.rank_check_timeout) \
             if mesh is not None else None
         parts = build(model, optimizer, config, mesh.group("dp") if mesh else group, init, self._on_grad,
-                      grads_on_disk=mesh is None)
+                      grads_on_disk=mesh is None and not config.zero_optimization.offload_optimizer.delayed_update)
         if compiled_call is not None:  # compiled in place once built: a failed build leaves the module as it was
             model._compiled_call_impl = compiled_call
         self.comm, self.precision, self.switches = parts.comm, parts.precision, parts.switches
         self._device, self._names, self.pool, self.reducer = parts.device, parts.names, parts.pool, parts.reducer
         self.buckets, self.units, self.schedule = parts.buckets, parts.units, parts.schedule
         self.offload = parts.offload  # where masters, optimizer state and stage 3's shards live
+        self.delayed = delayed_update(config, self.offload.tiers, self.buckets)  # the CPU step in the background
         if self.comm.rank == 0:
             log.info("zeroshard stage %d on %d ranks: %d buckets, %d elements", config.stage,
                      self.comm.world_size, len(self.buckets), sum(b.flat.numel for b in self.buckets))
@@ -223,6 +225,11 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
 
         If any rank's gradients hold inf or nan, the step is not applied on any rank (see the module's
         docstring); `NonFiniteError` (config `non_finite`) leaves the engine usable.
+
+        With `offload_optimizer.delayed_update` (after its warm-up) the boundary first lands the previous
+        step's update (waits for its CPU step, casts, all-gathers), then checks and clips this step's
+        gradients, starts their CPU step on a background thread and returns: the parameters hold every
+        update but this step's until the next boundary (`engine/delayed_update.py`, `flush_update`).
         """
         self._check_usable()
         if self.state is not TrainingState.STEP_DUE:
@@ -233,6 +240,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         if not boundary:
             return
         try:
+            self._land_update()  # the delayed update in flight, before this step's gradients are read
             if self._unreduced:  # sync off: the end-of-step pass, whatever hooks did or did not see
                 self._reduce_now(ties=True)
             # fp32 gradients for the optimizer: new tensors, freed after the step, when gradients are 16-bit.
@@ -275,17 +283,9 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
             coef *= clip_coefficient(norm, self.config.gradient_clipping)
         if coef != 1.0:
             torch._foreach_mul_(grads, coef)
-        # The optimizer sees gradients only during its step, so the user's optimizer.zero_grad()
-        # between micro-steps cannot touch the window's accumulating gradients. The tiers step it over
-        # the masters wherever they live and cast each into its parameters.
-        if self.offload.swaps:  # a swap file may fail on one rank alone: every rank hears of it first
-            agreed(self.cross.world if self.cross else self.comm, lambda: self.offload.tiers.step(grads, coef),
-                   f"the swap-file reads and writes of optimizer step {self.global_steps}", self._device)
-        else:
-            self.offload.tiers.step(grads, coef)
+        self._update(grads, coef)  # now, or started in the background (a delayed update)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self._gather_params()
         self._skips.applied()
         self._step_applied = True
         self._end_step(overflow=False)
@@ -363,7 +363,9 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
     def memory_stats(self, pool: str | None = None) -> dict[str, int]:
         """Bytes of model states this rank holds: params, grads, master, optimizer, staging, hpz_secondary.
 
-        `pool`: "device", "host" or "disk" (offload), each by the same kinds; None: all pools together."""
+        `pool`: "device", "host" or "disk" (offload), each by the same kinds; None: all pools together.
+        A delayed update in flight is waited for first (its optimizer state is being made)."""
+        self._wait_update()
         by_pool = model_state_bytes(self.module, self.buckets, self.optimizer, self.pool, self.frozen_flats(),
                                     self.offload.tiers, self.offload.param_tier, self.offload.buffers())
         if pool is None:

@@ -42,6 +42,7 @@ class ExportMethods:
             raise ModelError(f"save_pretrained keyword arguments {sorted(kwargs)} are passed to a transformers "
                              f"model's save_pretrained, but this model is a {type(self.module).__name__}; drop them")
         self._enter("save_pretrained", CheckpointError)
+        self._land_update()  # a delayed update in flight, first: the state written is the whole of it
         state = self._export_state(exclude_frozen=False)
         save_dir = Path(save_dir)
 
@@ -64,6 +65,7 @@ class ExportMethods:
         to `save_dir/save_filename` on rank 0; returns True. Every rank calls it (stage 3 gathers).
         `exclude_frozen_parameters`: leave out parameters that do not require grad."""
         self._enter("save_16bit_model", CheckpointError)
+        self._land_update()  # a delayed update in flight, first: the state written is the whole of it
         state = self._export_state(exclude_frozen=exclude_frozen_parameters)
         path = Path(save_dir) / save_filename
 

@@ -24,10 +24,13 @@ only; S_p = ceil((Ψ - P) / N), the sharded parameters.
 - host, optimizer "cpu": grads 4O (the fp32 gradient shard the CPU step
   reads, micro-steps summed into it), master 4O (fp32, a tensor of its own
   even in fp32 training: the device keeps the parameters), optimizer KO.
-  "nvme": grads 4O at stage 1 (0 at stages 2-3: on disk), staging
-  buffer_count × (4 + K + G) × min(sub_group_size, O) (the buffers a
-  sub-group's master, state and, at stages 2-3, gradient are read into;
-  G = 4 at stages 2-3, else 0).
+  With `delayed_update` at stages 2-3, grads 8O: the CPU step of one step
+  reads its own copy of the shard while the next step's backward sums into
+  it (stage 1's 4O already is such a copy: the window sums on the device).
+  "nvme": grads 4O at stage 1 and with `delayed_update` (0 at stages 2-3:
+  on disk), staging buffer_count × (4 + K + G) × min(sub_group_size, O)
+  (the buffers a sub-group's master, state and, at stages 2-3 without
+  `delayed_update`, gradient are read into; G = 4 there, else 0).
   Parameters "cpu": params pS_p; "nvme": params p·min(max_in_cpu, S_p) and
   staging + param_buffer_count × param_buffer_size × p (read buffers).
 - disk, optimizer "nvme": master 4O, optimizer KO, and at stages 2-3 grads
@@ -90,6 +93,7 @@ class Offload:
     param_buffer_count: int = PARAM_BUFFER_COUNT
     param_buffer_size: int = PARAM_BUFFER_SIZE
     max_in_cpu: int = MAX_IN_CPU
+    delayed_update: bool = False  # the CPU step reads its own copy of the gradient shard (stages 2-3)
     host_mem: int | None = None
     disk_mem: int | None = None
 
@@ -102,7 +106,8 @@ class Offload:
         return {"offload_optimizer": self.optimizer, "offload_param": self.param, "pin_memory": self.pin_memory,
                 "reduce_bucket_size": self.reduce_bucket_size, "buffer_count": self.buffer_count,
                 "sub_group_size": self.sub_group_size, "param_buffer_count": self.param_buffer_count,
-                "param_buffer_size": self.param_buffer_size, "max_in_cpu": self.max_in_cpu}
+                "param_buffer_size": self.param_buffer_size, "max_in_cpu": self.max_in_cpu,
+                "delayed_update": self.delayed_update}
 
 
 def ratio_numel(numel: int, world_size: int, ratio: float) -> int:
@@ -124,7 +129,7 @@ def offload_pool_bytes(
     buffer_count: int = BUFFER_COUNT, sub_group_size: int = SUB_GROUP_SIZE,
     param_buffer_count: int = PARAM_BUFFER_COUNT, param_buffer_size: int = PARAM_BUFFER_SIZE,
     max_in_cpu: int = MAX_IN_CPU, largest_unit: int = 0, persistent_numel: int = 0, hpz_partition_size: int = 1,
-    pin_memory: bool = False, param_pin_memory: bool | None = None,
+    pin_memory: bool = False, param_pin_memory: bool | None = None, delayed_update: bool = False,
 ) -> dict:
     """Bytes one rank holds per pool and kind: {"device", "host", "disk": {kind: bytes}, "pinned": bytes}.
 
@@ -136,11 +141,13 @@ def offload_pool_bytes(
     ratio). `largest_unit`, `persistent_numel` and `hpz_partition_size`
     count at stage 3 only. `pin_memory` is the optimizer block's,
     `param_pin_memory` the parameter block's (None: `pin_memory`).
+    `delayed_update`: the optimizer block's; the CPU step's gradient copy
+    is host memory only the CPU reads (never pinned).
     """
     shard = shard_numel(numel, world_size)
     off = 0 if offload_optimizer == "none" else (shard if offloaded_numel is None else offloaded_numel)
     _check(numel, stage, shard, offload_optimizer, offload_param, offloaded_numel, off, persistent_numel,
-           hpz_partition_size)
+           hpz_partition_size, delayed_update)
     persistent = persistent_numel if stage == 3 else 0
     param_shard = shard_numel(numel - persistent, world_size)  # S_p
     base = model_state_bytes(numel, world_size, stage, param_bytes, grad_bytes, master_bytes, optimizer_bytes,
@@ -155,15 +162,17 @@ def offload_pool_bytes(
         "staging": reduce_bucket_size * (param_bytes if reduce_bytes is None else reduce_bytes) * (off > 0),
     } | ({"hpz_secondary": base["hpz_secondary"]} if "hpz_secondary" in base else {})
     in_cpu = min(max_in_cpu, param_shard) if offload_param == "nvme" else param_shard * (offload_param == "cpu")
-    grads_out = FP32_BYTES * (stage >= 2)  # G: the gradient shard read with its sub-group
+    grads_on_disk = stage >= 2 and not delayed_update  # the delayed update's thread reads its own copy
+    grads_out = FP32_BYTES * grads_on_disk  # G: the gradient shard read with its sub-group
     staging = {"optimizer": buffer_count * (FP32_BYTES + optimizer_bytes + grads_out) * min(sub_group_size, off)
                             * (offload_optimizer == "nvme"),
                "params": param_buffer_count * param_buffer_size * param_bytes * (offload_param == "nvme")}
     host, disk = _off_device(offload_optimizer, offload_param, off, param_bytes, optimizer_bytes, in_cpu,
-                             param_shard, staging, grads_on_disk=stage >= 2)
+                             param_shard, staging, grads_on_disk)
     pin_params = pin_memory if param_pin_memory is None else param_pin_memory
     pinned = (pin_memory * (host["grads"] + host["master"] + staging["optimizer"])
               + pin_params * (host["params"] + staging["params"]))
+    host["grads"] += FP32_BYTES * off * (delayed_update and stage >= 2)
     return {"device": device, "host": host, "disk": disk, "pinned": int(pinned)}
 
 
@@ -185,7 +194,8 @@ def _off_device(offload_optimizer: str, offload_param: str, off: int, param_byte
 
 
 def _check(numel: int, stage: int, shard: int, offload_optimizer: str, offload_param: str,
-           offloaded_numel: int | None, off: int, persistent_numel: int, hpz_partition_size: int) -> None:
+           offloaded_numel: int | None, off: int, persistent_numel: int, hpz_partition_size: int,
+           delayed_update: bool) -> None:
     for name, device in (("offload_optimizer", offload_optimizer), ("offload_param", offload_param)):
         if device not in DEVICES:
             raise ValueError(f"{name} must be one of {', '.join(DEVICES)}; got '{device}'")
@@ -194,6 +204,8 @@ def _check(numel: int, stage: int, shard: int, offload_optimizer: str, offload_p
                          "got stage 0")
     if offload_param != "none" and stage != 3:
         raise ValueError(f"offload_param needs ZeRO stage 3 (only stage 3 shards the parameters); got stage {stage}")
+    if offload_optimizer == "none" and delayed_update:
+        raise ValueError("delayed_update needs an offloaded optimizer: give offload_optimizer 'cpu' or 'nvme'")
     if offload_optimizer == "none" and offloaded_numel:
         raise ValueError(f"offloaded_numel {offloaded_numel} without an offloaded optimizer: give "
                          "offload_optimizer 'cpu' or 'nvme', or leave offloaded_numel out")

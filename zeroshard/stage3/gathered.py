@@ -55,6 +55,8 @@ def gathered_parameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_
     placements = [getattr(p, _PLACEMENT, None) for p in params]
     units = list(dict.fromkeys((pl.schedule, pl.unit) for pl in placements if pl and pl.unit is not None))
     placed = [pl for pl in placements if pl is not None]
+    if modifier_rank is not None:
+        _check_masters_free(placed, units)
     if units or (modifier_rank is not None and placed):  # collectives follow: every rank must be here
         enter(placed[0].comm, "gathered_parameters")
     gathered_here = [(schedule, i) for schedule, i in units if not schedule.units[i].whole]
@@ -77,6 +79,17 @@ def _check_arguments(params: list, modifier_rank: int | None) -> None:
     if modifier_rank is not None and (isinstance(modifier_rank, bool) or not isinstance(modifier_rank, int)
                                       or modifier_rank < 0):
         raise ModelError(f"modifier_rank must be None or a rank number (0, 1, ...); got {modifier_rank!r}")
+
+
+def _check_masters_free(placed: list[Placement], units: list) -> None:
+    """Kept edits reach the optimizer's masters: not while the delayed update's CPU step updates them (every
+    rank is at the same step, so every rank raises)."""
+    owners = [pl.owner for pl in placed if pl.owner is not None]
+    owners += [bucket for schedule, i in units for bucket in schedule.units[i].buckets]
+    if any(owner.stepping for owner in owners):
+        raise ModelError("gathered_parameters(modifier_rank=...) keeps edits in the optimizer's masters, which the "
+                         "delayed update (offload_optimizer.delayed_update) is stepping on another thread now: "
+                         "call engine.flush_update() on every rank before the block")
 
 
 def _keep_edits(params, placements, units, src: int) -> None:

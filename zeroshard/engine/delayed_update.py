@@ -1,0 +1,91 @@
+"""DelayedUpdateMethods: the engine's order of ZeRO-Offload's delayed parameter update (`core/delayed_update.py`).
+
+With `offload_optimizer.delayed_update`, engine.step() at an accumulation
+boundary is:
+
+1. `_land_update`: wait for the previous step's CPU step (if one is in
+   flight), cast its masters into the parameters and all-gather them
+   (stages 1-2): on this thread, so every collective keeps one order on
+   every rank;
+2. the step check, unscale and clip of this step's gradients, as always;
+3. `_update`: start their CPU step on the background thread and return
+   (from step `delayed_update_warmup` on; before it, the step runs here and
+   the parameters take it at once).
+
+The next forward and backward then run with the parameters of the step
+before; a skipped step (inf or nan) starts nothing. The optimizer step
+reads its own copy of the gradient shard (`Bucket.copy_grad_for_step`), so
+the next backward's reductions never write under it. Whatever writes the
+model out or replaces the state (checkpoint save and load, save_pretrained,
+save_16bit_model) lands the update first (`flush_update`), so a resume
+continues exactly as the run that saved; `memory_stats` waits for it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+
+from zeroshard.config import Config
+from zeroshard.core.bucket import Bucket
+from zeroshard.core.delayed_update import DelayedUpdate
+from zeroshard.core.faults import agreed
+from zeroshard.core.optimizer_tiers import OptimizerTiers
+
+
+def delayed_update(config: Config, tiers: OptimizerTiers, buckets: list[Bucket]) -> DelayedUpdate | None:
+    """The delayed update the config asks for (None without `offload_optimizer.delayed_update`)."""
+    offload = config.zero_optimization.offload_optimizer
+    if not offload.delayed_update:
+        return None
+    for bucket in buckets:
+        bucket.copy_grad_for_step()
+    return DelayedUpdate(tiers, offload.delayed_update_warmup)
+
+
+T = TypeVar("T")
+
+
+class DelayedUpdateMethods:
+    """Mixed into `Engine`."""
+
+    delayed: DelayedUpdate | None
+
+    def flush_update(self) -> None:
+        """Apply the delayed update in flight now (`offload_optimizer.delayed_update`): wait for its CPU step,
+        cast the masters into the parameters and, at stages 1-2, all-gather them. The next forward then runs
+        with every update computed so far. Every rank must call it, at the same step (a collective at stages
+        1-2); without a delayed update in flight it does nothing. Checkpoints and exports call it themselves."""
+        self._check_usable()
+        self._land_update()
+
+    def _land_update(self) -> None:
+        if self.delayed is not None and self._on_every_rank(self.delayed.land, "the delayed update's"):
+            self.params_from_masters()
+
+    def _update(self, grads: list[torch.Tensor], coef: float) -> None:
+        """This step's update of the masters (`grads` unscaled and clipped; those on disk take `coef` as they
+        are read), and of the parameters: now, or (a delayed update) in the background, landing at the next
+        boundary."""
+        if self.delayed is not None and self.delayed.delays(self.global_steps):
+            self.delayed.start(grads)
+            return
+        # The optimizer sees gradients only during its step, so the user's optimizer.zero_grad()
+        # between micro-steps cannot touch the window's accumulating gradients. The tiers step it over
+        # the masters wherever they live and cast each into its parameters.
+        self._on_every_rank(lambda: self.offload.tiers.step(grads, coef), f"optimizer step {self.global_steps}'s")
+        self._gather_params()
+
+    def _on_every_rank(self, work: Callable[[], T], whose: str) -> T:
+        """`work()`; with swap files, which may fail on one rank alone, every rank hears of a failure first."""
+        if not self.offload.swaps:
+            return work()
+        return agreed(self.cross.world if self.cross else self.comm, work, f"{whose} swap-file reads and writes",
+                      self._device)
+
+    def _wait_update(self) -> None:
+        """Wait for the delayed update in flight to be in the masters (the parameters take it at the next
+        boundary): before reading the optimizer's state."""
+        if self.delayed is not None:
+            self.delayed.wait()
