@@ -196,7 +196,8 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
     reduced = [grads] * (args.stage == 0 or not args.reduce_scatter)
     gathered = f"{param_bytes}Ψ" + (f"×{2 * args.accumulation}" if args.stage == 3 else "")
     how = {"all_reduce": " + ".join(reduced), "reduce_scatter": grads, "all_gather": gathered,
-           "order_check": "8N per collective", "step_check": "32N (norm, inf/nan flag, step counters)"}
+           "order_check": "8N per collective", "step_check": "32N (norm, inf/nan flag, step counters)",
+           "fault_check": "8N per step and per gather of a unit on disk"}
     if _zeropp(engine.config).on:
         how |= {"reduce_scatter": "ZeRO++: by scope below", "all_gather": "ZeRO++: by scope below",
                 "order_check": "8 x its group's ranks per collective"}
@@ -206,7 +207,8 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
     if _zeropp(engine.config).on:  # ZeRO++'s node and cross-node collectives agree within their own groups
         checks = _zeropp_order_check_bytes(engine, args, measured["step_check"][0])
     formula = formula | {"order_check": checks if measured["order_check"][1] else 0,
-                         "step_check": estimate.step_check_bytes(world)}
+                         "step_check": estimate.step_check_bytes(world),
+                         "fault_check": estimate.fault_check_bytes(world, _fault_checks(engine, args))}
     # all_gather's "object" is the setup's agreement check (0 bytes), not a way to move tensors.
     algorithms = {op: ",".join(sorted(a - {"object"})) for op, (_, b, a, _) in measured.items() if b}
     table = Table(title="Communication per optimizer step (bytes, last step)", title_justify="left",
@@ -221,10 +223,19 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
         if expected == 0 and nbytes == 0:
             continue
         ok = all(comm[op][1] == expected for _, comm, _ in everyone)
-        wire = estimate.wire_bytes(expected, world, "all_gather" if op in ("order_check", "step_check") else op)
+        wire = estimate.wire_bytes(expected, world, "all_gather" if op.endswith("_check") else op)
         table.add_row(op, str(calls), f"{nbytes:,}", f"{expected:,}", how.get(op, "0"),
                       f"{wire:,.0f}", _match(ok))
     return table
+
+
+def _fault_checks(engine: zeroshard.Engine, args: argparse.Namespace) -> int:
+    """Offload's fault checks per step: one after the step's disk I/O, and at stage 3 one before each gather
+    (forward and backward, each micro-step) of a unit whose shards are on disk."""
+    if not engine.offload.swaps:
+        return 0
+    on_disk = sum(any(f.shard_swap is not None for f in unit.gathered_flats) for unit in engine.units)
+    return 1 + 2 * args.accumulation * on_disk
 
 
 def _zeropp_order_check_bytes(engine: zeroshard.Engine, args: argparse.Namespace, step_checks: int) -> int:

@@ -61,7 +61,7 @@ class DelayedUpdateMethods:
         self._land_update()
 
     def _land_update(self) -> None:
-        if self.delayed is not None and self._on_every_rank(self.delayed.land, "the delayed update's"):
+        if self.delayed is not None and self._on_every_rank(self.delayed.land, "the delayed update"):
             self.params_from_masters()
 
     def _update(self, grads: list[torch.Tensor], coef: float) -> None:
@@ -74,15 +74,15 @@ class DelayedUpdateMethods:
         # The optimizer sees gradients only during its step, so the user's optimizer.zero_grad()
         # between micro-steps cannot touch the window's accumulating gradients. The tiers step it over
         # the masters wherever they live and cast each into its parameters.
-        self._on_every_rank(lambda: self.offload.tiers.step(grads, coef), f"optimizer step {self.global_steps}'s")
+        self._on_every_rank(lambda: self.offload.tiers.step(grads, coef), f"optimizer step {self.global_steps}")
         self._gather_params()
 
     def _on_every_rank(self, work: Callable[[], T], whose: str) -> T:
         """`work()`; with swap files, which may fail on one rank alone, every rank hears of a failure first."""
         if not self.offload.swaps:
             return work()
-        return agreed(self.cross.world if self.cross else self.comm, work, f"{whose} swap-file reads and writes",
-                      self._device)
+        return agreed(self.cross.world if self.cross else self.comm, work,
+                      f"the swap-file reads and writes of {whose}", self._device)
 
     def _wait_update(self) -> None:
         """Wait for the delayed update in flight to be in the masters (the parameters take it at the next

@@ -145,6 +145,13 @@ def step_check_bytes(world_size: int) -> int:
     return _STEP_CHECK_BYTES * world_size
 
 
+def fault_check_bytes(world_size: int, checks: int) -> int:
+    """Logical bytes of offload's fault checks: an all-gather of one 8-byte flag per rank after each piece of
+    disk I/O that may fail on one rank alone (zeroshard/core/faults.py): once per optimizer step with swap
+    files, and at stage 3 before each gather of a unit whose shards are on disk (forward and backward)."""
+    return 8 * world_size * checks
+
+
 def order_check_bytes(world_size: int, collectives: int) -> int:
     """Logical bytes of stage 3's order checks on gloo: before each collective, an all-gather of
     one 8-byte checksum per rank (see zeroshard/comm/stall.py)."""
