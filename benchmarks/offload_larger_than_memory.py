@@ -43,9 +43,9 @@ from report import write_section  # noqa: E402
 WORKER = HERE / "offload_larger_than_memory_worker.py"
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 GIB = 2**30
-# About 302M parameters in 43 blocks of 7.1M: small units, so a gathered unit and a sub-group in flight are
-# small beside the cap, and the model states (16 bytes each) over 3x a 1.5 GiB cap.
-MODEL = {"vocab_size": 256, "block_size": 64, "n_layer": 43, "n_head": 12, "n_embd": 768}
+# About 510M parameters in 72 blocks of 7.1M: small units, so a gathered unit and a sub-group in flight are
+# small beside the cap, and the model states (16 bytes each) over 3x a 2.5 GiB cap.
+MODEL = {"vocab_size": 256, "block_size": 64, "n_layer": 72, "n_head": 12, "n_embd": 768}
 
 
 def zero_config(nvme_path: Path | None) -> dict:
@@ -102,7 +102,7 @@ def capped(name: str, args: argparse.Namespace, config: dict) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cap", type=lambda s: int(float(s) * GIB), default=int(1.5 * GIB), help="GiB (default 1.5)")
+    p.add_argument("--cap", type=lambda s: int(float(s) * GIB), default=int(2.5 * GIB), help="GiB (default 2.5)")
     p.add_argument("--nvme-path", type=Path, required=True, help="a directory on a real disk")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--n-layer", type=int, default=MODEL["n_layer"], help="blocks (fewer: a quick trial)")

@@ -143,11 +143,12 @@ class OffloadParamConfig(BaseModel):
         "true: host buffers are page-locked, for faster asynchronous copies to and from a GPU (it changes "
         "nothing on CPU-only runs). DeepSpeed: zero_optimization.offload_param.pin_memory (default false)."))
     buffer_count: PositiveInt = Field(5, description=(
-        "Disk: parameter buffers in host memory (count), for shards read ahead of their gather. "
+        "No effect: a unit's shards are read from disk into pooled buffers of their own size, as many as the "
+        "gather prefetch has in flight (stage3_prefetch_bucket_size sets how far it reads ahead). "
         "DeepSpeed: zero_optimization.offload_param.buffer_count (default 5)."))
     buffer_size: PositiveInt = Field(100_000_000, description=(
-        "Disk: elements per parameter buffer; a unit's shard must fit in one. "
-        "DeepSpeed: zero_optimization.offload_param.buffer_size (default 1e8)."))
+        "No effect: each shard read from disk gets a pooled buffer of its own size, so no shard is too large "
+        "for one. DeepSpeed: zero_optimization.offload_param.buffer_size (default 1e8)."))
     max_in_cpu: NonNegativeInt = Field(1_000_000_000, description=(
         "Device \"nvme\": parameter elements kept in host memory as well (the rest are read from disk when "
         "needed). DeepSpeed: zero_optimization.offload_param.max_in_cpu (default 1e9)."))
@@ -167,7 +168,8 @@ class AioConfig(BaseModel):
         "Bytes per read or write request: larger reads and writes are split into requests of this size. "
         "DeepSpeed: aio.block_size (default 1048576)."))
     queue_depth: PositiveInt = Field(8, description=(
-        "Requests in flight per file read or write. DeepSpeed: aio.queue_depth (default 8)."))
+        "No effect: the requests in flight are the I/O threads' (thread_count + 1 per rank), one each, "
+        "served round robin across the reads and writes in flight. DeepSpeed: aio.queue_depth (default 8)."))
     thread_count: PositiveInt = Field(1, description=(
         "Threads that issue the requests (a small pool); DeepSpeed's newer name intra_op_parallelism is read "
         "as this key. DeepSpeed: aio.thread_count (default 1)."))
