@@ -263,7 +263,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.offload.tiers.step(grads)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self._gather_params()
+        self.gather_params()
         self._skips.applied()
         self._step_applied = True
         self._end_step(overflow=False)
@@ -315,11 +315,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         if self.schedule is not None:
             self.schedule.release_all()
 
-    def params_from_masters(self) -> None:
-        self.offload.tiers.cast_to_params()
-        self._gather_params()
-
-    def _gather_params(self) -> None:
+    def gather_params(self) -> None:
         if self.schedule is not None:  # hpZ's secondary shards are stale after a step or a load
             self.schedule.drop_secondaries()
         wait_all([bucket.gather_params(self.comm) for bucket in self.buckets if bucket.gathers_after_step])
