@@ -8,7 +8,7 @@ without offload: offload changes no bit (tests/engine/test_offload_parity.py),
 so every resumed run on 2 ranks equals it bitwise. On 4 ranks the reduction's
 arithmetic differs: the run meets single-process PyTorch within the parity
 bar, and the state it loaded, saved again from 4 ranks, is the written state
-exactly.
+exactly. A swap file damaged on one rank makes the save fail on every rank.
 
 The disk tier goes through memory a sub-group at a time (here every disk
 bucket is a sub-group): the offload buffers in use at once during a save and
@@ -19,12 +19,14 @@ sub-groups the step itself holds, less than the tier.
 from __future__ import annotations
 
 from dataclasses import replace
+import re
 from pathlib import Path
 
 import torch
 
 from tests.distributed import run_ranks
 from tests.recipes import Case, make_engine_with_schedule, relative_error, train_reference, train_steps
+from zeroshard import CheckpointError
 from zeroshard.checkpoint.consolidate import full_tensors
 from zeroshard.offload import ALIGN
 
@@ -130,14 +132,28 @@ def _on_two_ranks(rank, world, device, root):
         engine, schedule = _engine(case, device, where / "swap-saver")
         train_steps(engine, schedule, case, world, rank, device, range(SAVE_AT))
         saved = _save(engine, schedule, where / "offload")
+        damaged = _save_from_a_damaged_swap_file(rank, engine, where) if case.offload == "nvme" else None
         engine.offload.close()
         readers = {"same offload": (case, "offload"), "no offload": (replace(case, **PLAIN), "offload")}
         if case.offload == "nvme":
             readers["offload, saved without"] = (case, "plain")
         resumed = {name: _resume(rank, world, device, reader, where / written, where / f"swap-{k}")
                    for k, (name, (reader, written)) in enumerate(readers.items())}
-        out.append((reference, saved, resumed))
+        out.append((reference, saved, resumed, damaged))
     return out
+
+
+def _save_from_a_damaged_swap_file(rank, engine, where: Path) -> str:
+    """Rank 0's swap file of its first master damaged: the save's error, on every rank."""
+    if rank == 0:
+        file = engine.offload.tiers.swaps[0]["master"].file.path
+        with open(file, "r+b") as f:
+            f.write(b"\xff" * 8)
+    try:
+        engine.save_checkpoint(where / "offload")
+    except CheckpointError as exc:
+        return str(exc)
+    return "saved"
 
 
 def _on_four_ranks(rank, world, device, root):
@@ -172,9 +188,13 @@ def _check_pool_use(case: Case, what: str, in_use: dict | None) -> None:
 def test_offloaded_state_resumes_exactly_on_any_world_size(tmp_path):
     two = run_ranks(_on_two_ranks, 2, str(tmp_path))
     for rank, per_case in enumerate(two):
-        for case, ((ref_losses, ref_weights), saved, resumed) in zip(CASES, per_case):
+        for case, ((ref_losses, ref_weights), saved, resumed, damaged) in zip(CASES, per_case):
             assert (saved is not None) == (case.offload == "nvme")
             _check_pool_use(case, "the save", saved)
+            if case.offload == "nvme":
+                assert re.match(r"rank 0: cannot read its master weights and optimizer state \(OffloadError: swap "
+                                r"file .*bucket0\.master.* is damaged.*nothing was written and earlier checkpoints "
+                                r"are intact$", damaged), damaged
             for reader, (losses, weights, steps, in_use) in resumed.items():
                 assert losses == ref_losses and steps == STEPS, f"{case}, {reader}, rank {rank}: {losses}"
                 assert torch.equal(weights, ref_weights), (

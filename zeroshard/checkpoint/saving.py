@@ -77,16 +77,13 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None =
     save_dir = Path(save_dir)
     comm, held = trainer.comm, holdings(trainer)
     save_id = uuid.uuid4().hex if comm.rank == 0 else None  # rank 0's, shared with the tag below
-    state, error, surveyed = None, None, []
+    state, error = None, None
     try:
         tag = check_tag(tag)
     except CheckpointError as exc:  # agreed below, so that no rank waits for one that stopped here
         error = str(exc)
-    try:  # the optimizer state as the trainer holds it, a group at a time (offload: read from disk)
-        surveyed, unfit = survey(trainer, held)
-        error = error or unfit
-    except Exception as exc:  # a swap file that cannot be read: agreed, no rank is left waiting
-        error = error or f"cannot read its optimizer state ({type(exc).__name__}: {exc}); nothing was written"
+    surveyed, unfit = _survey(trainer, held)
+    error = error or unfit
     if comm.rank == 0 and error is None:
         state, error = _serialized_state(trainer, held, surveyed, client_state, save_id)
     agree(comm, error)
@@ -121,6 +118,16 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None =
     if comm.rank == 0:
         log.info("saved checkpoint %s (%d rank files)", save_dir / tag, comm.world_size)
     return save_dir / tag
+
+
+def _survey(trainer: Trainer, held: Holdings) -> tuple[list[Surveyed], str | None]:
+    """`survey`: the masters and optimizer state as the trainer holds them, a group at a time (offload: read
+    from disk); state that cannot be read back is an error every rank raises, not one rank's exception."""
+    try:
+        return survey(trainer, held)
+    except Exception as exc:
+        return [], (f"cannot read its master weights and optimizer state ({type(exc).__name__}: {exc}); nothing "
+                    "was written and earlier checkpoints are intact")
 
 
 def _agreed_tag(comm: Comm, tag: str, save_id: str | None, validation: str) -> tuple[str, str]:
