@@ -452,9 +452,9 @@ def test_save_dir_that_is_a_file(tmp_path):
 
 
 @pytest.mark.parametrize("target, error, match", [
-    ("write_tensors", OSError(28, "No space left on device"),
+    ("write_streamed", OSError(28, "No space left on device"),
      r"^cannot write its shard to {partial} \(\[Errno 28\] No space left on device\); "),
-    ("write_tensors", SafetensorError("Error while serializing: IoError(No space left on device)"),  # not an OSError
+    ("write_streamed", SafetensorError("Error while serializing: IoError(No space left on device)"),  # not an OSError
      r"^cannot write its shard to {partial} \(Error while serializing: IoError\(No space left on device\)\); "),
     ("commit", OSError(28, "No space left on device"),
      r"^cannot complete {partial} \(\[Errno 28\] No space left on device\); "),

@@ -93,7 +93,8 @@ def _reference(rank, world, device, case: Case):
     losses = train_steps(engine, schedule, plain, world, rank, device, range(STEPS))
     before = _weights(engine)
     engine.optimizer.flush()
-    engine.params_from_masters()  # stages 1-2: the updated shards, all-gathered
+    engine.offload.tiers.cast_to_params()  # the masters the flush changed, into the parameters
+    engine.gather_params()  # stages 1-2: the updated shards, all-gathered
     return losses, before, _weights(engine)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from zeroshard.checkpoint.files import CheckpointError
-from zeroshard.checkpoint.holdings import Holdings
+from zeroshard.checkpoint.holdings import Holdings, Trained
 from zeroshard.checkpoint.pieces import PieceReader
 from zeroshard.checkpoint.protocol import Trainer
 from zeroshard.comm import Comm, all_gather_object
@@ -29,31 +29,27 @@ def holdings(trainer: Trainer) -> Holdings:
     return Holdings.of(trainer.module, trainer.buckets, trainer.frozen_flats(), trainer.param_names())
 
 
-def nonfinite(trainer: Trainer, held: Holdings) -> str | None:
-    """Why this rank's part of a save must not be written: its first non-finite fp32 master weight or
-    optimizer state element, by parameter name; None when every element is finite.
+def nonfinite(t: Trained, tensors: dict[str, torch.Tensor], step: int) -> str | None:
+    """Why this bucket's part of a save must not be written: its first non-finite fp32 master weight or
+    optimizer state element, by parameter name; None when every element is finite. `tensors`: the rank's
+    own part of the master ("param") and of each optimizer state tensor ("optim.<key>"), in memory.
 
     One sum per tensor decides (a NaN or inf anywhere makes it non-finite; it reads the shard once and
     allocates nothing); only then is the element found, in chunks of `_CHUNK` elements, so that the
     search allocates a small mask, not one of the shard's size.
     """
-    for t in held.trained:
-        master = t.bucket.master
-        tensors = [("master weights", "hold", t.own_part(master))] + [
-            (f"optimizer state '{key}'", "holds", t.own_part(value))
-            for key, value in trainer.optimizer.state.get(master, {}).items()
-            if torch.is_tensor(value) and value.shape == master.shape and value.is_floating_point()]
-        for what, verb, tensor in tensors:
-            if bool(torch.isfinite(tensor.sum())):
-                continue  # (a finite tensor whose sum overflows is searched, and passes)
-            for run in t.own.runs():
-                at = _first_nonfinite(tensor[run.at : run.at + run.numel])
-                if at is not None:
-                    return (f"the {what} of '{run.name}' {verb} {tensor[run.at + at].item()} (element "
-                            f"{run.start + at}) at step {trainer.counters().global_steps}: a checkpoint of them "
-                            "would replace good states with diverged ones, so nothing was written and earlier "
-                            "checkpoints are intact. Find where the run diverged (its losses, "
-                            "engine.skipped_steps), then load the last good checkpoint")
+    for kind, tensor in tensors.items():
+        if not tensor.is_floating_point() or bool(torch.isfinite(tensor.sum())):
+            continue  # (a finite tensor whose sum overflows is searched, and passes)
+        what, verb = ("master weights", "hold") if kind == "param" else (
+            f"optimizer state '{kind.removeprefix('optim.')}'", "holds")
+        for run in t.own.runs():
+            at = _first_nonfinite(tensor[run.at : run.at + run.numel])
+            if at is not None:
+                return (f"the {what} of '{run.name}' {verb} {tensor[run.at + at].item()} (element "
+                        f"{run.start + at}) at step {step}: a checkpoint of them would replace good states with "
+                        "diverged ones, so nothing was written and earlier checkpoints are intact. Find where "
+                        "the run diverged (its losses, engine.skipped_steps), then load the last good checkpoint")
     return None
 
 

@@ -5,17 +5,22 @@ nothing. First every rank reads and checks everything it will need, without
 changing anything: the manifest and its seal, every file's presence, size
 and header (save id, tensors, dtypes), state.pt's parts, the model and
 optimizer against the checkpoint, its share of the checksums (`verify.py`),
-and the optimizer state it will install. Then the ranks agree: on any
-problem every rank raises the same `CheckpointError` and the trainer is
-bit for bit what it was. Only then does each rank read exactly the elements
-its own shards need (byte ranges of the rank files) into the trainer; the
-ranks agree once more after, and an I/O failure part-way on any rank fails
-every rank's trainer with one error (`_apply_everywhere`).
+and that the files hold every element it will read. Then the ranks agree:
+on any problem every rank raises the same `CheckpointError` and the trainer
+is bit for bit what it was. Only then does each rank read exactly the
+elements its own shards need (byte ranges of the rank files) into the
+trainer: masters and optimizer state straight into the tensors that hold
+them, a group of buckets at a time as the trainer holds them in memory
+(`Trainer.resident_buckets`: offloaded to disk, a sub-group at a time,
+written back before the next ones are read), so a load needs no second
+copy of them. The ranks agree once more after, and an I/O failure part-way
+on any rank fails every rank's trainer with one error (`_apply_everywhere`).
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,9 +37,10 @@ from zeroshard.checkpoint.files import (
     read_state,
     resolve,
 )
-from zeroshard.checkpoint.holdings import Holdings
+from zeroshard.checkpoint.holdings import Holdings, Trained
 from zeroshard.checkpoint.pieces import PieceReader
 from zeroshard.checkpoint.protocol import Counters, Trainer
+from zeroshard.checkpoint.turns import master_state
 from zeroshard.checkpoint.verify import (
     checksum_problems,
     header_problems,
@@ -60,6 +66,16 @@ class _Parts:
 
 
 @dataclass(frozen=True)
+class _OptimizerPlan:
+    """The optimizer state a load installs: its tensors read into each bucket's master-sized state in the
+    bucket's turn (`Trainer.resident_buckets`), the rest as state.pt has it."""
+
+    keys: list[str]  # the state tensors laid out like the masters (Adam: exp_avg, exp_avg_sq)
+    scalars: list[dict | None]  # by trained bucket: its other state (step); None: none saved (before a step)
+    groups: list[dict]  # the param groups, for optimizer.load_state_dict
+
+
+@dataclass(frozen=True)
 class _Plan:
     """Everything a load installs, read and checked before any rank changes anything."""
 
@@ -67,7 +83,7 @@ class _Plan:
     manifest: dict
     state: dict
     reader: PieceReader
-    optimizer_state: dict | None  # for optimizer.load_state_dict; None: keep the trainer's
+    optimizer: _OptimizerPlan | None  # None: keep the trainer's optimizer state
 
 
 def load(trainer: Trainer, load_dir: str | Path, tag: str | int | float | None = None,
@@ -123,11 +139,11 @@ def _prepare(trainer: Trainer, held: Holdings, load_dir: str | Path, tag: str | 
         error = mismatch(trainer.optimizer, held, manifest, reader, parts.optimizer)
         raise_first([error] if error else _scaler_problems(trainer, path, state, parts))
         raise_first(checksum_problems(path, manifest, share(manifest, trainer.comm.rank, trainer.comm.world_size)))
-        optimizer_state = _optimizer_state(trainer, held, reader, manifest, state) if parts.optimizer else None
+        optimizer = _optimizer_plan(trainer, held, manifest, state) if parts.optimizer else None
     except BaseException:
         reader.close()
         raise
-    return _Plan(path, manifest, state, reader, optimizer_state)
+    return _Plan(path, manifest, state, reader, optimizer)
 
 
 def _scaler_problems(trainer: Trainer, path: Path, state: dict, parts: _Parts) -> list[str]:
@@ -158,21 +174,26 @@ def _apply_everywhere(trainer: Trainer, held: Holdings, plan: _Plan, parts: _Par
 
 def _apply(trainer: Trainer, held: Holdings, plan: _Plan, parts: _Parts) -> None:
     """Install what `_prepare` read and checked: the values, the optimizer state, counters, scheduler."""
-    _load_values(trainer, held, plan.reader)
-    if plan.optimizer_state is not None:
-        trainer.optimizer.load_state_dict(plan.optimizer_state)
+    _load_values(trainer, held, plan)
+    if plan.optimizer is not None:
+        trainer.optimizer.load_state_dict(_optimizer_state(trainer.optimizer, held, plan.optimizer))
     if parts.counters:
         _load_counters(trainer, plan.state)
     if parts.scheduler and trainer.lr_scheduler is not None and plan.state["lr_scheduler"] is not None:
         trainer.lr_scheduler.load_state_dict(plan.state["lr_scheduler"])
 
 
-def _load_values(trainer: Trainer, held: Holdings, reader: PieceReader) -> None:
-    """Masters, frozen parameters and buffers; then the 16-bit parameters and replicas follow the masters."""
+def _load_values(trainer: Trainer, held: Holdings, plan: _Plan) -> None:
+    """Masters and their optimizer state a group of buckets at a time (offload: each group written back to
+    disk before the next ones are read), frozen parameters and buffers; then the replicated parameters
+    are gathered (each bucket's own part took its master in its turn)."""
     trainer.release_gathered()  # shards change under the gathered buffers
-    for t in held.trained:
-        for run in t.held.runs():
-            reader.read_into("param", run.name, run.start, t.bucket.master[run.at : run.at + run.numel])
+    reader = plan.reader
+    with closing(trainer.resident_buckets(write=True)) as turns:
+        for group in turns:
+            for i in group:
+                saved = plan.optimizer is not None and plan.optimizer.scalars[i] is not None
+                _load_trained(trainer.optimizer, held.trained[i], reader, plan.optimizer.keys if saved else [])
     for flat, span in held.frozen:
         for run in span.runs():
             reader.read_into("param", run.name, run.start, flat.shard_data[run.at : run.at + run.numel])
@@ -182,30 +203,53 @@ def _load_values(trainer: Trainer, held: Holdings, reader: PieceReader) -> None:
             reader.read_into(kind, name, 0, values)
             with torch.no_grad():
                 tensor.copy_(values.view(tensor.shape))
-    trainer.params_from_masters()
+    trainer.gather_params()
 
 
-def _optimizer_state(trainer: Trainer, held: Holdings, reader: PieceReader, manifest: dict, state: dict) -> dict:
-    """The optimizer's state for this job's masters, read into new tensors, for torch's own load_state_dict."""
-    optimizer = trainer.optimizer
-    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    tensors: dict[int, dict] = {}
+def _load_trained(optimizer: torch.optim.Optimizer, t: Trained, reader: PieceReader, keys: list[str]) -> None:
+    """A bucket's master, and its optimizer state `keys`, in its turn: read into the state tensors it holds
+    (keeping them: offload's swap files follow them), or into new ones of the master's size."""
+    master = t.bucket.master
+    for run in t.held.runs():
+        reader.read_into("param", run.name, run.start, master[run.at : run.at + run.numel])
+    held_now = master_state(optimizer, master)
+    for key in keys:
+        values = held_now.get(key)
+        if values is None:
+            values = optimizer.state[master][key] = torch.zeros_like(master)
+        else:
+            values.zero_()  # the padding too, as a new tensor's
+        for run in t.held.runs():
+            reader.read_into("optim." + key, run.name, run.start, values[run.at : run.at + run.numel])
+
+
+def _optimizer_plan(trainer: Trainer, held: Holdings, manifest: dict, state: dict) -> _OptimizerPlan:
+    """What the optimizer takes from the checkpoint, for this job's masters (no tensor read yet)."""
+    optimizer, keys = trainer.optimizer, manifest["optimizer_state"]
+    index = _param_index(optimizer)
+    scalars = []
     for t in held.trained:
-        scalars = state["scalars"].get(t.held.names[0], {})
-        if not scalars and not manifest["optimizer_state"]:
-            continue  # saved before the first step: no state yet
-        entry = dict(scalars)
-        for key in manifest["optimizer_state"]:
-            values = torch.zeros_like(t.bucket.master)
-            for run in t.held.runs():
-                reader.read_into("optim." + key, run.name, run.start, values[run.at : run.at + run.numel])
-            entry[key] = values
-        tensors[index[id(t.bucket.master)]] = entry
+        saved = state["scalars"].get(t.held.names[0], {})
+        scalars.append(dict(saved) if saved or keys else None)  # neither: saved before the first step
     groups = [{**{k: v for k, v in saved.items() if k not in _IMPLEMENTATION_KEYS},
                **{k: v for k, v in group.items() if k in _IMPLEMENTATION_KEYS - {"params"}},
                "params": [index[id(p)] for p in group["params"]]}
               for saved, group in zip(state["param_groups"], optimizer.param_groups)]
-    return {"state": tensors, "param_groups": groups}
+    return _OptimizerPlan(keys, scalars, groups)
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer, held: Holdings, plan: _OptimizerPlan) -> dict:
+    """For torch's own load_state_dict: the saved scalars and groups, and the state tensors the buckets'
+    turns filled (the same tensor objects, so offload's swap files still follow them)."""
+    index = _param_index(optimizer)
+    state = {index[id(t.bucket.master)]: scalars | {k: optimizer.state[t.bucket.master][k] for k in plan.keys}
+             for t, scalars in zip(held.trained, plan.scalars) if scalars is not None}
+    return {"state": state, "param_groups": plan.groups}
+
+
+def _param_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(parameter) -> its index in the optimizer's state_dict."""
+    return {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
 
 
 def _load_counters(trainer: Trainer, state: dict) -> None:

@@ -8,7 +8,7 @@ engine can change without breaking the format.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generator, Protocol
 
 import torch
 import torch.nn as nn
@@ -40,7 +40,8 @@ class Trainer(Protocol):
 
     @property
     def buckets(self) -> list[Bucket]:
-        """Every trained flat buffer, with its master (this rank's shard, or whole at stage 0)."""
+        """Every trained flat buffer, with its master (this rank's shard, or whole at stage 0). A master and
+        its optimizer state may be out of memory (offloaded to disk), empty tensors: see `resident_buckets`."""
 
     def frozen_flats(self) -> list[FlatParams]:
         """Stage 3's sharded frozen parameters (this rank's `shard_data`); empty below stage 3."""
@@ -58,8 +59,17 @@ class Trainer(Protocol):
     def release_gathered(self) -> None:
         """Stage 3: release every gathered unit, since the shards under them are about to change."""
 
-    def params_from_masters(self) -> None:
-        """After the masters changed: cast them into the parameters and all-gather where replicated."""
+    def resident_buckets(self, write: bool) -> Generator[list[int], None, None]:
+        """Every bucket once, a group at a time: yields indices into `buckets` whose masters and optimizer
+        state tensors of the master's size are in memory until the next group is asked for; in between,
+        a master may be empty. Without `write` they are read only. With `write` the caller may change them
+        in place or give a master new state tensors of its size (`optimizer.state[master][key]`); after
+        its turn each bucket keeps them where it keeps its state, and its parameters take its master.
+        Close it (`contextlib.closing`): a generator left part-way holds a group in memory."""
+
+    def gather_params(self) -> None:
+        """After a load: the parameters replicated over the ranks all-gathered from their shards (each took
+        its master in its turn of `resident_buckets`), copies of the old values dropped."""
 
     def fail(self, why: str) -> None:
         """The trainer cannot go on (a load failed part-way): every later call raises, saying `why`."""

@@ -23,11 +23,14 @@ import logging
 import os
 import shutil
 import uuid
+from contextlib import closing
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from zeroshard.checkpoint.checks import agree, first_not_plain, holdings, nonfinite
+from zeroshard.checkpoint.checks import agree, first_not_plain, holdings
 from zeroshard.checkpoint.client_state import NotPlain, to_plain
 from zeroshard.checkpoint.files import (
     FORMAT,
@@ -47,7 +50,8 @@ from zeroshard.checkpoint.files import (
 from zeroshard.checkpoint.holdings import Holdings, Span
 from zeroshard.checkpoint.model_config import hf_config
 from zeroshard.checkpoint.protocol import Trainer
-from zeroshard.checkpoint.writer import bytes_entry, write_tensors
+from zeroshard.checkpoint.turns import Surveyed, Turns, own_tensors, survey
+from zeroshard.checkpoint.writer import bytes_entry, write_streamed
 from zeroshard.comm import Comm, all_gather_object
 from zeroshard.version import __version__
 
@@ -78,9 +82,10 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None =
         tag = check_tag(tag)
     except CheckpointError as exc:  # agreed below, so that no rank waits for one that stopped here
         error = str(exc)
-    error = error or nonfinite(trainer, held)
+    surveyed, unfit = _survey(trainer, held)
+    error = error or unfit
     if comm.rank == 0 and error is None:
-        state, error = _serialized_state(trainer, held, client_state, save_id)
+        state, error = _serialized_state(trainer, held, surveyed, client_state, save_id)
     agree(comm, error)
     tag, save_id = _agreed_tag(comm, tag, save_id, trainer.config.checkpoint.tag_validation)
     partial = partial_dir(save_dir, tag)
@@ -91,9 +96,9 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None =
     entries: dict[str, dict] = {}
 
     def write_shard() -> None:
-        tensors, runs = _windows(trainer, held)
+        windows, runs = _windows(trainer, held, surveyed)
         metadata = {"format": FORMAT, "rank": str(comm.rank), "save_id": save_id, "runs": runs_metadata(runs)}
-        entries[rank_file(comm.rank)] = write_tensors(partial / rank_file(comm.rank), tensors, metadata)
+        entries[rank_file(comm.rank)] = _write_windows(trainer, partial / rank_file(comm.rank), windows, metadata)
 
     agree(comm, _attempt(write_shard, f"cannot write its shard to {partial}"))
     everyone = all_gather_object(comm, entries)
@@ -104,7 +109,7 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None =
             _check_shared(partial, files)
             write_bytes(partial / STATE, state)
             files[STATE] = bytes_entry(state)
-            write_bytes(partial / MANIFEST, sealed(_manifest(trainer, held, files, save_id)).encode())
+            write_bytes(partial / MANIFEST, sealed(_manifest(trainer, held, surveyed, files, save_id)).encode())
             commit(save_dir, tag, save_latest)
             _remove_stale(save_dir, started[0])
 
@@ -113,6 +118,16 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None =
     if comm.rank == 0:
         log.info("saved checkpoint %s (%d rank files)", save_dir / tag, comm.world_size)
     return save_dir / tag
+
+
+def _survey(trainer: Trainer, held: Holdings) -> tuple[list[Surveyed], str | None]:
+    """`survey`: the masters and optimizer state as the trainer holds them, a group at a time (offload: read
+    from disk); state that cannot be read back is an error every rank raises, not one rank's exception."""
+    try:
+        return survey(trainer, held)
+    except Exception as exc:
+        return [], (f"cannot read its master weights and optimizer state ({type(exc).__name__}: {exc}); nothing "
+                    "was written and earlier checkpoints are intact")
 
 
 def _agreed_tag(comm: Comm, tag: str, save_id: str | None, validation: str) -> tuple[str, str]:
@@ -187,41 +202,64 @@ def _check_shared(partial: Path, files: dict[str, dict]) -> None:
                           "on a filesystem every node shares (NFS, Lustre, a mounted bucket)")
 
 
-def _windows(trainer: Trainer, held: Holdings) -> tuple[dict[str, torch.Tensor], dict[str, list]]:
+@dataclass(frozen=True)
+class _Window:
+    """One tensor of a rank file: its dtype and elements, the turn of `resident_buckets` that holds it in
+    memory (-1: always in memory), and how to get it then."""
+
+    dtype: torch.dtype
+    numel: int
+    turn: int
+    get: Callable[[], torch.Tensor]
+
+
+def _windows(trainer: Trainer, held: Holdings, surveyed: list[Surveyed]
+             ) -> tuple[dict[str, _Window], dict[str, list]]:
     """This rank's tensors (its shard of masters, optimizer state and frozen flats; rank 0 adds the
     replicated) and the runs of parameters each holds. CPU tensors are written as they are, no copy."""
-    tensors: dict[str, torch.Tensor] = {}
+    windows: dict[str, _Window] = {}
     runs: dict[str, list] = {}
 
-    def add(kind: str, window: str, span: Span, tensor: torch.Tensor) -> None:
+    def add(kind: str, window: str, span: Span, dtype: torch.dtype, numel: int, turn: int, get) -> None:
         entries = [[r.name, r.start, r.at, r.numel] for r in span.runs()]
         if entries:  # a shard of padding only holds nothing
             key = window_key(kind, window)
-            tensors[key] = tensor.detach().reshape(-1)  # copied to the host (GPU) by the writer, one at a time
+            windows[key] = _Window(dtype, numel, turn, get)
             runs[key] = entries
 
-    for i, t in enumerate(held.trained):
-        add("param", f"@shard{i}", t.own, t.own_part(t.bucket.master))
-        for key, value in trainer.optimizer.state.get(t.bucket.master, {}).items():
-            if torch.is_tensor(value) and value.shape == t.bucket.master.shape:
-                add("optim." + key, f"@shard{i}", t.own, t.own_part(value))
-    for j, (flat, span) in enumerate(held.frozen):
-        add("param", f"@frozen{j}", span, flat.shard_data)
-    if trainer.comm.rank == 0:
-        for kind, named in (("param", held.whole), ("buffer", held.buffers)):
-            for name, tensor in named:
-                add(kind, name, Span.whole(name, tensor.numel()), tensor)
-    return tensors, runs
+    for i, (t, seen) in enumerate(zip(held.trained, surveyed)):
+        for kind, (dtype, numel) in seen.tensors.items():  # in memory during the bucket's turn only
+            add(kind, f"@shard{i}", t.own, dtype, numel, seen.turn,
+                lambda t=t, kind=kind: own_tensors(trainer.optimizer, t)[kind])
+    always = [("param", f"@frozen{j}", span, flat.shard_data) for j, (flat, span) in enumerate(held.frozen)]
+    if trainer.comm.rank == 0:  # what every rank holds whole: parameters in no flat buffer, the module's buffers
+        always += [(kind, name, Span.whole(name, tensor.numel()), tensor)
+                   for kind, named in (("param", held.whole), ("buffer", held.buffers)) for name, tensor in named]
+    for kind, window, span, tensor in always:
+        add(kind, window, span, tensor.dtype, tensor.numel(), -1, lambda tensor=tensor: tensor.detach().reshape(-1))
+    return windows, runs
 
 
-def _serialized_state(trainer: Trainer, held: Holdings, client_state: dict | None,
+def _write_windows(trainer: Trainer, path: Path, windows: dict[str, _Window], metadata: dict[str, str]) -> dict:
+    """The rank file, a turn of the trainer's buckets at a time: what is always in memory first, then each
+    bucket's tensors in the order of its turn, so each group of the disk tier is read once."""
+    order = sorted(windows, key=lambda key: (windows[key].turn, key))
+    with closing(Turns(trainer)) as turns:
+        def fetch(key: str) -> torch.Tensor:
+            if windows[key].turn >= 0:
+                turns.reach(windows[key].turn)
+            return windows[key].get()
+
+        return write_streamed(path, {key: (windows[key].dtype, windows[key].numel) for key in order}, fetch, metadata)
+
+
+def _serialized_state(trainer: Trainer, held: Holdings, surveyed: list[Surveyed], client_state: dict | None,
                       save_id: str) -> tuple[bytes | None, str | None]:
     """state.pt's bytes, checked to load with weights_only=True; or why they cannot be written."""
     optimizer = trainer.optimizer
     scalars: dict[str, dict] = {}
-    for t in held.trained:
-        values = {k: v for k, v in optimizer.state.get(t.bucket.master, {}).items()
-                  if not (torch.is_tensor(v) and v.shape == t.bucket.master.shape)}
+    for t, seen in zip(held.trained, surveyed):  # the state not laid out like the master: always in memory
+        values = {k: v for k, v in optimizer.state.get(t.bucket.master, {}).items() if k not in seen.state_keys}
         for name in t.held.names:
             scalars[name] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in values.items()}
     state = {
@@ -254,10 +292,10 @@ def _serialized_state(trainer: Trainer, held: Holdings, client_state: dict | Non
     return buffer.getvalue(), None
 
 
-def _manifest(trainer: Trainer, held: Holdings, files: dict[str, dict], save_id: str) -> dict:
+def _manifest(trainer: Trainer, held: Holdings, surveyed: list[Surveyed], files: dict[str, dict],
+              save_id: str) -> dict:
     optimizer = trainer.optimizer
-    state_keys = sorted({k for t in held.trained for k, v in optimizer.state.get(t.bucket.master, {}).items()
-                         if torch.is_tensor(v) and v.shape == t.bucket.master.shape})
+    state_keys = sorted({k for seen in surveyed for k in seen.state_keys})
     manifest = {
         "format": FORMAT, "version": VERSION, "zeroshard": __version__, "torch": torch.__version__,
         "world_size": trainer.comm.world_size, "stage": trainer.config.stage,

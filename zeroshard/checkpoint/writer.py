@@ -24,6 +24,7 @@ import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -39,35 +40,40 @@ _CHUNK = 64 << 20  # bytes per write and checksum update: large enough to run at
 
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> dict:
-    """Write 1-D `tensors` to a safetensors file at `path` and fsync it.
+    """Write 1-D `tensors` to a safetensors file at `path` (by key within each dtype width) and fsync it."""
+    layout = {key: (tensors[key].dtype, tensors[key].numel()) for key in sorted(tensors)}
+    return write_streamed(path, layout, tensors.__getitem__, metadata)
 
-    Returns the file's manifest entry: its size in bytes, the crc32 of its
-    bytes (computed while writing) and each tensor's [safetensors dtype, elements].
+
+def write_streamed(path: Path, layout: dict[str, tuple[torch.dtype, int]], fetch: Callable[[str], torch.Tensor],
+                   metadata: dict[str, str]) -> dict:
+    """Write a safetensors file of 1-D tensors fetched one at a time, when their bytes are due; fsync it.
+
+    `layout`: each tensor's dtype and elements (the header comes before any bytes), in the order the caller
+    would rather hand them over; the file keeps that order within each dtype width, wider dtypes first, as
+    safetensors orders them, so every tensor's bytes stay aligned to its dtype. `fetch(key)` is called
+    once per key in the file's order, after the bytes before it were written and checksummed, so the
+    caller may let a tensor go once the next one is asked for (offloaded state held a group at a time).
+    Returns the file's manifest entry: its size in bytes, the crc32 of its bytes (computed while writing)
+    and each tensor's [safetensors dtype, elements].
     """
     if sys.byteorder != "little":
         raise CheckpointError("checkpoints are written little-endian, as safetensors stores them; this machine "
                               "is big-endian: save from a little-endian machine")
-    unstorable = [key for key, t in tensors.items() if t.dtype not in SAFETENSORS_DTYPES]
+    unstorable = [key for key, (dtype, _) in layout.items() if dtype not in SAFETENSORS_DTYPES]
     if unstorable:
-        raise CheckpointError(f"'{unstorable[0]}' is a {tensors[unstorable[0]].dtype} tensor, which safetensors "
+        raise CheckpointError(f"'{unstorable[0]}' is a {layout[unstorable[0]][0]} tensor, which safetensors "
                               f"cannot store; checkpoints hold {', '.join(map(str, SAFETENSORS_DTYPES))}")
-    # Wider dtypes first, as safetensors orders them, so every tensor's bytes stay aligned to its dtype.
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    header: dict = {"__metadata__": metadata}
-    offset = 0
-    for key in order:
-        end = offset + tensors[key].numel() * tensors[key].element_size()
-        header[key] = {"dtype": SAFETENSORS_DTYPES[tensors[key].dtype], "shape": [tensors[key].numel()],
-                       "data_offsets": [offset, end]}
-        offset = end
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    head = len(text).to_bytes(8, "little") + text
-    crc, hashed = _RunningCrc(head), []
+    order = sorted(layout, key=lambda k: -layout[k][0].itemsize)  # stable: the caller's order within a width
+    head = _header(layout, order, metadata)
+    crc = _RunningCrc(head)
     with open(path, "wb") as f, ThreadPoolExecutor(max_workers=1) as hasher:
         f.write(head)  # the mode follows the umask, as every file of a checkpoint does
+        hashed: list = []
         for key in order:  # one tensor's bytes at a time: a GPU tensor is copied to the host alone
-            block = _bytes_of(tensors[key])
+            for done in hashed:
+                done.result()  # the bytes so far are hashed (raising what the hashing thread raised)
+            block, hashed = _bytes_of(_as_laid_out(key, fetch(key), layout[key])), []
             for start in range(0, len(block), _CHUNK):
                 piece = block[start : start + _CHUNK]
                 hashed.append(hasher.submit(crc.update, piece))  # in order, in one thread, beside the writes
@@ -76,9 +82,31 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
         os.fsync(f.fileno())
         size = f.tell()
         for done in hashed:
-            done.result()  # (raises what the hashing thread raised)
+            done.result()
     return {"size": size, "crc32": crc_hex(crc.value),
-            "tensors": {key: [SAFETENSORS_DTYPES[t.dtype], t.numel()] for key, t in sorted(tensors.items())}}
+            "tensors": {key: [SAFETENSORS_DTYPES[dtype], numel] for key, (dtype, numel) in sorted(layout.items())}}
+
+
+def _header(layout: dict[str, tuple[torch.dtype, int]], order: list[str], metadata: dict[str, str]) -> bytes:
+    """The 8-byte header length, then the JSON header padded with spaces to a multiple of 8 bytes."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for key in order:
+        dtype, numel = layout[key]
+        header[key] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": [numel],
+                       "data_offsets": [offset, offset + numel * dtype.itemsize]}
+        offset += numel * dtype.itemsize
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _as_laid_out(key: str, tensor: torch.Tensor, expected: tuple[torch.dtype, int]) -> torch.Tensor:
+    """The fetched tensor, if it is what the header already says it is."""
+    if (tensor.dtype, tensor.numel()) != expected:
+        raise CheckpointError(f"'{key}' was {expected[1]} {expected[0]} elements when the save began and is "
+                              f"{tensor.numel()} {tensor.dtype} elements now: the trainer changed during the save")
+    return tensor
 
 
 class _RunningCrc:

@@ -18,9 +18,9 @@ the same as one step over all of them.
 from __future__ import annotations
 
 from collections import deque
-from contextlib import contextmanager
+from contextlib import closing
 from enum import Enum
-from typing import Iterator
+from typing import Generator, Iterator
 
 import torch
 
@@ -84,7 +84,6 @@ class OptimizerTiers:
                 if i not in self.grad_swaps and buckets[i].switches.shard_grads:
                     self.grad_swaps[i] = swap_grad(swap, i, buckets[i], pool, self.write_behind)
         self.sub_groups = _sub_groups(on_disk, [b.flat.shard_numel for b in buckets], sub_group_numel)
-        self._holding = False  # inside `all_resident`: nothing is sent out before it ends
         self.adopt()
 
     def _create_swaps(self, i: int, swap: SwapDir, master: Swapped | None) -> dict[str, Swapped]:
@@ -122,20 +121,14 @@ class OptimizerTiers:
         `core/delayed_update.py`); nothing a forward reads is touched, and `cast_to_params` follows later.
         """
         optimizer = optimizer or self.optimizer
-        in_memory = [i for i in range(len(self.buckets)) if i not in self.swaps]
-        self._step_buckets(in_memory, grads, optimizer, cast)
-        if cast:
-            self._settle(in_memory)
-        for group in self.resident_groups(write=True, grads=True, settle=cast):
-            on_disk = [grads[i] for i in group if i in self.grad_swaps]
-            if coef != 1.0 and on_disk:
-                torch._foreach_mul_(on_disk, coef)
-            self._step_buckets(group, grads, optimizer, cast)
+        with closing(self.in_turn(write=True, grads=True, cast=cast)) as turns:
+            for group in turns:
+                on_disk = [grads[i] for i in group if i in self.grad_swaps]
+                if coef != 1.0 and on_disk:
+                    torch._foreach_mul_(on_disk, coef)
+                self._step_buckets(group, grads, optimizer)
 
-    def _step_buckets(self, indices: list[int], grads: list[torch.Tensor], optimizer: torch.optim.Optimizer,
-                      cast: bool) -> None:
-        if not indices:
-            return
+    def _step_buckets(self, indices: list[int], grads: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
         for i in indices:
             self.buckets[i].master.grad = grads[i]
         try:
@@ -143,18 +136,40 @@ class OptimizerTiers:
         finally:
             for i in indices:
                 self.buckets[i].master.grad = None
-        for i in indices if cast else ():
-            self.buckets[i].cast_master_to_params()
 
     def cast_to_params(self) -> None:
-        """Every bucket's parameters from its master (after a load), the disk ones read a sub-group at a time."""
-        for i, bucket in enumerate(self.buckets):
-            if i not in self.swaps:
-                bucket.cast_master_to_params()
-        self._settle([i for i in range(len(self.buckets)) if i not in self.swaps])
-        for group in self.resident_groups(write=False):
-            for i in group:
-                self.buckets[i].cast_master_to_params()
+        """Every bucket's parameters from its master (a delayed update landing), the disk ones a sub-group at
+        a time."""
+        with closing(self.in_turn(write=False)) as turns:
+            for group in turns:
+                self._cast(group)
+        self._settle(list(range(len(self.buckets))))
+
+    def in_turn(self, write: bool, grads: bool = False, cast: bool = True) -> Generator[list[int], None, None]:
+        """Every bucket once, with its master and optimizer state (and with `grads` its gradient shard) in
+        memory during its turn: the buckets in memory in one turn, then the disk tier sub-group by sub-group,
+        the next ones read ahead. The step and the checkpoints go through them so, never holding more of the
+        disk tier than `ahead` + 2 sub-groups.
+
+        `write`: the caller changes the turn's values in place, or gives a master new optimizer state tensors
+        of its size (`optimizer.state[master][key]`); after the turn each bucket's parameters take its master
+        (`cast_master_to_params`, unless `cast` is False) and the disk tier's values are written back. Else
+        they are only read. Close the generator (`contextlib.closing`) where the caller may stop early:
+        nothing then stays in flight."""
+        in_memory = [i for i in range(len(self.buckets)) if i not in self.swaps]
+        if in_memory:
+            yield in_memory
+            if write and cast:
+                self._cast(in_memory)
+                self._settle(in_memory)
+        for group in self.resident_groups(write, grads=grads, settle=cast):
+            yield group
+            if write and cast:  # before `resident_groups` writes the group back; its `_finish` settles the casts
+                self._cast(group)
+
+    def _cast(self, indices: list[int]) -> None:
+        for i in indices:
+            self.buckets[i].cast_master_to_params()
 
     def resident_groups(self, write: bool, groups: list[list[int]] | None = None,
                         grads: bool = False, settle: bool = True) -> Iterator[list[int]]:
@@ -181,33 +196,9 @@ class OptimizerTiers:
                 self._finish(group, settle)
 
     def _finish(self, group: list[int], settle: bool = True) -> None:
-        if not self._holding:
-            self._each(group, Swapped.finish)
+        self._each(group, Swapped.finish)
         if settle:
             self._settle(group)
-
-    @contextmanager
-    def all_resident(self, write: bool) -> Iterator[None]:
-        """Every disk master and its state in memory while a checkpoint reads them (`write` False: dropped
-        after) or replaces them (`write`: sent back out after, following the optimizer's new state tensors).
-
-        This holds the disk tier's whole share in host memory for the checkpoint's duration."""
-        if not self.swaps:
-            yield
-            return
-        for group in self.sub_groups:
-            self._each(group, Swapped.read, grads=False)
-        self._holding = True
-        try:
-            for group in self.sub_groups:
-                self._each(group, Swapped.wait, grads=False)
-            yield
-        finally:
-            self._holding = False
-            if write:
-                self.adopt()
-            for group in self.sub_groups:
-                self._finish(group)
 
     def _settle(self, indices: list[int]) -> None:
         """Wait for the parameter shards written to disk after their cast (parameter offload)."""
@@ -231,7 +222,7 @@ class OptimizerTiers:
 
     def adopt(self) -> None:
         """Send the disk buckets' masters and state, as they are in memory now, to their swap files (at
-        construction, and after a load replaced them)."""
+        construction)."""
         for i, swaps in self.swaps.items():
             self._bind_state([i])
             for swapped in swaps.values():

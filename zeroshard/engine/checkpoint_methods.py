@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Generator
 
 import torch.distributed as dist
 
@@ -36,12 +36,11 @@ class CheckpointMethods:
         self.check_checkpoint_options(exclude_frozen_parameters=exclude_frozen_parameters)
         self._enter("save_checkpoint", CheckpointError, checkpoint_call=True)
         self._land_update()  # a delayed update in flight, first: the state written is the whole of it
-        with self.offload.tiers.all_resident(write=False):  # the optimizer's disk tier, read for the save
-            if self.mesh is None:
-                return checkpoint.save(self, save_dir, tag, client_state, save_latest)
-            if dist.get_rank() == 0:
-                write_mesh(save_dir, self.mesh)
-            return checkpoint.save(self, part_dir(save_dir, self.mesh), tag, client_state, save_latest)
+        if self.mesh is None:
+            return checkpoint.save(self, save_dir, tag, client_state, save_latest)
+        if dist.get_rank() == 0:
+            write_mesh(save_dir, self.mesh)
+        return checkpoint.save(self, part_dir(save_dir, self.mesh), tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | int | float | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -65,11 +64,10 @@ class CheckpointMethods:
         load = partial(checkpoint.load, self, tag=tag, load_optimizer_states=load_optimizer_states,
                        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                        must_exist=must_exist)
-        with self.offload.tiers.all_resident(write=True):  # the optimizer's disk tier, replaced by the load
-            if self.mesh is None:
-                return load(load_dir)
-            check_mesh(load_dir, self.mesh)  # every rank reads the same files: the same verdict everywhere
-            return self._load_part(load, part_dir(load_dir, self.mesh))
+        if self.mesh is None:
+            return load(load_dir)
+        check_mesh(load_dir, self.mesh)  # every rank reads the same files: the same verdict everywhere
+        return self._load_part(load, part_dir(load_dir, self.mesh))
 
     def _load_part(self, load: Callable, where: Path) -> tuple[Path, dict] | tuple[None, None]:
         """Load this model part, then agree over the whole mesh: every part at the same tag and step."""
@@ -96,6 +94,9 @@ class CheckpointMethods:
 
     def param_names(self) -> dict[int, str]:
         return self._names
+
+    def resident_buckets(self, write: bool) -> Generator[list[int], None, None]:
+        return self.offload.tiers.in_turn(write)  # the disk tier a sub-group at a time, as in the step
 
     def counters(self) -> Counters:
         return Counters(self.global_steps, self.skipped_steps)

@@ -62,7 +62,8 @@ class DelayedUpdateMethods:
 
     def _land_update(self) -> None:
         if self.delayed is not None and self._on_every_rank(self.delayed.land, "the delayed update"):
-            self.params_from_masters()
+            self.offload.tiers.cast_to_params()
+            self.gather_params()
 
     def _update(self, grads: list[torch.Tensor], coef: float) -> None:
         """This step's update of the masters (`grads` unscaled and clipped; those on disk take `coef` as they
@@ -75,7 +76,7 @@ class DelayedUpdateMethods:
         # between micro-steps cannot touch the window's accumulating gradients. The tiers step it over
         # the masters wherever they live and cast each into its parameters.
         self._on_every_rank(lambda: self.offload.tiers.step(grads, coef), f"optimizer step {self.global_steps}")
-        self._gather_params()
+        self.gather_params()
 
     def _on_every_rank(self, work: Callable[[], T], whose: str) -> T:
         """`work()`; with swap files, which may fail on one rank alone, every rank hears of a failure first."""

@@ -337,11 +337,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         if self.schedule is not None:
             self.schedule.release_all()
 
-    def params_from_masters(self) -> None:
-        self.offload.tiers.cast_to_params()
-        self._gather_params()
-
-    def _gather_params(self) -> None:
+    def gather_params(self) -> None:
         if self.schedule is not None:  # hpZ's secondary shards are stale after a step or a load
             self.schedule.drop_secondaries()
         wait_all([bucket.gather_params(self.comm) for bucket in self.buckets if bucket.gathers_after_step])

@@ -1,0 +1,90 @@
+"""The trainer's masters and optimizer state, visited a group of buckets at a time.
+
+With the optimizer state offloaded to disk (ZeRO-Infinity) a bucket's master
+and optimizer state are in memory only during its turn of
+`Trainer.resident_buckets`, a sub-group at a time, the next ones read ahead
+as in the optimizer step. A save or a load reads or writes them turn by turn,
+so it holds one turn's worth of them (with the read-ahead), never the whole
+tier: a model whose optimizer state is larger than host memory saves and
+loads as it steps. Without offload every bucket is in memory in one turn,
+and a turn costs nothing.
+
+A save goes over the turns twice: `survey` first, before anything is written
+(what each bucket holds, and whether it is finite), then `Turns`, as the
+writer asks for each tensor's bytes. A load goes over them once, with
+`write` (`loading.py`).
+"""
+
+from __future__ import annotations
+
+from contextlib import closing
+from dataclasses import dataclass
+from typing import Generator
+
+import torch
+
+from zeroshard.checkpoint.checks import nonfinite
+from zeroshard.checkpoint.holdings import Holdings, Trained
+from zeroshard.checkpoint.protocol import Trainer
+
+
+def master_state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A master's optimizer state tensors laid out like it (Adam: exp_avg, exp_avg_sq), by key; read during
+    its turn (out of it both may be empty)."""
+    return {k: v for k, v in optimizer.state.get(master, {}).items() if torch.is_tensor(v) and v.shape == master.shape}
+
+
+def own_tensors(optimizer: torch.optim.Optimizer, t: Trained) -> dict[str, torch.Tensor]:
+    """The rank's own part of a bucket's master ("param") and of each state tensor ("optim.<key>"), 1-D."""
+    master = t.bucket.master
+    parts = {"param": master} | {f"optim.{k}": v for k, v in master_state(optimizer, master).items()}
+    return {kind: t.own_part(tensor).detach().reshape(-1) for kind, tensor in parts.items()}
+
+
+@dataclass(frozen=True)
+class Surveyed:
+    """A bucket's tensors as its turn showed them."""
+
+    turn: int  # which group of `resident_buckets` holds it
+    tensors: dict[str, tuple[torch.dtype, int]]  # kind ("param", "optim.<key>") -> dtype, elements of its own part
+
+    @property
+    def state_keys(self) -> list[str]:
+        return [kind.removeprefix("optim.") for kind in self.tensors if kind != "param"]
+
+
+def survey(trainer: Trainer, held: Holdings) -> tuple[list[Surveyed], str | None]:
+    """Every bucket's tensors, one turn at a time: (what each holds, by bucket; why a save must not write
+    them: the first non-finite master weight or optimizer state element, else None)."""
+    found: list[Surveyed | None] = [None] * len(held.trained)
+    error = None
+    with closing(trainer.resident_buckets(write=False)) as turns:
+        for turn, group in enumerate(turns):
+            for i in group:
+                tensors = own_tensors(trainer.optimizer, held.trained[i])
+                error = error or nonfinite(held.trained[i], tensors, trainer.counters().global_steps)
+                found[i] = Surveyed(turn, {kind: (t.dtype, t.numel()) for kind, t in tensors.items()})
+    return found, error
+
+
+class Turns:
+    """The trainer's groups made resident as a reader asks for them by turn (`Surveyed.turn`), in order;
+    asked for an earlier turn, it starts a new pass over the groups."""
+
+    def __init__(self, trainer: Trainer):
+        self._trainer = trainer
+        self._turns: Generator[list[int], None, None] | None = None
+        self._turn = -1  # the turn in memory now
+
+    def reach(self, turn: int) -> None:
+        if self._turns is None or turn < self._turn:
+            self.close()
+            self._turns, self._turn = self._trainer.resident_buckets(write=False), -1
+        while self._turn < turn:
+            next(self._turns)
+            self._turn += 1
+
+    def close(self) -> None:
+        if self._turns is not None:
+            self._turns.close()
+            self._turns = None
