@@ -73,6 +73,7 @@ def _reference(case: Case, good: Path, rank: int, device) -> dict:
     after = engine.comm_stats()["fault_check"]
     out = {"losses": losses, "weights": _weights(engine), "units": len(engine.units),
            "disk_units": sum(any(f.shard_swap is not None for f in u.gathered_flats) for u in engine.units),
+           "grads_on_disk": bool(engine.offload.tiers.grad_swaps),
            "checks": (after.calls - checks.calls, after.bytes - checks.bytes)}
     engine.offload.close()
     return out
@@ -287,11 +288,15 @@ def test_the_checkpoint_saved_before_the_faults_resumes_bitwise(runs):
 
 
 def test_one_fault_check_per_step_and_per_gather_of_a_unit_on_disk(runs):
-    """The agreement's cost: 8 bytes per rank, once per optimizer step and before each gather of a unit whose
-    shards are on disk (its forward and its backward gather)."""
+    """The agreement's cost: 8 bytes per rank, once per optimizer step, once more at stages 2-3 for the
+    gradient shards backward wrote to disk, and before each gather of a unit whose shards are on disk (its
+    forward and its backward gather)."""
     for rank, case, run in _each(runs):
         calls, nbytes = run["reference"]["checks"]
-        per_step = 1 + 2 * run["reference"]["disk_units"]
+        # the step's I/O; at stages 2-3 the gradient shards' (written in backward); each gather of a unit on disk
+        grads = 1 if case.stage >= 2 else 0
+        assert run["reference"]["grads_on_disk"] == bool(grads), (rank, case)
+        per_step = 1 + grads + 2 * run["reference"]["disk_units"]
         units = run["reference"]["units"] if case.offload_params == "nvme" else 0  # max_in_cpu 0: every one
         assert run["reference"]["disk_units"] == units, (rank, case)
         assert (calls, nbytes) == (STEPS * per_step, STEPS * per_step * 8 * WORLD), (rank, case, calls, nbytes)

@@ -230,12 +230,16 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
 
 
 def _fault_checks(engine: zeroshard.Engine, args: argparse.Namespace) -> int:
-    """Offload's fault checks per step: one after the step's disk I/O, and at stage 3 one before each gather
-    (forward and backward, each micro-step) of a unit whose shards are on disk."""
-    if not engine.offload.swaps:
+    """Offload's fault checks in the last step: one after the step's disk I/O (none for a step a delayed update
+    runs in the background), one for the landing of a delayed update, one for the gradient shards backward
+    wrote to disk (stages 2-3), and at stage 3 one before each gather (forward and backward, each micro-step)
+    of a unit whose shards are on disk."""
+    delayed = engine.delayed is not None
+    if not (engine.offload.swaps or delayed):
         return 0
+    stepped_now = not (delayed and engine.delayed.delays(engine.global_steps - 1))
     on_disk = sum(any(f.shard_swap is not None for f in unit.gathered_flats) for unit in engine.units)
-    return 1 + 2 * args.accumulation * on_disk
+    return stepped_now + delayed + bool(engine.offload.tiers.grad_swaps) + 2 * args.accumulation * on_disk
 
 
 def _zeropp_order_check_bytes(engine: zeroshard.Engine, args: argparse.Namespace, step_checks: int) -> int:

@@ -50,8 +50,10 @@ def add_offload(parser: argparse.ArgumentParser) -> None:
 
 
 def default_nvme_path() -> Path:
-    """The default --nvme-path: one directory per torchrun run (its run id; the process id outside torchrun)."""
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or str(os.getpid())
+    """The default --nvme-path: one directory per torchrun run (its run id and rendezvous port: torchrun's run id
+    is "none" for every run without --rdzv-id; the process id outside torchrun)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    run = f"{run}-{os.environ.get('MASTER_PORT', '')}" if run else str(os.getpid())
     return Path(tempfile.gettempdir()) / f"zeroshard-offload-{run}"
 
 

@@ -87,8 +87,10 @@ class OffloadOptimizerConfig(BaseModel):
         "own files); read only with \"nvme\". DeepSpeed: zero_optimization.offload_optimizer.nvme_path "
         "(default null)."))
     pin_memory: StrictBool = Field(False, description=(
-        "true: host buffers are page-locked, for faster asynchronous copies to and from a GPU (it changes "
-        "nothing on CPU-only runs). DeepSpeed: zero_optimization.offload_optimizer.pin_memory (default false)."))
+        "true: the buffers disk reads and writes go through are page-locked (with CUDA; it changes nothing on "
+        "CPU-only runs). The host tier's masters, state and gradient shard stay pageable, and their copies to "
+        "and from the GPU are synchronous for now. DeepSpeed: zero_optimization.offload_optimizer.pin_memory "
+        "(default false)."))
     buffer_count: PositiveInt = Field(4, description=(
         "Disk: buffers in flight (count), reading the next part of the state ahead and writing the last one "
         "behind while the CPU steps the current one. DeepSpeed: zero_optimization.offload_optimizer.buffer_count "
@@ -140,8 +142,9 @@ class OffloadParamConfig(BaseModel):
         "Directory the parameter shards are written to with device \"nvme\" (required then); read only with "
         "\"nvme\". DeepSpeed: zero_optimization.offload_param.nvme_path (default null)."))
     pin_memory: StrictBool = Field(False, description=(
-        "true: host buffers are page-locked, for faster asynchronous copies to and from a GPU (it changes "
-        "nothing on CPU-only runs). DeepSpeed: zero_optimization.offload_param.pin_memory (default false)."))
+        "true: the parameter shards kept in host memory and the buffers disk reads go through are page-locked "
+        "(with CUDA; it changes nothing on CPU-only runs). DeepSpeed: zero_optimization.offload_param.pin_memory "
+        "(default false)."))
     buffer_count: PositiveInt = Field(5, description=(
         "No effect: a unit's shards are read from disk into pooled buffers of their own size, as many as the "
         "gather prefetch has in flight (stage3_prefetch_bucket_size sets how far it reads ahead). "

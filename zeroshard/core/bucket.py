@@ -121,6 +121,9 @@ class Bucket:
         self.grad_swap: Swapped | None = None
         self._write_behind: WriteBehind | None = None
         self.grad_norm = 0.0  # fp32's value, held as a float: no tensor outlives the step
+        # A read or write of the gradient's swap file that failed in backward: kept, not raised there (the
+        # other ranks would wait in their next reduction), and raised at the step on every rank (`grad_fault`).
+        self._grad_fault: BaseException | None = None
 
     def _init_master(self) -> torch.Tensor:
         """What the optimizer updates: in fp32 the parameters' own storage, no copy; else an fp32 copy."""
@@ -250,15 +253,13 @@ class Bucket:
                 self.grad_shard.copy_(out.mul_(after))
             else:  # in grad_shard's dtype (fp32 when 16-bit gradients accumulate) and place (the host: offload)
                 self.grad_shard.add_(out.to(self.grad_shard.device), alpha=after)
-            pool.release(out)
 
         def accumulate():
             if direct:
                 out.mul_(after)
-            elif self.grad_swap is not None:
-                self._add_on_disk(add, first)
             else:
-                add()
+                self._add_on_disk(add, first) if self.grad_swap is not None else add()
+                pool.release(out)
             pool.release(staging)
 
         self.staging = None
@@ -298,17 +299,28 @@ class Bucket:
         swapped.finish()  # zeros until now: the window's first reduction replaces them without a read
 
     def _add_on_disk(self, add, first: bool) -> None:
+        if self._grad_fault is not None:  # this window's gradient is lost already: the step raises
+            return
         swap = self.grad_swap
-        swap.finish()  # its last write landed: the values may change now
-        if first:
-            swap.claim()
-            self.grad_shard.zero_()
-        else:
-            swap.wait()
-        add()
-        self.grad_norm = torch._foreach_norm([self.grad_shard])[0].item()
-        swap.write()
-        self._write_behind.add(swap)
+        try:
+            swap.finish()  # its last write landed: the values may change now
+            if first:
+                swap.claim()
+                self.grad_shard.zero_()
+            else:
+                swap.wait()
+            add()
+            self.grad_norm = torch._foreach_norm([self.grad_shard])[0].item()
+            swap.write()
+            self._write_behind.add(swap)
+        except OSError as exc:  # OffloadError: a disk that failed here (or another bucket's write behind)
+            self._grad_fault = exc
+
+    def raise_grad_fault(self) -> None:
+        """Raise the swap-file error this window's gradient met in backward, if any (the step's agreement
+        calls it on every rank, so all raise together)."""
+        if self._grad_fault is not None:
+            raise self._grad_fault
 
     def copy_grad_for_step(self) -> None:
         """Give the optimizer step a copy of the offloaded gradient shard of its own (`host_grad`, fp32, on
@@ -344,6 +356,11 @@ class Bucket:
         if self.flat.shard_swap is not None:
             self.flat.shard_swap.finish()
 
+    @property
+    def master_on_disk(self) -> bool:
+        """The master is out in its swap file (offload_optimizer nvme, between steps): an empty tensor here."""
+        return self.offload and self.master.numel() == 0 and self.flat.shard_numel > 0
+
     def take_params_into_master(self) -> None:
         """After the parameters were edited outside training: start the master from them (16-bit:
         the master takes their rounded values; in fp32 they are the master already)."""
@@ -377,7 +394,11 @@ class Bucket:
                 self.grad_acc.zero_()
             return
         if self.grad_swap is not None:
-            self.grad_swap.finish()  # the next window's first reduction replaces it without a read
+            try:
+                self.grad_swap.finish()  # the next window's first reduction replaces it without a read
+            except OSError:  # its write failed: raised on every rank at the step already (`raise_grad_fault`)
+                pass
+            self._grad_fault = None
         else:
             self.grad_shard.zero_()
         self._accumulated = False

@@ -47,20 +47,20 @@ class StepCheck:
 
 
 def check_step(norms: list[torch.Tensor], comm: Comm, global_steps: int, micro_steps: int,
-               loss_scale: float = 1.0) -> StepCheck:
+               loss_scale: float = 1.0, device: torch.device | None = None) -> StepCheck:
     """Exchange this rank's figures with every rank (one collective) and agree on the step.
 
     `norms`: the L2 norms (`torch._foreach_norm`) of this rank's disjoint part
     of the reduced gradients (fp32), still multiplied by `loss_scale`: its
     shard at stages 1-3, and at stage 0 its shard's slice of the replicated
     gradient, so that the ranks split the work there too. The squares are
-    summed over ranks. Raises
-    `CollectiveError`, on every rank, if the ranks' counters differ.
+    summed over ranks, on `device` (the training device: NCCL's collectives take no host tensor,
+    and offloaded gradients' norms are on the host). Raises `CollectiveError`, on every rank, if the
+    ranks' counters differ.
     """
-    device = norms[0].device if norms else torch.device("cpu")
+    device = device or (norms[0].device if norms else torch.device("cpu"))
     squares = torch.zeros((), dtype=torch.float64, device=device)
     if norms:
-        # Offloaded buckets' gradients live on the host, the others on the device: norms meet on `device`.
         squares = torch.stack([n.to(device) for n in norms]).double().square().sum()
     counters = torch.tensor([global_steps, micro_steps], dtype=torch.float64, device=device)
     mine = torch.cat([squares.reshape(1), torch.isfinite(squares).logical_not().double().reshape(1), counters])

@@ -38,18 +38,6 @@ class Tier(Enum):
     DISK = "disk"
 
 
-def offloaded_prefix(buckets: list[Bucket], ratio: float) -> int:
-    """How many buckets, from the first, are offloaded: the fewest whose masters reach `ratio` of the bytes."""
-    total = sum(b.flat.shard_numel for b in buckets)
-    taken, count = 0, 0
-    for bucket in buckets:
-        if taken >= ratio * total:
-            break
-        taken += bucket.flat.shard_numel
-        count += 1
-    return count
-
-
 def swapped_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> list[str]:
     """The optimizer's state tensors of a master's size (Adam: exp_avg, exp_avg_sq), from one probe step."""
     probe = torch.zeros(4, requires_grad=True)
@@ -107,8 +95,11 @@ class OptimizerTiers:
     # -- the step --------------------------------------------------------------
 
     def settle_grads(self) -> None:
-        """Before the step reads the gradients: every gradient shard's write landed (none in flight)."""
+        """Before the step reads the gradients: every gradient shard's write landed (none in flight); a
+        swap-file error any of them met in backward is raised here."""
         self.write_behind.drain()
+        for i in self.grad_swaps:
+            self.buckets[i].raise_grad_fault()
 
     def step(self, grads: list[torch.Tensor], coef: float = 1.0, optimizer: torch.optim.Optimizer | None = None,
              cast: bool = True) -> None:
@@ -162,10 +153,11 @@ class OptimizerTiers:
             if write and cast:
                 self._cast(in_memory)
                 self._settle(in_memory)
-        for group in self.resident_groups(write, grads=grads, settle=cast):
-            yield group
-            if write and cast:  # before `resident_groups` writes the group back; its `_finish` settles the casts
-                self._cast(group)
+        with closing(self.resident_groups(write, grads=grads, settle=cast)) as groups:
+            for group in groups:
+                yield group
+                if write and cast:  # before `resident_groups` writes the group back; its `_finish` settles casts
+                    self._cast(group)
 
     def _cast(self, indices: list[int]) -> None:
         for i in indices:

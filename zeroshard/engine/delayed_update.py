@@ -79,8 +79,9 @@ class DelayedUpdateMethods:
         self.gather_params()
 
     def _on_every_rank(self, work: Callable[[], T], whose: str) -> T:
-        """`work()`; with swap files, which may fail on one rank alone, every rank hears of a failure first."""
-        if not self.offload.swaps:
+        """`work()`; with swap files, which may fail on one rank alone, or a delayed update (its CPU step may
+        fail on one rank alone too), every rank hears of a failure first."""
+        if not self.offload.swaps and self.delayed is None:
             return work()
         return agreed(self.cross.world if self.cross else self.comm, work,
                       f"the swap-file reads and writes of {whose}", self._device)

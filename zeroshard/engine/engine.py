@@ -244,10 +244,10 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
             if self._unreduced:  # sync off: the end-of-step pass, whatever hooks did or did not see
                 self._reduce_now(ties=True)
             # fp32 gradients for the optimizer: new tensors, freed after the step, when gradients are 16-bit.
-            grads = [bucket.master_grad() for bucket in self.buckets]
-            self.offload.tiers.settle_grads()
+            grads = self._grads_for_step()
             check = check_step(self._grad_norms(grads), self.cross.world if self.cross else self.comm,
-                               self.global_steps, self.micro_steps, self.loss_scale * self._grad_divisor)
+                               self.global_steps, self.micro_steps, self.loss_scale * self._grad_divisor,
+                               self._device)
             self.global_grad_norm = check.norm
             if check.nonfinite_ranks:
                 self._skip_step(check)
@@ -260,6 +260,18 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
             self.fail(f"the optimizer step failed on this rank ({type(exc).__name__}: {exc})")
             raise
         self.state = TrainingState.IDLE
+
+    def _grads_for_step(self) -> list[torch.Tensor]:
+        """Every bucket's gradient for the optimizer; gradient shards on disk (stages 2-3) settled first, and a
+        swap-file error backward met on some rank raised on every rank."""
+        def settled() -> list[torch.Tensor]:
+            grads = [bucket.master_grad() for bucket in self.buckets]
+            self.offload.tiers.settle_grads()
+            return grads
+
+        if not self.offload.tiers.grad_swaps:
+            return settled()
+        return self._on_every_rank(settled, f"the gradient shards of optimizer step {self.global_steps}")
 
     def _grad_norms(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The L2 norm of each part of the gradients this rank counts; a gradient shard on disk gives the

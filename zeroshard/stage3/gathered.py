@@ -82,10 +82,15 @@ def _check_arguments(params: list, modifier_rank: int | None) -> None:
 
 
 def _check_masters_free(placed: list[Placement], units: list) -> None:
-    """Kept edits reach the optimizer's masters: not while the delayed update's CPU step updates them (every
-    rank is at the same step, so every rank raises)."""
+    """Kept edits reach the optimizer's masters: not while the delayed update's CPU step updates them, nor
+    while they are on disk (checked before anything changes; every rank holds the same buckets at the same
+    step, so every rank raises)."""
     owners = [pl.owner for pl in placed if pl.owner is not None]
     owners += [bucket for schedule, i in units for bucket in schedule.units[i].buckets]
+    if any(owner.master_on_disk for owner in owners):
+        raise ModelError("gathered_parameters(modifier_rank=...) keeps edits in the optimizer's masters, which "
+                         "live on disk between steps (offload_optimizer nvme): change the weights through a "
+                         "checkpoint instead (save, edit the saved weights, load), or offload the optimizer to cpu")
     if any(owner.stepping for owner in owners):
         raise ModelError("gathered_parameters(modifier_rank=...) keeps edits in the optimizer's masters, which the "
                          "delayed update (offload_optimizer.delayed_update) is stepping on another thread now: "
