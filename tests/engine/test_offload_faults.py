@@ -103,6 +103,8 @@ def _ranks(rank, world, device, good, ckpts, bad, later):
             run["later"] = _fills_later(case, later, rank, device)
         if case.offload_params == "nvme":
             run["backward"] = _fault_in_backward(case, good, rank, device)
+        if case.stage == 2:
+            run["gradient"] = _gradient_fault(good, rank, device)
         run["resumed"] = _resume(case, good, ckpt, rank, device)
         out.append(run)
     return out
@@ -171,13 +173,30 @@ def _fault_in_backward(case: Case, good: Path, rank: int, device) -> dict:
     return out
 
 
-def _damage(engine, case: Case) -> str:
-    """Change one byte of a swap file of this rank, on disk: the last bucket's second Adam moment (optimizer
-    on disk), else the last unit's parameter shard. Returns its path."""
+def _gradient_fault(good: Path, rank: int, device) -> dict:
+    """Stage 2, two micro-steps: a gradient shard's file damaged after the first micro-step wrote it; the
+    second reads it back inside a reduction, where raising would leave the other rank in its next one."""
+    case = Case(stage=2, accumulation=2, offload="nvme")
+    engine = _engine(case, good, device)
+    _train(engine, case, rank, device, [0])
+    x, y = micro_batch(1, case, WORLD, rank, 0)
+    engine.backward(loss_of(engine, x, y))
+    engine.step()  # not a boundary: the gradient shards wait on disk
+    victim = _damage(engine, case, ".grad") if rank == 1 else None
+    x, y = micro_batch(1, case, WORLD, rank, 1)
+    backward = _error(lambda: engine.backward(loss_of(engine, x, y)))
+    out = {"backward": backward, "step": _error(engine.step), "victim": victim}
+    engine.offload.close()
+    return out
+
+
+def _damage(engine, case: Case, suffix: str = ".exp_avg_sq") -> str:
+    """Change one byte of a swap file of this rank, on disk: the last bucket's file of `suffix` (the second Adam
+    moment unless said; optimizer on disk), else the last unit's parameter shard. Returns its path."""
     (swap,) = engine.offload.swaps.values()
     names = os.listdir(swap.path)
     if case.offload == "nvme":
-        name = max((n for n in names if n.endswith(".exp_avg_sq")), key=lambda n: int(n[6:].split(".")[0]))
+        name = max((n for n in names if n.endswith(suffix)), key=lambda n: int(n[6:].split(".")[0]))
     else:
         name = max((n for n in names if n.endswith(".shard")), key=lambda n: int(n[4:].split(".")[0]))
     path = swap.path / name
@@ -279,6 +298,16 @@ def test_a_parameter_shard_damaged_before_the_backward_that_reads_it(runs):
         assert run["then"]["type"] == "EngineStateError" and "damaged" in run["then"]["text"], run["then"]
 
 
+def test_a_gradient_shard_damaged_between_micro_steps_stops_every_rank_at_the_step(runs):
+    victim = next(run["gradient"]["victim"] for run in runs["per_rank"][1] if "gradient" in run)
+    for rank, per_case in enumerate(runs["per_rank"]):
+        (run,) = [r["gradient"] for r in per_case if "gradient" in r]
+        assert run["backward"]["type"] is None, run["backward"]  # kept for the step: no rank left in a reduction
+        assert run["step"]["type"] == "OffloadError", run["step"]
+        assert re.search(r"the gradient shards of optimizer step 1 failed on rank 1, and every rank stops there: "
+                         rf"rank 1: swap file {re.escape(victim)} is damaged", run["step"]["text"]), run["step"]
+
+
 def test_the_checkpoint_saved_before_the_faults_resumes_bitwise(runs):
     for rank, case, run in _each(runs):
         resumed, reference = run["resumed"], run["reference"]
@@ -294,7 +323,7 @@ def test_one_fault_check_per_step_and_per_gather_of_a_unit_on_disk(runs):
     for rank, case, run in _each(runs):
         calls, nbytes = run["reference"]["checks"]
         # the step's I/O; at stages 2-3 the gradient shards' (written in backward); each gather of a unit on disk
-        grads = 1 if case.stage >= 2 else 0
+        grads = 1 if case.stage >= 2 and case.offload == "nvme" else 0
         assert run["reference"]["grads_on_disk"] == bool(grads), (rank, case)
         per_step = 1 + grads + 2 * run["reference"]["disk_units"]
         units = run["reference"]["units"] if case.offload_params == "nvme" else 0  # max_in_cpu 0: every one

@@ -31,6 +31,7 @@ from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import local_grad
 from zeroshard.core.precision import Precision
 from zeroshard.core.staging import StagingPool
+from zeroshard.core.grad_on_disk import GradOnDisk
 from zeroshard.core.swapped import Swapped, WriteBehind
 
 FP32 = Precision(torch.float32, torch.float32)
@@ -116,14 +117,7 @@ class Bucket:
                 self.host_grad = torch.zeros(flat.shard_numel, dtype=precision.master_dtype, device="cpu")
         self._staged = [False] * len(flat.params)  # stage 2: slots of `staging` holding this micro-step
         self._accumulated = False  # stage 2: grad_shard already holds part of this window
-        # Stages 2-3 with the master on disk: the gradient shard waits on disk too (`swap_grads`), and its
-        # norm, taken before each write, stands in for it in the step check.
-        self.grad_swap: Swapped | None = None
-        self._write_behind: WriteBehind | None = None
-        self.grad_norm = 0.0  # fp32's value, held as a float: no tensor outlives the step
-        # A read or write of the gradient's swap file that failed in backward: kept, not raised there (the
-        # other ranks would wait in their next reduction), and raised at the step on every rank (`grad_fault`).
-        self._grad_fault: BaseException | None = None
+        self.on_disk: GradOnDisk | None = None  # stages 2-3, the master on disk: grad_shard too (`swap_grads`)
 
     def _init_master(self) -> torch.Tensor:
         """What the optimizer updates: in fp32 the parameters' own storage, no copy; else an fp32 copy."""
@@ -234,7 +228,7 @@ class Bucket:
             comm.world_size, scale)
         if before != 1.0:
             staging.mul_(before)
-        direct = (self.grad_swap is None and not self._accumulated  # reduce straight into grad_shard
+        direct = (self.on_disk is None and not self._accumulated  # reduce straight into grad_shard
                   and self.grad_shard.dtype == staging.dtype and self.grad_shard.device == staging.device)
         out = self.grad_shard if direct else pool.acquire(self.flat.shard_numel, staging.dtype, staging.device)
         if self.qgz is not None:
@@ -258,7 +252,7 @@ class Bucket:
             if direct:
                 out.mul_(after)
             else:
-                self._add_on_disk(add, first) if self.grad_swap is not None else add()
+                self.on_disk.add(add, first) if self.on_disk is not None else add()
                 pool.release(out)
             pool.release(staging)
 
@@ -293,34 +287,8 @@ class Bucket:
         return self.switches.shard_optimizer and not self.switches.shard_params
 
     def swap_grads(self, swapped: Swapped, write_behind: WriteBehind) -> None:
-        """Keep `grad_shard` in `swapped`'s file between reductions (stages 2-3, the master on disk): a
-        reduction reads it back (none at a window's first), adds, takes its norm and writes it behind."""
-        self.grad_swap, self._write_behind = swapped, write_behind
-        swapped.finish()  # zeros until now: the window's first reduction replaces them without a read
-
-    def _add_on_disk(self, add, first: bool) -> None:
-        if self._grad_fault is not None:  # this window's gradient is lost already: the step raises
-            return
-        swap = self.grad_swap
-        try:
-            swap.finish()  # its last write landed: the values may change now
-            if first:
-                swap.claim()
-                self.grad_shard.zero_()
-            else:
-                swap.wait()
-            add()
-            self.grad_norm = torch._foreach_norm([self.grad_shard])[0].item()
-            swap.write()
-            self._write_behind.add(swap)
-        except OSError as exc:  # OffloadError: a disk that failed here (or another bucket's write behind)
-            self._grad_fault = exc
-
-    def raise_grad_fault(self) -> None:
-        """Raise the swap-file error this window's gradient met in backward, if any (the step's agreement
-        calls it on every rank, so all raise together)."""
-        if self._grad_fault is not None:
-            raise self._grad_fault
+        """Keep `grad_shard` in `swapped`'s file between reductions (stages 2-3, the master on disk)."""
+        self.on_disk = GradOnDisk(self.grad_shard, swapped, write_behind)
 
     def copy_grad_for_step(self) -> None:
         """Give the optimizer step a copy of the offloaded gradient shard of its own (`host_grad`, fp32, on
@@ -335,8 +303,8 @@ class Bucket:
         its sub-group reads back)."""
         if self.host_grad is not None:
             return self.host_grad.copy_(self.grad_shard)
-        if self.grad_swap is not None and not self._accumulated:  # no reduction reached it: zeros
-            self._add_on_disk(lambda: None, first=True)
+        if self.on_disk is not None and not self._accumulated:  # no reduction reached it: zeros
+            self.on_disk.add(lambda: None, first=True)
         return self.grad_shard.to(self.master.dtype)
 
     def cast_master_to_params(self) -> None:
@@ -393,12 +361,8 @@ class Bucket:
             if self.grad_acc is not None:
                 self.grad_acc.zero_()
             return
-        if self.grad_swap is not None:
-            try:
-                self.grad_swap.finish()  # the next window's first reduction replaces it without a read
-            except OSError:  # its write failed: raised on every rank at the step already (`raise_grad_fault`)
-                pass
-            self._grad_fault = None
+        if self.on_disk is not None:
+            self.on_disk.reset()  # the next window's first reduction replaces it without a read
         else:
             self.grad_shard.zero_()
         self._accumulated = False

@@ -76,7 +76,7 @@ def model_state_bytes(
         hpz_secondary=_storage_bytes([f.secondary for f in flats], seen))
     host = MemoryStats(
         params=_storage_bytes([f.shard_data for f in apart if f.shard_swap is None], seen),
-        grads=_storage_bytes([b.grad_shard for b in buckets if b.offload and b.grad_swap is None]
+        grads=_storage_bytes([b.grad_shard for b in buckets if b.offload and b.on_disk is None]
                              + [b.host_grad for b in buckets], seen),
         master=_storage_bytes([b.master for b, t in zip(buckets, tier) if t is Tier.HOST], seen),
         # A disk master's scalar state (Adam's step) stays in host memory.

@@ -94,12 +94,14 @@ class OptimizerTiers:
 
     # -- the step --------------------------------------------------------------
 
-    def settle_grads(self) -> None:
-        """Before the step reads the gradients: every gradient shard's write landed (none in flight); a
-        swap-file error any of them met in backward is raised here."""
+    def gradients(self) -> list[torch.Tensor]:
+        """Every bucket's gradient for the optimizer (`master_grad`); those on disk with every write landed
+        (none in flight), and a swap-file error any of them met in backward raised here."""
+        grads = [bucket.master_grad() for bucket in self.buckets]
         self.write_behind.drain()
         for i in self.grad_swaps:
-            self.buckets[i].raise_grad_fault()
+            self.buckets[i].on_disk.raise_fault()
+        return grads
 
     def step(self, grads: list[torch.Tensor], coef: float = 1.0, optimizer: torch.optim.Optimizer | None = None,
              cast: bool = True) -> None:

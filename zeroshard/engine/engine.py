@@ -244,7 +244,9 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
             if self._unreduced:  # sync off: the end-of-step pass, whatever hooks did or did not see
                 self._reduce_now(ties=True)
             # fp32 gradients for the optimizer: new tensors, freed after the step, when gradients are 16-bit.
-            grads = self._grads_for_step()
+            tiers = self.offload.tiers  # a swap-file error backward met on some rank is raised on every rank
+            grads = (self._on_every_rank(tiers.gradients, f"the gradient shards of optimizer step {self.global_steps}")
+                     if tiers.grad_swaps else tiers.gradients())
             check = check_step(self._grad_norms(grads), self.cross.world if self.cross else self.comm,
                                self.global_steps, self.micro_steps, self.loss_scale * self._grad_divisor,
                                self._device)
@@ -261,24 +263,12 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
             raise
         self.state = TrainingState.IDLE
 
-    def _grads_for_step(self) -> list[torch.Tensor]:
-        """Every bucket's gradient for the optimizer; gradient shards on disk (stages 2-3) settled first, and a
-        swap-file error backward met on some rank raised on every rank."""
-        def settled() -> list[torch.Tensor]:
-            grads = [bucket.master_grad() for bucket in self.buckets]
-            self.offload.tiers.settle_grads()
-            return grads
-
-        if not self.offload.tiers.grad_swaps:
-            return settled()
-        return self._on_every_rank(settled, f"the gradient shards of optimizer step {self.global_steps}")
-
     def _grad_norms(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The L2 norm of each part of the gradients this rank counts; a gradient shard on disk gives the
         norm its bucket took before writing it (the step reads it back only later, sub-group by sub-group)."""
         norms = list(torch._foreach_norm(self._owned(grads)))
         if self.cross is None:  # one part per bucket (gradients on disk exist only then)
-            norms = [n if b.grad_swap is None else torch.tensor(b.grad_norm) for b, n in zip(self.buckets, norms)]
+            norms = [n if b.on_disk is None else torch.tensor(b.on_disk.norm) for b, n in zip(self.buckets, norms)]
         return norms
 
     def _owned(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
