@@ -218,8 +218,9 @@ def io_ms(run: dict, bw: dict) -> float:
 
 
 def formula_bytes(run: dict) -> tuple[int, int]:
-    """Bytes a step reads and writes per rank by the formula: masters + optimizer state once each way;
-    parameter shards read at both gathers (forward, backward), written once."""
+    """Bytes a step reads and writes per rank by the formula: masters + optimizer state (+ at stages 2-3 the
+    gradient shards, one micro-step a step) once each way; parameter shards read at both gathers (forward,
+    backward), written once."""
     opt, params = run["swapped"]["optimizer"], run["swapped"]["params"]
     return opt + 2 * params, opt + params
 

@@ -79,10 +79,10 @@ def train(args: argparse.Namespace) -> dict:
     tiers, opt_seconds = engine.offload.tiers, [0.0]
     tiers_step = tiers.step
 
-    def timed_step(grads):
+    def timed_step(*args, **kwargs):
         start = time.perf_counter()
         try:
-            tiers_step(grads)
+            tiers_step(*args, **kwargs)
         finally:
             opt_seconds[0] += time.perf_counter() - start
 
@@ -115,7 +115,9 @@ def train(args: argparse.Namespace) -> dict:
 
 def swapped_bytes(engine) -> dict:
     """The bytes of this rank's swap files: optimizer (masters and optimizer state) and params (stage 3's shards)."""
-    optimizer = sum(s.nbytes for swaps in engine.offload.tiers.swaps.values() for s in swaps.values() if s.bound)
+    tiers = engine.offload.tiers
+    optimizer = (sum(s.nbytes for swaps in tiers.swaps.values() for s in swaps.values() if s.bound)
+                 + sum(g.nbytes for g in tiers.grad_swaps.values()))  # stages 2-3: the gradient shards too
     params = sum(f.shard_swap.nbytes for u in engine.units or [] for f in u.gathered_flats if f.shard_swap)
     return {"optimizer": optimizer, "params": params}
 
