@@ -44,9 +44,12 @@ from bench import BLOCK_SIZE, SIZES, command_line, machine, open_results, prepar
 from launch import launch
 from report import write_section
 
-VARIANTS = ["none", "cpu", "nvme", "nvme_param"]  # nvme_param: offload_optimizer and offload_param nvme, stage 3
+# nvme_param: offload_optimizer and offload_param nvme, stage 3; nvme_delayed: offload_optimizer nvme with
+# delayed_update (no warm-up): the CPU step and its disk I/O overlap the next forward and backward
+VARIANTS = ["none", "cpu", "nvme", "nvme_param", "nvme_delayed"]
 LABELS = {"none": "no offload", "cpu": "offload_optimizer cpu", "nvme": "offload_optimizer nvme",
-          "nvme_param": "offload_optimizer + offload_param nvme"}
+          "nvme_param": "offload_optimizer + offload_param nvme",
+          "nvme_delayed": "offload_optimizer nvme, delayed_update"}
 HOST_BOUND, DISK_BOUND = 1.1, 1.25
 WORKLOAD = ["world", "micro_batch", "bucket_elems", "lr", "seed", "steps", "warmup", "size", "mode",
             "sub_group_size", "buffer_count", "thread_count", "block_size"]
@@ -120,7 +123,8 @@ def run_variant(args: argparse.Namespace, stage: int, variant: str, corpus: Path
     optimizer = {"none": "none", "cpu": "cpu"}.get(variant, "nvme")
     argv = worker_argv(
         args, "--train", "--size", args.size, "--mode", args.mode, "--stage", str(stage), "--offload", optimizer,
-        "--offload-param", "nvme" if variant == "nvme_param" else "none", "--sub-group-size", str(args.sub_group_size),
+        "--offload-param", "nvme" if variant == "nvme_param" else "none", *(["--delayed-update"] * (
+            variant == "nvme_delayed")), "--sub-group-size", str(args.sub_group_size),
         "--buffer-count", str(args.buffer_count), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--micro-batch", str(args.micro_batch), "--bucket-elems", str(args.bucket_elems), "--lr", str(args.lr),
         "--seed", str(args.seed), "--corpus", str(corpus), "--result", str(stem.with_suffix(".json")))
@@ -140,7 +144,7 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
 
     kinds = ["read_optimizer", "write_optimizer", "read_params", "write_params"]
     moved = {k: max(statistics.median(s.get(k, 0) for s in r["swap_bytes"][warmup:]) for r in ranks) for k in kinds}
-    swapped = {k: max(r["swapped_bytes"][k] for r in ranks) for k in ("optimizer", "params")}
+    swapped = {k: max(r["swapped_bytes"][k] for r in ranks) for k in ("optimizer", "params", "masters")}
     r0 = ranks[0]
     return {"ok": True, "num_params": r0["num_params"], "step_ms": 1000 * median_of_slowest("step_seconds"),
             "step_ms_each": [1000 * max(ts) for ts in zip(*(r["step_seconds"][warmup:] for r in ranks))],
@@ -220,9 +224,10 @@ def io_ms(run: dict, bw: dict) -> float:
 def formula_bytes(run: dict) -> tuple[int, int]:
     """Bytes a step reads and writes per rank by the formula: masters + optimizer state (+ at stages 2-3 the
     gradient shards, one micro-step a step) once each way; parameter shards read at both gathers (forward,
-    backward), written once."""
+    backward), written once; a delayed update reads the masters once more, to cast them as it lands."""
     opt, params = run["swapped"]["optimizer"], run["swapped"]["params"]
-    return opt + 2 * params, opt + params
+    again = run["swapped"]["masters"] if run["variant"] == "nvme_delayed" else 0
+    return opt + 2 * params + again, opt + params
 
 
 def render(results: dict) -> str:
@@ -285,7 +290,7 @@ def _row(run: dict, plain: dict | None, bw: dict) -> str:
     moved = run["moved"]
     read, written = moved["read_optimizer"] + moved["read_params"], moved["write_optimizer"] + moved["write_params"]
     cells = [f"{run['step_ms']:.0f}", f"{run['optimizer_ms']:.0f}", f"{read / 1e6:.0f}", f"{written / 1e6:.0f}"]
-    on_disk = run["variant"] in ("nvme", "nvme_param")
+    on_disk = run["variant"] in ("nvme", "nvme_param", "nvme_delayed")
     formula = formula_bytes(run)
     cells.append(("yes" if (read, written) == formula else f"no: {formula[0] / 1e6:.0f} / {formula[1] / 1e6:.0f}")
                  if on_disk else "–")

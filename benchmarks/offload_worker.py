@@ -53,7 +53,8 @@ def offload_config(args: argparse.Namespace) -> dict:
     zero: dict = {"stage": args.stage, "reduce_bucket_size": args.bucket_elems, "overlap_comm": True}
     if args.offload != "none":
         zero["offload_optimizer"] = {"device": args.offload, "buffer_count": args.buffer_count} | (
-            {"nvme_path": args.nvme_path} if args.offload == "nvme" else {})
+            {"nvme_path": args.nvme_path} if args.offload == "nvme" else {}) | (
+            {"delayed_update": True, "delayed_update_warmup": 0} if args.delayed_update else {})
         zero["sub_group_size"] = args.sub_group_size
     if args.offload_param != "none":  # every shard on disk: none kept on the host (max_in_cpu 0)
         zero["offload_param"] = {"device": args.offload_param, "nvme_path": args.nvme_path, "max_in_cpu": 0}
@@ -119,7 +120,8 @@ def swapped_bytes(engine) -> dict:
     optimizer = (sum(s.nbytes for swaps in tiers.swaps.values() for s in swaps.values() if s.bound)
                  + sum(g.nbytes for g in tiers.grad_swaps.values()))  # stages 2-3: the gradient shards too
     params = sum(f.shard_swap.nbytes for u in engine.units or [] for f in u.gathered_flats if f.shard_swap)
-    return {"optimizer": optimizer, "params": params}
+    masters = sum(swaps["master"].nbytes for swaps in tiers.swaps.values())
+    return {"optimizer": optimizer, "params": params, "masters": masters}
 
 
 def bandwidth(args: argparse.Namespace) -> dict:
@@ -137,6 +139,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--stage", type=int)
     p.add_argument("--offload", choices=["none", "cpu", "nvme"], default="none")
     p.add_argument("--offload-param", choices=["none", "nvme"], default="none")
+    p.add_argument("--delayed-update", action="store_true", help="offload_optimizer.delayed_update, no warm-up")
     p.add_argument("--nvme-path")
     p.add_argument("--sub-group-size", type=int, default=1_000_000_000)
     p.add_argument("--buffer-count", type=int, default=4)

@@ -133,12 +133,13 @@ class OptimizerTiers:
     def cast_to_params(self) -> None:
         """Every bucket's parameters from its master (a delayed update landing), the disk ones a sub-group at
         a time."""
-        with closing(self.in_turn(write=False)) as turns:
+        with closing(self.in_turn(write=False, state=False)) as turns:  # the masters alone are read
             for group in turns:
                 self._cast(group)
         self._settle(list(range(len(self.buckets))))
 
-    def in_turn(self, write: bool, grads: bool = False, cast: bool = True) -> Generator[list[int], None, None]:
+    def in_turn(self, write: bool, grads: bool = False, cast: bool = True,
+                state: bool = True) -> Generator[list[int], None, None]:
         """Every bucket once, with its master and optimizer state (and with `grads` its gradient shard) in
         memory during its turn: the buckets in memory in one turn, then the disk tier sub-group by sub-group,
         the next ones read ahead. The step and the checkpoints go through them so, never holding more of the
@@ -147,7 +148,7 @@ class OptimizerTiers:
         `write`: the caller changes the turn's values in place, or gives a master new optimizer state tensors
         of its size (`optimizer.state[master][key]`); after the turn each bucket's parameters take its master
         (`cast_master_to_params`, unless `cast` is False) and the disk tier's values are written back. Else
-        they are only read. Close the generator (`contextlib.closing`) where the caller may stop early:
+        they are only read (`state` False: the masters alone). Close the generator (`contextlib.closing`) where the caller may stop early:
         nothing then stays in flight."""
         in_memory = [i for i in range(len(self.buckets)) if i not in self.swaps]
         if in_memory:
@@ -155,7 +156,7 @@ class OptimizerTiers:
             if write and cast:
                 self._cast(in_memory)
                 self._settle(in_memory)
-        with closing(self.resident_groups(write, grads=grads, settle=cast)) as groups:
+        with closing(self.resident_groups(write, grads=grads, settle=cast, state=state)) as groups:
             for group in groups:
                 yield group
                 if write and cast:  # before `resident_groups` writes the group back; its `_finish` settles casts
@@ -166,7 +167,7 @@ class OptimizerTiers:
             self.buckets[i].cast_master_to_params()
 
     def resident_groups(self, write: bool, groups: list[list[int]] | None = None,
-                        grads: bool = False, settle: bool = True) -> Iterator[list[int]]:
+                        grads: bool = False, settle: bool = True, state: bool = True) -> Iterator[list[int]]:
         """Yield each disk sub-group with its masters and state (and with `grads` its gradient shards) in
         memory: the next `ahead` sub-groups are read meanwhile; after the caller's turn the sub-group's masters
         and state are written back (`write`) or dropped, its gradients dropped, and (`settle`) its parameter
@@ -176,8 +177,8 @@ class OptimizerTiers:
         try:
             for n, group in enumerate(groups):
                 for later in groups[n + 1 : n + 1 + self.ahead]:
-                    self._each(later, Swapped.read, grads)
-                self._each(group, Swapped.wait, grads)
+                    self._each(later, Swapped.read, grads, state)
+                self._each(group, Swapped.wait, grads, state)
                 yield group
                 if write:  # masters and state; a gradient is spent once stepped
                     self._bind_state(group)
@@ -199,10 +200,10 @@ class OptimizerTiers:
         for i in indices:
             self.buckets[i].settle()
 
-    def _each(self, group: list[int], action, grads: bool = True) -> None:
+    def _each(self, group: list[int], action, grads: bool = True, state: bool = True) -> None:
         for i in group:
-            for swapped in [*self.swaps[i].values(), *([self.grad_swaps[i]] if grads and i in self.grad_swaps
-                                                       else [])]:
+            kept = self.swaps[i].values() if state else [self.swaps[i]["master"]]
+            for swapped in [*kept, *([self.grad_swaps[i]] if grads and i in self.grad_swaps else [])]:
                 if swapped.bound:
                     action(swapped)
 
