@@ -8,12 +8,12 @@ case's making, none of its threads, and the test modules imported anew.
 `RankState.before_case()` notes the state once the case's function and
 arguments are unpickled (so what importing their modules did is part of
 it, as in a fresh process); `restore()` puts it back after the case and
-returns what it could not undo in place (a thread still running, a limit
-it cannot raise again, a DeviceMesh made): the pool then ends its
-processes, and the next case gets new ones. A module that a case imports
-inside its function stays imported: what importing it did at that time
-(a warning filter, an environment variable) is undone with the case, and
-a later case does not import it again.
+returns what it could not undo in place (a thread or child process
+still running, a limit it cannot raise again, a DeviceMesh made): the
+pool then ends its processes, and the next case gets new ones. A module
+that a case imports inside its function stays imported: what importing it
+did at that time (a warning filter, an environment variable) is undone
+with the case, and a later case does not import it again.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import ctypes
 import functools
 import gc
 import logging
+import multiprocessing
 import os
 import random
 import resource
@@ -234,6 +235,7 @@ class RankState:
         if self.meshes[0]:
             reasons.append(f"{self.meshes[0]} DeviceMesh(es) made: DTensor's caches may hand them to the next case")
         reasons += self.start.end_threads()
+        reasons += [f"child process {p.name} still running" for p in multiprocessing.active_children()]
         _release_memory()
         return reasons
 

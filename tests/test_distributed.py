@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import ast
 import logging
+import multiprocessing
 import os
 import resource
 import signal
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -143,6 +145,8 @@ def test_a_rank_past_the_timeout_is_killed_named_hung_and_the_next_case_gets_new
 def _leave(rank, world, device, what):
     if what == "thread":
         threading.Thread(target=threading.Event().wait, daemon=True).start()
+    elif what == "child":
+        multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,), daemon=True).start()
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -150,7 +154,7 @@ def _leave(rank, world, device, what):
     return os.getpid()
 
 
-@pytest.mark.parametrize("what", ["thread", "mesh"])
+@pytest.mark.parametrize("what", ["thread", "child", "mesh"])
 def test_a_case_that_leaves_what_cannot_be_undone_is_followed_by_new_ranks(what):
     left = run_ranks(_leave, 2, what)
     assert not set(run_ranks(_pid, 2)) & set(left)
