@@ -104,27 +104,27 @@ def test_a_pooled_rank_finds_what_a_fresh_one_finds(world):
 
 
 def _fail(rank, world, device, how):
-    if rank == 1:
+    if rank == world - 1:
         if how == "raise":
-            raise ValueError("rank 1 fails on purpose")
+            raise ValueError(f"rank {rank} fails on purpose")
         if how == "exit":
             os._exit(3)
         os.kill(os.getpid(), signal.SIGKILL)
     return rank
 
 
-@pytest.mark.parametrize("how", ["raise", "exit", "kill"])
-def test_a_failing_case_ends_as_on_fresh_ranks_and_the_next_gets_new_ranks(how):
-    before = run_ranks(_pid, 2)
+@pytest.mark.parametrize("how,world", [("raise", 2), ("exit", 1), ("kill", 1)])
+def test_a_failing_case_ends_as_on_fresh_ranks_and_the_next_gets_new_ranks(how, world):
+    before = run_ranks(_pid, world)
     failures = []
     for fresh in (False, True):
         with pytest.raises(RankFailure) as failure:
-            run_ranks(_fail, 2, how, fresh=fresh)
+            run_ranks(_fail, world, how, fresh=fresh)
         failures.append(failure.value)
     pooled, fresh = failures
     assert str(pooled) == str(fresh) and pooled.hung == fresh.hung == [] and pooled.errors == fresh.errors
-    assert list(pooled.errors) == [1]
-    assert not set(run_ranks(_pid, 2)) & set(before)
+    assert list(pooled.errors) == [world - 1]
+    assert not set(run_ranks(_pid, world)) & set(before)
 
 
 def _sleep_on_rank1(rank, world, device):
@@ -156,8 +156,8 @@ def _leave(rank, world, device, what):
 
 @pytest.mark.parametrize("what", ["thread", "child", "mesh"])
 def test_a_case_that_leaves_what_cannot_be_undone_is_followed_by_new_ranks(what):
-    left = run_ranks(_leave, 2, what)
-    assert not set(run_ranks(_pid, 2)) & set(left)
+    left = run_ranks(_leave, 1, what)
+    assert not set(run_ranks(_pid, 1)) & set(left)
 
 
 def _env(rank, world, device):
@@ -165,11 +165,11 @@ def _env(rank, world, device):
 
 
 def test_the_parents_environment_at_each_case_reaches_the_ranks(monkeypatch):
-    assert run_ranks(_env, 2) == [None, None]
+    assert run_ranks(_env, 1) == [None]
     monkeypatch.setenv("ZEROSHARD_POOL_PROBE", "set")
-    assert run_ranks(_env, 2) == ["set", "set"]
+    assert run_ranks(_env, 1) == ["set"]
     monkeypatch.delenv("ZEROSHARD_POOL_PROBE")
-    assert run_ranks(_env, 2) == [None, None]
+    assert run_ranks(_env, 1) == [None]
 
 
 def _mutated_module_state(path: Path) -> set[str]:
