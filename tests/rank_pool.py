@@ -84,8 +84,8 @@ class RankPool:
         hung = [r for r in range(self.world_size) if not done[r]]
         for r in hung:
             self.procs[r].kill()
-        reasons += [f"rank {r}: hung" for r in hung] + [
-            f"rank {r}: {'exited' if res is None else 'raised'}" for r, res in enumerate(results) if not res or "ok" not in res]
+        reasons += [f"rank {r}: hung" for r in hung] + [f"rank {r}: {'exited' if res is None else 'raised'}"
+                                                        for r, res in enumerate(results) if not res or "ok" not in res]
         if reasons:
             log.info("ending the pool of %d ranks: %s", self.world_size, "; ".join(reasons))
         self.reusable = not reasons and all(p.is_alive() for p in self.procs)
@@ -153,16 +153,21 @@ _pools: dict[int, RankPool] = {}  # by world size, least recently used first
 def run_case(fn, world_size: int, args: tuple, timeout_s: float, collective_timeout_s: float,
              fresh: bool) -> Outcome:
     """The case on the pool of its world size (or, `fresh`, on ranks of its own), then keep or end the pool."""
-    fresh = fresh or os.environ.get("ZEROSHARD_TEST_POOL") == "0"
+    if fresh or os.environ.get("ZEROSHARD_TEST_POOL") == "0":
+        pool = RankPool(world_size)
+        try:
+            return pool.run(fn, args, timeout_s, collective_timeout_s)
+        finally:
+            pool.close()
     pool = _pools.pop(world_size, None)
-    if pool is not None and (fresh or not pool.matches()):
+    if pool is not None and not pool.matches():
         pool.close()
         pool = None
     if pool is None:
         _make_room(world_size)
         pool = RankPool(world_size)
     outcome = pool.run(fn, args, timeout_s, collective_timeout_s)
-    if pool.reusable and not fresh:
+    if pool.reusable:
         _pools[world_size] = pool
     else:
         pool.close()

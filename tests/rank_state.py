@@ -82,7 +82,8 @@ class TorchDefaults:
     def capture(cls) -> "TorchDefaults":
         return cls(torch.get_default_dtype(), torch.get_default_device(), torch.get_num_threads(),
                    torch.get_float32_matmul_precision(),
-                   (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+                   (torch.are_deterministic_algorithms_enabled(),
+                    torch.is_deterministic_algorithms_warn_only_enabled()),
                    (torch.is_anomaly_enabled(), torch.is_anomaly_check_nan_enabled()))
 
     def restore(self) -> None:
@@ -130,7 +131,8 @@ class LoggingState:
 
     @staticmethod
     def _all() -> list[logging.Logger]:
-        return [logging.root, *(lg for lg in logging.root.manager.loggerDict.values() if isinstance(lg, logging.Logger))]
+        loggers = logging.root.manager.loggerDict.values()
+        return [logging.root, *(lg for lg in loggers if isinstance(lg, logging.Logger))]
 
     @classmethod
     def capture(cls) -> "LoggingState":
@@ -197,7 +199,6 @@ class CaseStart:
     def end_threads(self) -> list[str]:
         """Stop the offload worker pools a case left open (an unclosed Copier), wait for the case's threads."""
         gc.collect()  # engines and swap directories no longer referenced close their pools on collection
-        gc.freeze()  # what survives is the process's own (modules): later collections need not walk it
         from_case = [t for t in threading.enumerate() if t not in self.threads]
         for thread in from_case:
             owner = getattr(getattr(thread, "_target", None), "__self__", None)
@@ -205,6 +206,9 @@ class CaseStart:
                 owner.close()
         for thread in from_case:
             thread.join(THREAD_JOIN_S / len(from_case))
+        if from_case:
+            gc.collect()  # what the threads held
+        gc.freeze()  # what survives is the process's own (modules): later collections need not walk it
         return [f"thread {t.name!r} still running" for t in from_case if t.is_alive()]
 
 

@@ -99,6 +99,7 @@ def test_a_pooled_rank_finds_what_a_fresh_one_finds(world):
     fresh = run_ranks(_probe, world, fresh=True)
     assert [pid for pid, _ in pooled] == dirtied, "the pool was not kept after a case that ended well"
     assert not {pid for pid, _ in fresh} & set(dirtied)
+    assert run_ranks(_pid, world) == dirtied, "a case on fresh ranks ended the pool"
     for (_, got), (_, want) in zip(pooled, fresh):
         assert got == want
 
