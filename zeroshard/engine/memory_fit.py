@@ -75,13 +75,21 @@ def _state_bytes(config: Config, optimizer: torch.optim.Optimizer, numel: int, w
     opt, param = zero.offload_optimizer, zero.offload_param
     per_element = state_bytes_per_element(config.training_dtype, config.communication_data_type,
                                           config.gradient_accumulation_steps, config.stage)
-    keys = min(len(swapped_state_keys(optimizer, group)) for group in optimizer.param_groups)
-    per_element["optimizer_bytes"] = 4 * keys  # fp32 state of the master's size (Adam: exp_avg, exp_avg_sq)
+    per_element["optimizer_bytes"] = 4 * _state_tensors(optimizer)  # fp32, the master's size each
     offloaded = ratio_numel(numel, world, opt.ratio) if opt.device != "none" else None
     pools = offload_pool_bytes(numel, world, config.stage, **per_element, offload_optimizer=opt.device,
                                offload_param=param.device, offloaded_numel=offloaded,
                                max_in_cpu=param.max_in_cpu)
     return {pool: sum(pools[pool][kind] for kind in _CERTAIN) for pool in ("device", "host")}
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> int:
+    """Tensors of a master's size the optimizer keeps per master (Adam: 2), from one probe step; 0 for an
+    optimizer that cannot be built again alone (a lower bound: the check must only raise on a certain failure)."""
+    try:
+        return min(len(swapped_state_keys(optimizer, group)) for group in optimizer.param_groups)
+    except Exception:  # a custom optimizer's constructor or step may need more than its param groups
+        return 0
 
 
 def _over_limits(rows: list[_Row]) -> list[str]:
