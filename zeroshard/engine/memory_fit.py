@@ -53,7 +53,8 @@ def check_states_fit(comm: Comm, config: Config, optimizer: torch.optim.Optimize
     host = socket.gethostname()
     on_host = pools["host"] + (pools["device"] if device.type == "cpu" else 0)
     host_need = max(0, on_host - (held if device.type == "cpu" else 0))
-    rows = [_Row((host, limit.where), comm.rank, host_need, limit) for limit in host_limits()]
+    rows = [_Row((host, limit.where if limit.shared else f"{limit.where} of rank {comm.rank}"), comm.rank, host_need,
+                 limit) for limit in host_limits()]
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         gpu = Headroom(free, f"the free memory of GPU {device.index}", total)

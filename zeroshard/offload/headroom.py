@@ -31,6 +31,7 @@ class Headroom:
     nbytes: int
     where: str
     limit: int  # the limit's own size, bytes (for messages)
+    shared: bool = True  # by every process under it (a cgroup, the host); an rlimit is this process's alone
 
 
 def host_limits(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> list[Headroom]:
@@ -66,7 +67,7 @@ def _rlimits(status: dict[str, int]) -> list[Headroom]:
     for name, used in (("RLIMIT_AS", "VmSize"), ("RLIMIT_DATA", "VmData")):
         soft, _ = resource.getrlimit(getattr(resource, name))
         if soft != resource.RLIM_INFINITY:
-            out.append(Headroom(max(0, soft - status.get(used, 0)), f"the {name} limit (ulimit)", soft))
+            out.append(Headroom(max(0, soft - status.get(used, 0)), f"the {name} limit (ulimit)", soft, shared=False))
     return out
 
 
