@@ -12,8 +12,8 @@ exception in the parent, such as pytest-timeout's), after a case that left
 a rank with something it cannot undo in place (the rank's reasons), when
 the parent's environment or sys.path changed since the spawn (a spawned
 rank inherits both, and libraries read some variables once, at import),
-when keeping it would hold more than MAX_POOLED_RANKS idle processes, and
-at exit. `fresh=True`, or ZEROSHARD_TEST_POOL=0 for every case, runs a case
+when it is the least recently used and keeping another pool would hold
+more than MAX_POOLED_RANKS idle processes, and at exit. `fresh=True`, or ZEROSHARD_TEST_POOL=0 for every case, runs a case
 on ranks spawned for it alone, through the same code.
 """
 
@@ -164,10 +164,10 @@ def run_case(fn, world_size: int, args: tuple, timeout_s: float, collective_time
         pool.close()
         pool = None
     if pool is None:
-        _make_room(world_size)
         pool = RankPool(world_size)
     outcome = pool.run(fn, args, timeout_s, collective_timeout_s)
     if pool.reusable:
+        _make_room(world_size)
         _pools[world_size] = pool
     else:
         pool.close()
@@ -175,9 +175,12 @@ def run_case(fn, world_size: int, args: tuple, timeout_s: float, collective_time
 
 
 def _make_room(world_size: int) -> None:
-    """End the least recently used pools until `world_size` more ranks fit under MAX_POOLED_RANKS."""
+    """End the least recently used pools until `world_size` more idle ranks fit under MAX_POOLED_RANKS. Only a
+    pool that is kept makes room: a case of many ranks whose pool is then ended ends no other."""
     while _pools and sum(p.world_size for p in _pools.values()) + world_size > MAX_POOLED_RANKS:
-        _pools.pop(next(iter(_pools))).close()
+        oldest = next(iter(_pools))
+        log.info("ending the pool of %d ranks: the least recently used, to keep one of %d", oldest, world_size)
+        _pools.pop(oldest).close()
 
 
 @atexit.register  # before multiprocessing's own atexit, which would wait for these non-daemon ranks forever
