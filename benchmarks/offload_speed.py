@@ -45,9 +45,13 @@ from launch import launch
 from report import write_section
 
 # nvme_param: offload_optimizer and offload_param nvme, stage 3; nvme_delayed: offload_optimizer nvme with
-# delayed_update (no warm-up): the CPU step and its disk I/O overlap the next forward and backward
-VARIANTS = ["none", "cpu", "nvme", "nvme_param", "nvme_delayed"]
+# delayed_update (no warm-up): the CPU step and its disk I/O overlap the next forward and backward;
+# nvme_stream: offload_optimizer nvme with sub_group_size = reduce_bucket_size, so the tier is more sub-groups
+# than buffer_count and streams through them (the others run at --sub-group-size)
+VARIANTS = ["none", "cpu", "nvme", "nvme_stream", "nvme_param", "nvme_delayed"]
+ON_DISK = ("nvme", "nvme_stream", "nvme_param", "nvme_delayed")
 LABELS = {"none": "no offload", "cpu": "offload_optimizer cpu", "nvme": "offload_optimizer nvme",
+          "nvme_stream": "offload_optimizer nvme, sub-groups of one bucket",
           "nvme_param": "offload_optimizer + offload_param nvme",
           "nvme_delayed": "offload_optimizer nvme, delayed_update"}
 HOST_BOUND, DISK_BOUND = 1.1, 1.25
@@ -124,7 +128,8 @@ def run_variant(args: argparse.Namespace, stage: int, variant: str, corpus: Path
     argv = worker_argv(
         args, "--train", "--size", args.size, "--mode", args.mode, "--stage", str(stage), "--offload", optimizer,
         "--offload-param", "nvme" if variant == "nvme_param" else "none", *(["--delayed-update"] * (
-            variant == "nvme_delayed")), "--sub-group-size", str(args.sub_group_size),
+            variant == "nvme_delayed")), "--sub-group-size",
+        str(args.bucket_elems if variant == "nvme_stream" else args.sub_group_size),
         "--buffer-count", str(args.buffer_count), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--micro-batch", str(args.micro_batch), "--bucket-elems", str(args.bucket_elems), "--lr", str(args.lr),
         "--seed", str(args.seed), "--corpus", str(corpus), "--result", str(stem.with_suffix(".json")))
@@ -144,7 +149,7 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
 
     kinds = ["read_optimizer", "write_optimizer", "read_params", "write_params"]
     moved = {k: max(statistics.median(s.get(k, 0) for s in r["swap_bytes"][warmup:]) for r in ranks) for k in kinds}
-    swapped = {k: max(r["swapped_bytes"][k] for r in ranks) for k in ("optimizer", "params", "masters")}
+    swapped = max((r["swapped_bytes"] for r in ranks), key=lambda b: b["optimizer"] + b["params"])  # the largest
     r0 = ranks[0]
     return {"ok": True, "num_params": r0["num_params"], "step_ms": 1000 * median_of_slowest("step_seconds"),
             "step_ms_each": [1000 * max(ts) for ts in zip(*(r["step_seconds"][warmup:] for r in ranks))],
@@ -222,12 +227,21 @@ def io_ms(run: dict, bw: dict) -> float:
 
 
 def formula_bytes(run: dict) -> tuple[int, int]:
-    """Bytes a step reads and writes per rank by the formula: masters + optimizer state (+ at stages 2-3 the
-    gradient shards, one micro-step a step) once each way; parameter shards read at both gathers (forward,
-    backward), written once; a delayed update reads the masters once more, to cast them as it lands."""
-    opt, params = run["swapped"]["optimizer"], run["swapped"]["params"]
-    again = run["swapped"]["masters"] if run["variant"] == "nvme_delayed" else 0
-    return opt + 2 * params + again, opt + params
+    """Bytes a step reads and writes per rank by the formula. Written: masters + optimizer state (+ at stages
+    2-3 the gradient shards, one micro-step a step) once; parameter shards once. Read: the gradient shards;
+    the masters and optimizer state of the sub-groups past the first `buffer_count` of the step's order (those
+    stay in memory from the step before; the order alternates, so the median step reads the mean of both
+    orders); parameter shards at both gathers (forward, backward); a delayed update reads the uncached masters
+    once more, to cast them as it lands."""
+    s = run["swapped"]
+    opt, params, budget = s["optimizer"], s["params"], s["budget"]
+
+    def uncached(sizes: list[int]) -> float:
+        return (sum(sizes[budget:]) + sum(sizes[::-1][budget:])) / 2
+
+    grads = opt - sum(s["group_bytes"])
+    again = uncached(s["group_masters"]) if run["variant"] == "nvme_delayed" else 0
+    return grads + uncached(s["group_bytes"]) + 2 * params + again, opt + params
 
 
 def render(results: dict) -> str:
@@ -257,8 +271,10 @@ def render(results: dict) -> str:
         f"the optimizer tiers' step (read ahead, step, write behind, cast); every variant run {m['rounds']} time(s), "
         "interleaved round-robin, fastest round reported",
         "- Bytes: each rank's swap file reads and writes per timed step, counted by wrapping SwapFile.read/write "
-        "in the ranks (the largest rank's), beside the formula: masters + optimizer state read and written once "
-        "per step, parameter shards read at each gather (forward and backward) and written once",
+        "in the ranks (the largest rank's), beside the formula: masters + optimizer state written once per step and "
+        "read but for the first buffer_count sub-groups of the step's order (kept in memory from the step before), "
+        "gradient shards (stages 2-3) written and read once, parameter shards read at each gather (forward and "
+        "backward) and written once",
         "- Disk: `zeroshard.offload.measure_bandwidth` on nvme_path at aio.block_size with the engine's I/O "
         "threads, O_DIRECT (no page cache), every rank at once (each rank's share of the disk, as in training), "
         "before and after the runs; the bound uses the best figures (the shortest I/O time)",
@@ -272,8 +288,9 @@ def render(results: dict) -> str:
     for when, b in results["bandwidth"].items():
         lines.append(f"| {when} the runs | {b['read_bytes_per_s'] / 1e9:.2f} | {b['write_bytes_per_s'] / 1e9:.2f} | "
                      f"{'O_DIRECT' if b['direct'] else 'buffered'} |")
-    lines += ["", "| stage | variant | step ms | optimizer ms | read MB / step / rank | written MB / step / rank | "
-              "bytes = formula | I/O ms | bound | ratio | status |", "|---|---|---:|---:|---:|---:|---|---:|---|---:|---|"]
+    lines += ["", "| stage | variant | step ms | optimizer ms | sub-groups | peak RSS GiB / rank | read MB / step "
+              "/ rank | written MB / step / rank | bytes = formula | I/O ms | bound | ratio | status |",
+              "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---|"]
     for key, run in sorted(runs.items(), key=lambda kv: (kv[1]["stage"], VARIANTS.index(kv[1]["variant"]))):
         lines.append(_row(run, runs.get(f"s{run['stage']}/none"), bw))
     return "\n".join(lines) + "\n"
@@ -286,11 +303,12 @@ def _command_lines(commands: list[str]) -> list[str]:
 def _row(run: dict, plain: dict | None, bw: dict) -> str:
     head = f"| {run['stage']} | {LABELS[run['variant']]} |"
     if not run.get("ok"):
-        return head + f" failed: {run['error'].replace('|', '/')} | | | | | | | | |"
+        return head + f" failed: {run['error'].replace('|', '/')} | | | | | | | | | | |"
     moved = run["moved"]
     read, written = moved["read_optimizer"] + moved["read_params"], moved["write_optimizer"] + moved["write_params"]
-    cells = [f"{run['step_ms']:.0f}", f"{run['optimizer_ms']:.0f}", f"{read / 1e6:.0f}", f"{written / 1e6:.0f}"]
-    on_disk = run["variant"] in ("nvme", "nvme_param", "nvme_delayed")
+    cells = [f"{run['step_ms']:.0f}", f"{run['optimizer_ms']:.0f}", f"{run['sub_groups']}",
+             f"{run['peak_rss_bytes'] / 2**30:.2f}", f"{read / 1e6:.0f}", f"{written / 1e6:.0f}"]
+    on_disk = run["variant"] in ON_DISK
     formula = formula_bytes(run)
     cells.append(("yes" if (read, written) == formula else f"no: {formula[0] / 1e6:.0f} / {formula[1] / 1e6:.0f}")
                  if on_disk else "–")

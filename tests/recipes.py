@@ -45,6 +45,7 @@ class Case:
     nvme_path: str = ""  # where "nvme" swap files go
     ratio: float = 1.0  # offload_optimizer's ratio
     delayed: int | None = None  # offload_optimizer.delayed_update on, with this many warm-up steps
+    sub_group: int | None = None  # zero_optimization.sub_group_size; None: the default (one sub-group here)
 
     def config(self) -> dict:
         precision = {} if self.dtype == "fp32" else {self.dtype: {"enabled": True}}
@@ -63,7 +64,7 @@ class Case:
         }
 
     def offload_config(self) -> dict:
-        blocks = {}
+        blocks = {} if self.sub_group is None else {"sub_group_size": self.sub_group}
         if self.offload != "none":
             blocks["offload_optimizer"] = {"device": self.offload, "ratio": self.ratio} | (
                 {"nvme_path": self.nvme_path} if self.offload == "nvme" else {}) | (

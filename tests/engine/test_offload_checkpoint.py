@@ -59,34 +59,32 @@ def _weights(engine) -> torch.Tensor:
 
 
 def _in_use_during(engine, action) -> dict:
-    """The bytes of the offload pool's buffers in use at most during `action` and after it, with what the
-    step holds at most (the sub-group stepped, the one before it being written, the `ahead` after it being
-    read: masters, optimizer state, parameter shards) and the whole tier."""
+    """The bytes of the offload pool's buffers in use at most during `action`, after it, and after the
+    tiers let go of the sub-groups they keep in memory between passes, with what the step holds at most
+    (`budget` consecutive sub-groups: the one stepped, the one before it being written, the `ahead` after
+    it being read: masters, optimizer state, parameter shards) and the whole tier."""
     pool, tiers = engine.offload.pool, engine.offload.tiers
-    live, peak = [0], [0]
+    peak = [pool.in_use()]
 
     def acquire(nbytes: int) -> torch.Tensor:
         buffer = type(pool).acquire(pool, nbytes)
-        live[0] += buffer.numel()
-        peak[0] = max(peak[0], live[0])
+        peak[0] = max(peak[0], pool.in_use())
         return buffer
 
-    def release(buffer: torch.Tensor) -> None:
-        live[0] -= buffer.numel()
-        type(pool).release(pool, buffer)
-
-    pool.acquire, pool.release = acquire, release
+    pool.acquire = acquire
     try:
         action()
     finally:
-        del pool.acquire, pool.release
+        del pool.acquire
+    after = pool.in_use()
+    tiers.release()
     groups = []
     for group in tiers.sub_groups:
         files = [s for i in group for s in tiers.swaps[i].values()]
         files += [tiers.buckets[i].flat.shard_swap for i in group if tiers.buckets[i].flat.shard_swap is not None]
         groups.append(sum(-(-f.nbytes // ALIGN) * ALIGN for f in files))
-    step = max(sum(groups[max(0, n - 1) : n + 1 + tiers.ahead]) for n in range(len(groups)))
-    return {"peak": peak[0], "after": live[0], "step": step, "tier": sum(groups)}
+    step = max(sum(groups[n : n + tiers.budget]) for n in range(len(groups)))
+    return {"peak": peak[0], "after": after, "released": pool.in_use(), "step": step, "tier": sum(groups)}
 
 
 def _measured(engine, action) -> dict | None:
@@ -176,11 +174,12 @@ def _on_four_ranks(rank, world, device, root):
 
 
 def _check_pool_use(case: Case, what: str, in_use: dict | None) -> None:
-    """With a disk tier (`in_use` measured), the save or load held no more of it at once than the step."""
+    """With a disk tier (`in_use` measured), the save or load held no more of it at once than the step, and
+    nothing beyond the sub-groups the tiers keep between passes."""
     if in_use is None:
         return
-    assert in_use["after"] == 0, f"{case}: {what} left {in_use['after']} bytes of offload buffers in use"
-    assert 0 < in_use["peak"] <= in_use["step"] < in_use["tier"], (
+    assert in_use["released"] == 0, f"{case}: {what} left {in_use['released']} bytes of offload buffers in use"
+    assert in_use["after"] <= in_use["step"] and 0 < in_use["peak"] <= in_use["step"] < in_use["tier"], (
         f"{case}: {what} held {in_use['peak']} bytes of the disk tier's {in_use['tier']} at once "
         f"(the step: at most {in_use['step']})")
 

@@ -191,12 +191,13 @@ def _gradient_fault(good: Path, rank: int, device) -> dict:
 
 
 def _damage(engine, case: Case, suffix: str = ".exp_avg_sq") -> str:
-    """Change one byte of a swap file of this rank, on disk: the last bucket's file of `suffix` (the second Adam
-    moment unless said; optimizer on disk), else the last unit's parameter shard. Returns its path."""
+    """Change one byte of a swap file of this rank, on disk: with the optimizer on disk the file of `suffix`
+    (the second Adam moment unless said) of the last bucket the next step reads (its last in memory), else the
+    last unit's parameter shard. Returns its path."""
     (swap,) = engine.offload.swaps.values()
     names = os.listdir(swap.path)
     if case.offload == "nvme":
-        name = max((n for n in names if n.endswith(suffix)), key=lambda n: int(n[6:].split(".")[0]))
+        name = f"bucket{engine.offload.tiers.order[-1][-1]}{suffix}"
     else:
         name = max((n for n in names if n.endswith(".shard")), key=lambda n: int(n[4:].split(".")[0]))
     path = swap.path / name

@@ -34,9 +34,9 @@ def _cases(nvme: str) -> list[Case]:
         Case(stage=1, accumulation=3, clip=0.5, offload="cpu"),
         Case(stage=2, accumulation=3, offload="cpu", schedule=True),
         Case(stage=3, accumulation=3, clip=0.5, offload="cpu"),
-        Case(stage=1, accumulation=3, offload="nvme", **disk),
+        Case(stage=1, accumulation=3, offload="nvme", sub_group=1, **disk),  # more sub-groups than buffers
         Case(stage=2, accumulation=3, clip=0.5, offload="nvme", bucket=1500, **disk),
-        Case(stage=3, accumulation=3, offload="nvme", variant="twice", **disk),
+        Case(stage=3, accumulation=3, offload="nvme", variant="twice", sub_group=1, **disk),
         Case(stage=3, accumulation=3, clip=0.5, offload="cpu", offload_params="cpu", variant="twice"),
         Case(stage=3, accumulation=3, offload="nvme", offload_params="nvme", variant="reentrant", **disk),
         Case(stage=2, accumulation=2, offload="cpu", ratio=0.5),
@@ -44,7 +44,7 @@ def _cases(nvme: str) -> list[Case]:
         # bf16: the host sums in fp32 what the device keeps in bf16 for a one-micro-step window, rounded alike.
         Case(stage=1, dtype="bf16", optimizer="adamw1_slow", clip=0.5, offload="nvme", **disk),
         Case(stage=2, dtype="bf16", optimizer="adamw1_slow", offload="cpu"),
-        Case(stage=2, accumulation=3, dtype="bf16", optimizer="adamw1_slow", offload="nvme", **disk),
+        Case(stage=2, accumulation=3, dtype="bf16", optimizer="adamw1_slow", offload="nvme", sub_group=1, **disk),
         Case(stage=3, accumulation=3, dtype="bf16", optimizer="adamw1_slow", offload="nvme", offload_params="nvme",
              **disk),
         Case(stage=3, dtype="bf16", optimizer="adamw1_slow", offload="cpu", offload_params="cpu", variant="twice"),
@@ -101,7 +101,7 @@ def test_poisoned_transfers_change_nothing(tmp_path):
     disk = {"nvme_path": str(tmp_path)}
     cases = [
         Case(stage=3, accumulation=3, clip=0.5, offload="nvme", offload_params="nvme", **disk),
-        Case(stage=2, accumulation=2, offload="nvme", bucket=1500, **disk),
+        Case(stage=2, accumulation=2, offload="nvme", bucket=1500, sub_group=1, **disk),
         Case(stage=1, clip=0.5, offload="nvme", **disk),
     ]
     for i, ((ref_losses, ref_weights), (losses, weights), _) in enumerate(run_ranks(_run_poisoned, 2, cases, 2)[0]):

@@ -74,6 +74,9 @@ def model_state_bytes(
         optimizer=_storage_bytes(_state_of(optimizer, buckets, tier, {Tier.DEVICE}), seen),
         staging=_storage_bytes(pool.tensors(), seen),
         hpz_secondary=_storage_bytes([f.secondary for f in flats], seen))
+    # The offload buffers first: a disk sub-group in memory (in flight, or kept between steps) points into
+    # them, and counts as staging, not again as host master or optimizer state.
+    host_staging = _storage_bytes(offload_buffers, seen)
     host = MemoryStats(
         params=_storage_bytes([f.shard_data for f in apart if f.shard_swap is None], seen),
         grads=_storage_bytes([b.grad_shard for b in buckets if b.offload and b.on_disk is None]
@@ -81,7 +84,7 @@ def model_state_bytes(
         master=_storage_bytes([b.master for b, t in zip(buckets, tier) if t is Tier.HOST], seen),
         # A disk master's scalar state (Adam's step) stays in host memory.
         optimizer=_storage_bytes(_state_of(optimizer, buckets, tier, {Tier.HOST, Tier.DISK}), seen),
-        staging=_storage_bytes(offload_buffers, seen),
+        staging=host_staging,
         hpz_secondary=0)
     on_disk = tiers.disk_bytes() if tiers else {"master": 0, "optimizer": 0, "grads": 0}
     disk = MemoryStats(params=sum(f.shard_swap.nbytes for f in flats if f.shard_swap is not None),

@@ -9,6 +9,13 @@ state while this one steps, and writing each one back behind, so the I/O
 overlaps the CPU step). A partial offload (`ratio` < 1) keeps the last buckets
 on the device.
 
+The disk tier's staging buffers (`buffer_count` sub-groups) stay allocated
+between steps, so they also serve as a cache: the last sub-groups of a pass
+stay in memory (their writes landing meanwhile, during the next forward), and
+each step visits the sub-groups in the opposite order of the step before, so
+those come first and are not read again. A tier of at most `buffer_count`
+sub-groups is then read once, at the first step, and only written after.
+
 The optimizer is stepped once per sub-group with only that sub-group's
 masters holding a gradient: torch's optimizers skip a parameter without one,
 and each master's own step counter advances once per step, so the update is
@@ -72,6 +79,9 @@ class OptimizerTiers:
                 if i not in self.grad_swaps and buckets[i].switches.shard_grads:
                     self.grad_swaps[i] = swap_grad(swap, i, buckets[i], pool, self.write_behind)
         self.sub_groups = _sub_groups(on_disk, [b.flat.shard_numel for b in buckets], sub_group_numel)
+        self.budget = self.ahead + 2  # disk sub-groups in memory at once: read ahead, stepping, written behind
+        self._order = list(self.sub_groups)  # this step's order: reversed after each step's pass
+        self._kept: list[list[int]] = []  # sub-groups left in memory by the last pass, their writes in flight
         self.adopt()
 
     def _create_swaps(self, i: int, swap: SwapDir, master: Swapped | None) -> dict[str, Swapped]:
@@ -84,6 +94,11 @@ class OptimizerTiers:
         for key in keys:  # the master's size: a master already out is an empty tensor in memory
             swaps[key] = Swapped(swap, f"bucket{i}.{key}", master.numel, master.dtype, self.pool)
         return swaps
+
+    @property
+    def order(self) -> list[list[int]]:
+        """The disk sub-groups in the order the next pass visits them (the first ones may be in memory)."""
+        return list(self._order)
 
     def tier_of(self, index: int) -> Tier:
         return self.tiers[index]
@@ -120,6 +135,7 @@ class OptimizerTiers:
                 if coef != 1.0 and on_disk:
                     torch._foreach_mul_(on_disk, coef)
                 self._step_buckets(group, grads, optimizer)
+        self._order.reverse()  # the sub-groups kept in memory come first in the next step
 
     def _step_buckets(self, indices: list[int], grads: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
         for i in indices:
@@ -137,6 +153,7 @@ class OptimizerTiers:
             for group in turns:
                 self._cast(group)
         self._settle(list(range(len(self.buckets))))
+        self._order.reverse()  # the sub-groups kept in memory come first in the next step
 
     def in_turn(self, write: bool, grads: bool = False, cast: bool = True,
                 state: bool = True) -> Generator[list[int], None, None]:
@@ -148,8 +165,9 @@ class OptimizerTiers:
         `write`: the caller changes the turn's values in place, or gives a master new optimizer state tensors
         of its size (`optimizer.state[master][key]`); after the turn each bucket's parameters take its master
         (`cast_master_to_params`, unless `cast` is False) and the disk tier's values are written back. Else
-        they are only read (`state` False: the masters alone). Close the generator (`contextlib.closing`) where the caller may stop early:
-        nothing then stays in flight."""
+        they are only read (`state` False: the masters alone). The disk tier comes in this step's order (every
+        pass between two steps sees the same one). Close the generator
+        (`contextlib.closing`) where the caller may stop early: nothing then stays in flight."""
         in_memory = [i for i in range(len(self.buckets)) if i not in self.swaps]
         if in_memory:
             yield in_memory
@@ -171,8 +189,10 @@ class OptimizerTiers:
         """Yield each disk sub-group with its masters and state (and with `grads` its gradient shards) in
         memory: the next `ahead` sub-groups are read meanwhile; after the caller's turn the sub-group's masters
         and state are written back (`write`) or dropped, its gradients dropped, and (`settle`) its parameter
-        shards' writes to disk are waited for."""
-        groups = self.sub_groups if groups is None else groups
+        shards' writes to disk are waited for. At most `budget` sub-groups are in memory at once, and the last
+        ones stay there after a pass that ends (`_kept`), their writes in flight."""
+        groups = self._order if groups is None else groups
+        self._release(keep=groups[: self.budget])
         behind: deque[list[int]] = deque()
         try:
             for n, group in enumerate(groups):
@@ -184,16 +204,43 @@ class OptimizerTiers:
                     self._bind_state(group)
                     self._each(group, Swapped.write, grads=False)
                 behind.append(group)
-                while len(behind) > 1:
+                coming = min(self.ahead + 1, len(groups) - n - 1)  # in memory during the next turn
+                while len(behind) > max(1, self.budget - coming):
                     self._finish(behind.popleft(), settle)
-        finally:
-            for group in list(behind) + groups:  # also after an error: nothing stays in flight
+        except BaseException:  # an error, or the caller stopped early: nothing stays in flight
+            self._kept = []
+            for group in list(behind) + groups:
                 self._finish(group, settle)
+            raise
+        self._kept = list(behind)
+        for group in self._kept:  # in memory still: its gradients are spent, its parameter shards must land
+            self._finish(group, settle, state=False)
 
-    def _finish(self, group: list[int], settle: bool = True) -> None:
-        self._each(group, Swapped.finish)
+    def _finish(self, group: list[int], settle: bool = True, state: bool = True) -> None:
+        """Finish the group's swapped tensors (`state` False: its gradient shards alone) and (`settle`) wait
+        for its parameter shards' writes."""
+        if state:
+            self._each(group, Swapped.finish)
+        else:
+            for i in group:
+                if i in self.grad_swaps:
+                    self.grad_swaps[i].finish()
         if settle:
             self._settle(group)
+
+    def _release(self, keep: list[list[int]] = ()) -> None:
+        """Finish the sub-groups the last pass left in memory, but those in `keep`: their writes waited for
+        (a write's error is raised here), their buffers back in the pool."""
+        kept, self._kept = self._kept, []
+        for group in kept:
+            if group in keep:
+                self._kept.append(group)
+            else:
+                self._finish(group, settle=False)
+
+    def release(self) -> None:
+        """Finish every sub-group kept in memory (before the swap files close, or to free the buffers)."""
+        self._release()
 
     def _settle(self, indices: list[int]) -> None:
         """Wait for the parameter shards written to disk after their cast (parameter offload)."""

@@ -62,6 +62,11 @@ class BufferPool:
         with self._lock:
             return list(self._all)
 
+    def in_use(self) -> int:
+        """Bytes of its buffers acquired and not released: the values they hold now."""
+        with self._lock:
+            return sum(b.numel() for b in self._all) - sum(b.numel() for free in self._free.values() for b in free)
+
 
 def _empty(tensor: torch.Tensor) -> None:
     with torch.no_grad():
@@ -99,10 +104,10 @@ class Swapped:
         self.state = SwapState.READING
 
     def wait(self) -> None:
-        """Make the values usable: read them if out, and wait for a read in flight (a write in flight
-        leaves them readable)."""
+        """Make the values usable, to read or to change: read them if out, and wait for a transfer in flight
+        (a write's source must not change before it lands)."""
         self.read()
-        if self.state is SwapState.READING:
+        if self.state in (SwapState.READING, SwapState.WRITING):
             self._transfer.wait()
             self.state = SwapState.RESIDENT
 

@@ -1,0 +1,90 @@
+"""What a step reads and writes of the disk tier: the staging buffers kept between steps are a cache.
+
+The bytes each step moves through the masters' and optimizer state's swap
+files are counted at `SwapFile.read` / `SwapFile.write` (every transfer
+moves its file's `nbytes`) and compared with what the cache promises: each
+step writes every sub-group back, and reads every sub-group but the first
+`buffer_count` of its order, which alternates step by step (the last
+sub-groups of a step stay in memory and come first in the next one). A tier
+of at most `buffer_count` sub-groups is read only at the first step. The
+losses equal the run without offload (the order changes no arithmetic).
+"""
+
+import dataclasses
+from collections import Counter
+
+from tests.distributed import run_ranks
+from tests.recipes import Case, run_zeroshard, train_steps, train_zeroshard
+from zeroshard.offload import SwapFile
+
+STEPS = 4
+BUFFER_COUNT = 4  # offload_optimizer.buffer_count's default
+
+
+def _counting() -> tuple[Counter, callable]:
+    """Count this process's optimizer swap-file bytes by (verb, step); returns the counter and an undo."""
+    moved: Counter = Counter()
+    originals = {verb: getattr(SwapFile, verb) for verb in ("read", "write")}
+
+    def counted(verb):
+        def transfer(self, tensor):
+            if self.name.startswith("bucket") and not self.name.endswith(".grad"):
+                moved[verb] += self.nbytes
+            return originals[verb](self, tensor)
+        return transfer
+
+    for verb in originals:
+        setattr(SwapFile, verb, counted(verb))
+    return moved, lambda: [setattr(SwapFile, verb, fn) for verb, fn in originals.items()]
+
+
+def _measure(rank, world, device, cases):
+    out = []
+    for case in cases:
+        plain, _ = train_zeroshard(rank, world, device, dataclasses.replace(case, offload="none",
+                                                                            offload_params="none"), STEPS)
+        moved, undo = _counting()
+        per_step = []
+        try:
+            engine, losses = run_zeroshard(rank, world, device, case, 1)  # the first step creates the state
+            for step in range(1, STEPS):
+                before = Counter(moved)
+                losses += train_steps(engine, None, case, world, rank, device, [step])
+                per_step.append({verb: moved[verb] - before[verb] for verb in ("read", "write")})
+        finally:
+            undo()
+        tiers = engine.offload.tiers
+        nbytes = {i: sum(s.nbytes for s in swaps.values()) for i, swaps in tiers.swaps.items()}
+        out.append((plain, losses, per_step, [list(g) for g in tiers.sub_groups], nbytes))
+        engine.offload.close()
+    return out
+
+
+def _expected(groups: list[list[int]], nbytes: dict[int, int]) -> list[dict[str, int]]:
+    """Per step after the first: every sub-group written; read all but the first BUFFER_COUNT of its order."""
+    def size(group):
+        return sum(nbytes[i] for i in group)
+
+    total = sum(size(g) for g in groups)
+    want = []
+    for step in range(1, STEPS):
+        order = groups if step % 2 == 0 else groups[::-1]  # the first step (0) ran in build order
+        want.append({"read": sum(size(g) for g in order[BUFFER_COUNT:]), "write": total})
+    return want
+
+
+def test_a_step_reads_only_what_the_cache_lacks(tmp_path):
+    disk = {"nvme_path": str(tmp_path)}
+    cases = [
+        Case(stage=1, offload="nvme", **disk),  # one sub-group: read once, at the first step
+        Case(stage=2, offload="nvme", bucket=1500, sub_group=1, **disk),  # a sub-group per bucket
+        Case(stage=3, offload="nvme", offload_params="nvme", sub_group=3000, clip=0.5, **disk),
+    ]
+    for i, (ref_losses, losses, per_step, groups, nbytes) in enumerate(run_ranks(_measure, 2, cases)[0]):
+        assert losses == ref_losses, f"{cases[i]}: losses differ from the run without offload"
+        assert per_step == _expected(groups, nbytes), (cases[i], groups, per_step)
+        if cases[i].sub_group == 1:
+            assert len(groups) > BUFFER_COUNT, f"{cases[i]}: too few sub-groups to test the reads ({groups})"
+            assert all(step["read"] > 0 for step in per_step)
+        if cases[i].sub_group is None:
+            assert all(step["read"] == 0 for step in per_step) and len(groups) == 1
