@@ -227,21 +227,22 @@ def io_ms(run: dict, bw: dict) -> float:
 
 
 def formula_bytes(run: dict) -> tuple[int, int]:
-    """Bytes a step reads and writes per rank by the formula. Written: masters + optimizer state (+ at stages
-    2-3 the gradient shards, one micro-step a step) once; parameter shards once. Read: the gradient shards;
-    the masters and optimizer state of the sub-groups past the first `buffer_count` of the step's order (those
-    stay in memory from the step before; the order alternates, so the median step reads the mean of both
-    orders); parameter shards at both gathers (forward, backward); a delayed update reads the uncached masters
-    once more, to cast them as it lands."""
+    """Bytes a step reads and writes per rank by the formula (one micro-step a step). Written: masters and
+    optimizer state once; parameter shards once. Read: the masters and optimizer state of the sub-groups past
+    the first `buffer_count` of the step's order (those stay in memory from the step before; the order
+    alternates, so the median step reads the mean of both orders); parameter shards at both gathers (forward,
+    backward). Stages 2-3: the gradient shards of the sub-groups past the first `buffer_count` written in
+    backward and read back (the others stay in memory for the step). A delayed update reads the uncached
+    masters once more, to cast them as it lands."""
     s = run["swapped"]
-    opt, params, budget = s["optimizer"], s["params"], s["budget"]
+    params, budget = s["params"], s["budget"]
 
     def uncached(sizes: list[int]) -> float:
         return (sum(sizes[budget:]) + sum(sizes[::-1][budget:])) / 2
 
-    grads = opt - sum(s["group_bytes"])
+    grads = uncached(s["group_grads"])
     again = uncached(s["group_masters"]) if run["variant"] == "nvme_delayed" else 0
-    return grads + uncached(s["group_bytes"]) + 2 * params + again, opt + params
+    return grads + uncached(s["group_bytes"]) + 2 * params + again, grads + sum(s["group_bytes"]) + params
 
 
 def render(results: dict) -> str:
@@ -273,8 +274,8 @@ def render(results: dict) -> str:
         "- Bytes: each rank's swap file reads and writes per timed step, counted by wrapping SwapFile.read/write "
         "in the ranks (the largest rank's), beside the formula: masters + optimizer state written once per step and "
         "read but for the first buffer_count sub-groups of the step's order (kept in memory from the step before), "
-        "gradient shards (stages 2-3) written and read once, parameter shards read at each gather (forward and "
-        "backward) and written once",
+        "gradient shards (stages 2-3) of the sub-groups past those written and read once, parameter shards read "
+        "at each gather (forward and backward) and written once",
         "- Disk: `zeroshard.offload.measure_bandwidth` on nvme_path at aio.block_size with the engine's I/O "
         "threads, O_DIRECT (no page cache), every rank at once (each rank's share of the disk, as in training), "
         "before and after the runs; the bound uses the best figures (the shortest I/O time)",

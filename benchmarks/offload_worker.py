@@ -123,8 +123,10 @@ def swapped_bytes(engine) -> dict:
     masters = sum(swaps["master"].nbytes for swaps in tiers.swaps.values())
     groups = [[sum(s.nbytes for s in tiers.swaps[i].values() if s.bound) for i in g] for g in tiers.sub_groups]
     group_masters = [[tiers.swaps[i]["master"].nbytes for i in g] for g in tiers.sub_groups]
+    group_grads = [sum(tiers.grad_swaps[i].nbytes for i in g if i in tiers.grad_swaps) for g in tiers.sub_groups]
     return {"optimizer": optimizer, "params": params, "masters": masters, "budget": tiers.budget,
-            "group_bytes": [sum(g) for g in groups], "group_masters": [sum(g) for g in group_masters]}
+            "group_bytes": [sum(g) for g in groups], "group_masters": [sum(g) for g in group_masters],
+            "group_grads": group_grads}
 
 
 def bandwidth(args: argparse.Namespace) -> dict:

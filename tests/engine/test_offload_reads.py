@@ -6,7 +6,9 @@ moves its file's `nbytes`) and compared with what the cache promises: each
 step writes every sub-group back, and reads every sub-group but the first
 `buffer_count` of its order, which alternates step by step (the last
 sub-groups of a step stay in memory and come first in the next one). A tier
-of at most `buffer_count` sub-groups is read only at the first step. The
+of at most `buffer_count` sub-groups is read only at the first step. At
+stages 2-3 the gradient shards of those first sub-groups stay in memory from
+the window's last backward to the step; the others go to disk and back. The
 losses equal the run without offload (the order changes no arithmetic).
 """
 
@@ -19,6 +21,7 @@ from zeroshard.offload import SwapFile
 
 STEPS = 4
 BUFFER_COUNT = 4  # offload_optimizer.buffer_count's default
+KINDS = ("read", "write", "read grad", "write grad")
 
 
 def _counting() -> tuple[Counter, callable]:
@@ -28,8 +31,8 @@ def _counting() -> tuple[Counter, callable]:
 
     def counted(verb):
         def transfer(self, tensor):
-            if self.name.startswith("bucket") and not self.name.endswith(".grad"):
-                moved[verb] += self.nbytes
+            if self.name.startswith("bucket"):
+                moved[f"{verb} grad" if self.name.endswith(".grad") else verb] += self.nbytes
             return originals[verb](self, tensor)
         return transfer
 
@@ -50,26 +53,30 @@ def _measure(rank, world, device, cases):
             for step in range(1, STEPS):
                 before = Counter(moved)
                 losses += train_steps(engine, None, case, world, rank, device, [step])
-                per_step.append({verb: moved[verb] - before[verb] for verb in ("read", "write")})
+                per_step.append({kind: moved[kind] - before[kind] for kind in KINDS})
         finally:
             undo()
         tiers = engine.offload.tiers
         nbytes = {i: sum(s.nbytes for s in swaps.values()) for i, swaps in tiers.swaps.items()}
-        out.append((plain, losses, per_step, [list(g) for g in tiers.sub_groups], nbytes))
+        grads = {i: swap.nbytes for i, swap in tiers.grad_swaps.items()}
+        out.append((plain, losses, per_step, [list(g) for g in tiers.sub_groups], nbytes, grads))
         engine.offload.close()
     return out
 
 
-def _expected(groups: list[list[int]], nbytes: dict[int, int]) -> list[dict[str, int]]:
-    """Per step after the first: every sub-group written; read all but the first BUFFER_COUNT of its order."""
-    def size(group):
-        return sum(nbytes[i] for i in group)
+def _expected(groups: list[list[int]], nbytes: dict[int, int], grads: dict[int, int]) -> list[dict[str, int]]:
+    """Per step after the first: every sub-group's master and state written; those of all but the first
+    BUFFER_COUNT of its order read. Gradient shards (stages 2-3): those of the first BUFFER_COUNT stay in
+    memory from backward to the step; the others are written in backward and read back by the step."""
+    def size(group, of):
+        return sum(of.get(i, 0) for i in group)
 
-    total = sum(size(g) for g in groups)
     want = []
     for step in range(1, STEPS):
         order = groups if step % 2 == 0 else groups[::-1]  # the first step (0) ran in build order
-        want.append({"read": sum(size(g) for g in order[BUFFER_COUNT:]), "write": total})
+        grad = sum(size(g, grads) for g in order[BUFFER_COUNT:])
+        want.append({"read": sum(size(g, nbytes) for g in order[BUFFER_COUNT:]),
+                     "write": sum(size(g, nbytes) for g in groups), "read grad": grad, "write grad": grad})
     return want
 
 
@@ -80,9 +87,10 @@ def test_a_step_reads_only_what_the_cache_lacks(tmp_path):
         Case(stage=2, offload="nvme", bucket=1500, sub_group=1, **disk),  # a sub-group per bucket
         Case(stage=3, offload="nvme", offload_params="nvme", sub_group=3000, clip=0.5, **disk),
     ]
-    for i, (ref_losses, losses, per_step, groups, nbytes) in enumerate(run_ranks(_measure, 2, cases)[0]):
+    for i, (ref_losses, losses, per_step, groups, nbytes, grads) in enumerate(run_ranks(_measure, 2, cases)[0]):
         assert losses == ref_losses, f"{cases[i]}: losses differ from the run without offload"
-        assert per_step == _expected(groups, nbytes), (cases[i], groups, per_step)
+        assert per_step == _expected(groups, nbytes, grads), (cases[i], groups, per_step)
+        assert bool(grads) == (cases[i].stage > 1), cases[i]  # stages 2-3 keep the gradient shards on disk
         if cases[i].sub_group == 1:
             assert len(groups) > BUFFER_COUNT, f"{cases[i]}: too few sub-groups to test the reads ({groups})"
             assert all(step["read"] > 0 for step in per_step)

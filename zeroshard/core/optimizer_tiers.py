@@ -109,6 +109,15 @@ class OptimizerTiers:
 
     # -- the step --------------------------------------------------------------
 
+    def hold_grads(self) -> None:
+        """The window's last micro-step begins: the gradient shards of the sub-groups the step takes first
+        (with the state kept in memory, `budget` of them) stay in memory for it instead of going to disk and
+        back."""
+        for group in self._order[: self.budget]:
+            for i in group:
+                if i in self.grad_swaps:
+                    self.buckets[i].on_disk.held = True
+
     def gradients(self) -> list[torch.Tensor]:
         """Every bucket's gradient for the optimizer (`master_grad`); those on disk with every write landed
         (none in flight), and a swap-file error any of them met in backward raised here."""
@@ -131,7 +140,8 @@ class OptimizerTiers:
         optimizer = optimizer or self.optimizer
         with closing(self.in_turn(write=True, grads=True, cast=cast)) as turns:
             for group in turns:
-                on_disk = [grads[i] for i in group if i in self.grad_swaps]
+                # Read in this turn; a held shard was in memory when the caller applied `coef`.
+                on_disk = [grads[i] for i in group if i in self.grad_swaps and not self.buckets[i].on_disk.held]
                 if coef != 1.0 and on_disk:
                     torch._foreach_mul_(on_disk, coef)
                 self._step_buckets(group, grads, optimizer)

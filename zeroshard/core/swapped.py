@@ -185,6 +185,11 @@ class WriteBehind:
         while len(self._flying) > self.limit:
             self._flying.popleft().finish()
 
+    def discard(self, swapped: Swapped) -> None:
+        """Forget `swapped` (its write waited for already): it stays in memory, changed, for its owner."""
+        if swapped in self._flying:
+            self._flying.remove(swapped)
+
     def drain(self) -> None:
         """Finish every write in flight."""
         while self._flying:

@@ -174,6 +174,8 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
                                    "the reduction, which hooks cannot do: turn gradient sync off "
                                    "(engine.set_gradient_sync(False), or zeroshard.parallel.PipelineStage)")
         reduce_now = self.is_gradient_accumulation_boundary() or self.switches.shard_grads
+        if self.is_gradient_accumulation_boundary():
+            self.offload.tiers.hold_grads()  # the step's first gradient shards on disk stay in memory for it
         self.reducer.begin(reduce_now, 1.0 / (self.comm.world_size * self.gradient_accumulation_steps))
         if self.schedule is not None:
             self.schedule.begin_backward()
