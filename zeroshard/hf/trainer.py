@@ -149,7 +149,7 @@ class _ZeroshardTraining:
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = self.engine.full_state_dict(rank0_only=True)
+        state_dict = self.engine.pretrained_state()
         if self.args.should_save:
             self._save(output_dir, state_dict=state_dict)
 
