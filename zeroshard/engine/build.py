@@ -43,6 +43,7 @@ from zeroshard.stage3.materialize import (
     materialize_whole,
     on_meta,
 )
+from zeroshard.stage3.meta import recorded_init
 from zeroshard.stage3.module_state import ModuleStateHooks
 from zeroshard.stage3.schedule import GatherSchedule
 
@@ -78,6 +79,8 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
           grads_on_disk: bool = True) -> Parts:
     """Check the inputs, join the group, and build the parts; `on_grad(target, param)` is the gradient hook;
     `grads_on_disk`: whether offload to disk may keep the gradient shards there (not on a tp/pp mesh)."""
+    if init is None and on_meta(model):
+        init = recorded_init(model)  # zero.Init + from_pretrained: the files' weights
     check_materializable(model, init)
     if on_meta(model) and config.stage != 3:  # one script for every stage: meta_init and init= work below 3
         if not dist.is_initialized() or dist.get_rank() == 0:
