@@ -54,6 +54,8 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) >= 2 and parts[1] in (*SUBPACKAGES, "app"):
         return parts[1]
+    if len(parts) >= 2 and parts[1] == "hf":  # transformers' Trainer over the facade: a front door, as the app
+        return "app"
     return None
 
 

@@ -89,12 +89,17 @@ def test_batch_size_mismatch_names_all_three_numbers():
         'world size 4 (= 32); change one of them, or leave one of the three out (or "auto") to have it derived')
 
 
-def test_batch_size_that_does_not_divide_shows_what_was_derived():
+def test_batch_size_that_does_not_divide_says_so():
+    """The key left out was already to be derived: the advice is the divisibility, not to leave a key out."""
     assert error_of({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4},
                     ConfigFacts(world_size=2)) == problems(
-        "train_batch_size 10 is not train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 1 "
-        '(derived) x world size 2 (= 8); change one of them, or leave one of the three out (or "auto") '
-        "to have it derived")
+        "train_batch_size 10 is not divisible by train_micro_batch_size_per_gpu 4 x world size 2 (= 8), so "
+        "gradient_accumulation_steps cannot be derived from it; make train_batch_size a multiple of 8, or give "
+        "gradient_accumulation_steps and change the others to agree")
+    assert error_of({"train_batch_size": 12, "gradient_accumulation_steps": 4}, ConfigFacts(world_size=2)) == \
+        problems("train_batch_size 12 is not divisible by gradient_accumulation_steps 4 x world size 2 (= 8), so "
+                 "train_micro_batch_size_per_gpu cannot be derived from it; make train_batch_size a multiple of 8, "
+                 "or give train_micro_batch_size_per_gpu and change the others to agree")
 
 
 def test_train_batch_size_without_world_size():

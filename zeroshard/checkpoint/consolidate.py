@@ -94,6 +94,16 @@ def _consolidate(path: Path, dtype: torch.dtype | None,
     return out, manifest
 
 
+def _each_tensor_once(state: dict[str, torch.Tensor], manifest: dict) -> dict[str, torch.Tensor]:
+    """`state` with each stored tensor under its first key of the model's state dict only: the name transformers
+    keeps for tied weights (the embedding, registered before the head that reuses it); from_pretrained ties
+    the others again."""
+    first: dict[str, str] = {}
+    for key, name in manifest["state_dict"].items():
+        first.setdefault(name, key)
+    return {key: tensor for key, tensor in state.items() if first[manifest["state_dict"][key]] == key}
+
+
 def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: torch.dtype | None = None,
           verified: bool = False) -> tuple[int, list[Path]]:
     """Write the consolidated state dict; returns the number of tensors and the files written.
@@ -106,9 +116,11 @@ def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: 
     """
     path = resolve(load_dir, tag)
     state, manifest = _consolidate(path, dtype, verify=not verified)
+    config = manifest.get("hf_config")
+    if config is not None:  # a transformers model: a tied parameter written once, as its save_pretrained does
+        state = _each_tensor_once(state, manifest)
     out = Path(out)
     weights = out if out.suffix == ".safetensors" else out / WEIGHTS_FILE
-    config = manifest.get("hf_config")
     check_config_target(weights.parent, config)
     try:
         weights.parent.mkdir(parents=True, exist_ok=True)

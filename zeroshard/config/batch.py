@@ -55,19 +55,22 @@ def _derive(raw: dict, world_size: int | None, train: int | None, micro: int | N
                     "let zeroshard.initialize load the config, or give `zeroshard config check "
                     "--world-size N`"]
         return []
-    derived = {key for key, value in zip(BATCH_KEYS[1:], (micro, accum)) if value is None}
+    derived, given = None, None  # the key derived from train_batch_size, and the one it is divided by
     if micro is None:
         accum = accum or 1
         micro = train // (accum * world_size)
+        derived, given = "train_micro_batch_size_per_gpu", ("gradient_accumulation_steps", accum)
     elif accum is None:
         accum = train // (micro * world_size)
-    if micro * accum * world_size != train or micro == 0 or accum == 0:
-        def shown(key: str, value: int) -> str:
-            return f"{key} {value}{' (derived)' if key in derived else ''}"
-        return [f"train_batch_size {train} is not {shown('train_micro_batch_size_per_gpu', micro)} x "
-                f"{shown('gradient_accumulation_steps', accum)} x world size {world_size} "
-                f"(= {micro * accum * world_size}); change one of them, or leave one of the three "
-                "out (or \"auto\") to have it derived"]
+        derived, given = "gradient_accumulation_steps", ("train_micro_batch_size_per_gpu", micro)
+    if derived and (micro * accum * world_size != train or micro == 0 or accum == 0):
+        return [f"train_batch_size {train} is not divisible by {given[0]} {given[1]} x world size {world_size} "
+                f"(= {given[1] * world_size}), so {derived} cannot be derived from it; make train_batch_size a "
+                f"multiple of {given[1] * world_size}, or give {derived} and change the others to agree"]
+    if micro * accum * world_size != train:  # all three given
+        return [f"train_batch_size {train} is not train_micro_batch_size_per_gpu {micro} x "
+                f"gradient_accumulation_steps {accum} x world size {world_size} (= {micro * accum * world_size}); "
+                "change one of them, or leave one of the three out (or \"auto\") to have it derived"]
     raw["train_micro_batch_size_per_gpu"], raw["gradient_accumulation_steps"] = micro, accum
     return []
 

@@ -322,7 +322,7 @@ class Config(BaseModel):
             try:
                 config = cls.model_validate(raw)
             except ValidationError as error:
-                problems += [_describe(detail) for detail in error.errors()]
+                problems += [_describe(detail) for detail in error.errors()] + _rules_between_sections(cls, raw, error)
             if not problems:
                 return config, report
         lines = "\n".join(f"  - {problem}" for problem in problems)
@@ -334,6 +334,20 @@ class Config(BaseModel):
         Every key is present, defaults included, so ranks can compare configs.
         """
         return self.model_dump(mode="json")
+
+
+def _rules_between_sections(cls: type[Config], raw: dict[str, Any], error: ValidationError) -> list[str]:
+    """The rules between sections (bf16 with fp16, ...), which pydantic checks only once every field is valid:
+    checked again without the sections that failed, so that one error names every mistake at once."""
+    failed = {detail["loc"][0] for detail in error.errors() if detail["loc"]}
+    rest = {key: value for key, value in raw.items() if key not in failed}
+    if not failed or len(rest) == len(raw):
+        return []  # the failure is one of these rules itself, or in no section of raw
+    try:
+        cls.model_validate(rest)
+    except ValidationError as again:
+        return [_describe(detail) for detail in again.errors() if not detail["loc"]]
+    return []
 
 
 def _parse_blocks(raw: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -2,7 +2,11 @@
 
 `zero.Init()` builds the model with its parameters on the meta device and
 its buffers real (`zeroshard.stage3.meta.meta_init`); `initialize` then
-materialises it unit by unit with the model's own initialisation.
+materialises it unit by unit with the model's own initialisation, or, for a
+model from `from_pretrained(path)` inside the block, with the weights of
+`path` (`zeroshard.pretrained(path)`: each rank reads only its units'
+tensors). Below stage 3 it is materialised whole, as DeepSpeed's
+`zero.Init` does nothing there.
 `zero.GatheredParameters` is `zeroshard.gathered_parameters`.
 """
 
@@ -10,12 +14,17 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
+from zeroshard.checkpoint.pretrained import pretrained
 from zeroshard.config.offload_merge import declared_param_device
 from zeroshard.deepspeed.unsupported import ZERO_NOT_PROVIDED, UnsupportedError, missing
 from zeroshard.stage3.gathered import gathered_parameters
-from zeroshard.stage3.meta import meta_init
+from zeroshard.stage3.meta import meta_init, record_init
 
 
 class Init:
@@ -60,13 +69,58 @@ class Init:
             if bad:
                 raise UnsupportedError(f"zero.Init({name}=...) is not supported: {fix}")
         self._block = meta_init(enabled=True) if enabled else nullcontext()
+        self._loading = _from_pretrained_on_meta() if enabled else nullcontext()
 
     def __enter__(self) -> Init:
         self._block.__enter__()
+        self._loading.__enter__()  # after meta_init, which refuses from_pretrained: this one replaces it
         return self
 
     def __exit__(self, *exc) -> None:
+        self._loading.__exit__(*exc)
         self._block.__exit__(*exc)
+
+
+# from_pretrained's keyword arguments about fetching from the Hub, which a local directory does not need
+# (AutoModel*.from_pretrained passes them on to the model class's).
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies",
+               "trust_remote_code", "code_revision", "_commit_hash", "_from_auto", "_from_pipeline", "adapter_kwargs")
+
+
+@contextmanager
+def _from_pretrained_on_meta() -> Iterator[None]:
+    """`from_pretrained(path)` inside `zero.Init`: the model from its config, on meta, and the weights of `path`
+    recorded as its init, read unit by unit by `initialize` (no rank holds the whole model)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        yield
+        return
+    model_class = transformers.PreTrainedModel
+    refusing = model_class.__dict__["from_pretrained"]  # meta_init's, restored on the way out
+
+    def load(cls, path, *model_args, config=None, **kwargs):
+        dtype = kwargs.pop("torch_dtype", kwargs.pop("dtype", None))
+        for key in _HUB_KWARGS:
+            kwargs.pop(key, None)
+        if model_args or dtype not in (None, "auto", torch.float32):
+            raise UnsupportedError(f"{cls.__name__}.from_pretrained inside zero.Init takes the path and config "
+                                   "keyword arguments; build in fp32 (the config's bf16 or fp16 section casts the "
+                                   "parameters) and pass no positional model arguments")
+        if config is None:
+            config, kwargs = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **kwargs)
+        if kwargs:
+            raise UnsupportedError(f"{cls.__name__}.from_pretrained({', '.join(sorted(kwargs))}=...) inside "
+                                   "zero.Init is not supported: only the path, config= and the config's own "
+                                   "keys are; load the model outside zero.Init for the others")
+        model = cls._from_config(config)
+        record_init(model, pretrained(path))
+        return model
+
+    model_class.from_pretrained = classmethod(load)
+    try:
+        yield
+    finally:
+        model_class.from_pretrained = refusing
 
 
 def _check_remote_device(remote_device, config) -> None:

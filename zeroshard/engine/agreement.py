@@ -88,7 +88,7 @@ def check_ranks_agree(comm: Comm, model: nn.Module, optimizer: torch.optim.Optim
     """Raise RankMismatchError on every rank if any rank differs from rank 0 (ConfigError if a
     rank's config could not be loaded)."""
     everyone = all_gather_object(comm, describe(model, optimizer, config))
-    _raise_config_errors(everyone)
+    _raise_config_errors(everyone, comm.rank)
     for rank, theirs in enumerate(everyone[1:], start=1):
         why = first_difference(everyone[0], theirs)
         if why is not None:
@@ -113,16 +113,23 @@ def config_error_everywhere(error: ConfigError, model: nn.Module, group: dist.Pr
     if device.type == "cuda":  # NCCL's object collectives run on the current device
         torch.cuda.set_device(device)
     comm = Comm.create(group, CommRecorder())
-    _raise_config_errors(all_gather_object(comm, {_CONFIG_ERROR: str(error)}))
+    _raise_config_errors(all_gather_object(comm, {_CONFIG_ERROR: str(error)}), comm.rank)
     raise error  # not reached: this rank's own error is among them
 
 
-def _raise_config_errors(everyone: list) -> None:
+def _raise_config_errors(everyone: list, me: int) -> None:
+    """The ConfigError of the ranks whose config failed, raised on this rank (`me`); `from None`: raised while
+    this rank's own is handled, it would print that one first ("During handling of the above exception")."""
     failed = [(r, d[_CONFIG_ERROR]) for r, d in enumerate(everyone) if isinstance(d, dict) and _CONFIG_ERROR in d]
     if not failed:
         return
     rank, text = failed[0]
     if len(failed) == len(everyone) and len({t for _, t in failed}) == 1:
-        raise ConfigError(text)  # the same mistake on every rank: its message as one rank alone would give it
+        # The same mistake on every rank (one config file): rank 0 says it as one rank alone would, the others
+        # in one line, so that a launcher printing every rank's error shows the message once.
+        if me == 0:
+            raise ConfigError(text) from None
+        raise ConfigError("the config cannot be used (the same on every rank): rank 0's ConfigError names every "
+                          "problem") from None
     others = f" (the configs of ranks {', '.join(str(r) for r, _ in failed[1:])} failed too)" if failed[1:] else ""
-    raise ConfigError(f"the config of rank {rank} cannot be used{others}; every rank stops: {text}")
+    raise ConfigError(f"the config of rank {rank} cannot be used{others}; every rank stops: {text}") from None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+import logging
 from typing import Callable
 
 import torch
@@ -35,9 +36,18 @@ from zeroshard.engine.validate import check_device_matches_group, check_model, d
 from zeroshard.stage3.gathered import Placement, place
 from zeroshard.stage3.gathers import Gathers
 from zeroshard.stage3.generation import sync_generation
-from zeroshard.stage3.materialize import Materializer, check_materializable, default_device, on_meta
+from zeroshard.stage3.materialize import (
+    Materializer,
+    check_materializable,
+    default_device,
+    materialize_whole,
+    on_meta,
+)
+from zeroshard.stage3.meta import recorded_init
 from zeroshard.stage3.module_state import ModuleStateHooks
 from zeroshard.stage3.schedule import GatherSchedule
+
+log = logging.getLogger("zeroshard.config")
 from zeroshard.stage3.unit import Unit, build_units
 from zeroshard.stage3.wrapping import plan_units, unit_modules
 
@@ -69,7 +79,14 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
           grads_on_disk: bool = True) -> Parts:
     """Check the inputs, join the group, and build the parts; `on_grad(target, param)` is the gradient hook;
     `grads_on_disk`: whether offload to disk may keep the gradient shards there (not on a tp/pp mesh)."""
-    check_materializable(model, init, config.stage)
+    if init is None and on_meta(model):
+        init = recorded_init(model)  # zero.Init + from_pretrained: the files' weights
+    check_materializable(model, init)
+    if on_meta(model) and config.stage != 3:  # one script for every stage: meta_init and init= work below 3
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.info("stage %d: the model built on the meta device is materialised whole on every rank (only "
+                     "stage 3 materialises it shard by shard)", config.stage)
+        materialize_whole(model, init, default_device())
     device = default_device() if on_meta(model) else device_of(model)
     precision = Precision.from_config(config)
     check_model(model, precision.param_dtype)

@@ -135,6 +135,10 @@ class DeepSpeedMethods:
     def eval(self):
         return self.train(False)
 
+    def parameters(self, recurse: bool = True):
+        """The model's parameters, as DeepSpeed's engine (an `nn.Module` around the model) gives them."""
+        return self.module.parameters(recurse)
+
     # -- gradients ---------------------------------------------------------------
 
     def zero_grad(self) -> None:

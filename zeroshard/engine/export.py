@@ -42,8 +42,7 @@ class ExportMethods:
             raise ModelError(f"save_pretrained keyword arguments {sorted(kwargs)} are passed to a transformers "
                              f"model's save_pretrained, but this model is a {type(self.module).__name__}; drop them")
         self._enter("save_pretrained", CheckpointError)
-        self._land_update()  # a delayed update in flight, first: the state written is the whole of it
-        state = self._export_state(exclude_frozen=False)
+        state = self.pretrained_state() if is_transformers else self._export_state(exclude_frozen=False)
         save_dir = Path(save_dir)
 
         def write() -> None:
@@ -59,13 +58,26 @@ class ExportMethods:
         self._on_rank0(write, f"save_pretrained({str(save_dir)!r})")
         return save_dir
 
+    def pretrained_state(self) -> dict[str, torch.Tensor]:
+        """The full state dict on rank 0 ({} elsewhere) as a transformers model's `save_pretrained` takes it:
+        CPU copies, a tied parameter's names all holding the one tensor, so transformers writes it once, under
+        the name it keeps (as from the model's own state dict). Every rank calls it (stage 3 gathers)."""
+        state = self._export_state(exclude_frozen=False)
+        names: dict[int, list[str]] = {}
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(id(param), []).append(name)
+        for first, *others in names.values():
+            for other in others:
+                if first in state and other in state:
+                    state[other] = state[first]
+        return state
+
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's: `torch.save` the full state dict, in the training dtype (16-bit with bf16 or fp16),
         to `save_dir/save_filename` on rank 0; returns True. Every rank calls it (stage 3 gathers).
         `exclude_frozen_parameters`: leave out parameters that do not require grad."""
         self._enter("save_16bit_model", CheckpointError)
-        self._land_update()  # a delayed update in flight, first: the state written is the whole of it
         state = self._export_state(exclude_frozen=exclude_frozen_parameters)
         path = Path(save_dir) / save_filename
 
@@ -78,6 +90,7 @@ class ExportMethods:
 
     def _export_state(self, exclude_frozen: bool) -> dict[str, torch.Tensor]:
         """The full state dict on rank 0 (CPU copies), {} elsewhere."""
+        self._land_update()  # a delayed update in flight, first: the state written is the whole of it
         state = self.full_state_dict(rank0_only=True)
         if exclude_frozen:
             frozen = {name for name, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}

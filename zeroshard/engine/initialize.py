@@ -93,9 +93,10 @@ def initialize(
 def _with_wrap_classes(config: Config, wrap: list[type[nn.Module]]) -> Config:
     zero = config.zero_optimization
     names = tuple(cls.__name__ for cls in wrap)
-    if zero.stage != 3:
-        raise ConfigError(f"wrap={list(names)} chooses stage 3's units, but the config's "
-                          f"zero_optimization.stage is {zero.stage}; set it to 3 or drop wrap")
+    if zero.stage != 3:  # one script for every stage, as DeepSpeed's zero.Init does nothing below stage 3
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            log.info("wrap=%s has no effect at stage %d: it chooses stage 3's units", list(names), zero.stage)
+        return config
     if zero.stage3_wrap_classes and zero.stage3_wrap_classes != names:
         raise ConfigError(f"wrap={list(names)} and zero_optimization.stage3_wrap_classes="
                           f"{list(zero.stage3_wrap_classes)} disagree; give the units in one place")

@@ -156,17 +156,20 @@ def _holds_sentinel(tensor: torch.Tensor) -> bool:
         return bool((tensor == torch.iinfo(tensor.dtype).min).all())
 
 
-def check_materializable(model: nn.Module, init, stage: int) -> None:
+def materialize_whole(model: nn.Module, init, device: torch.device) -> None:
+    """Below stage 3, where every rank holds the whole model: a model built on the meta device gets all its
+    memory at once, initialised as stage 3 would initialise it unit by unit (the same `init`, or its own)."""
+    materialize = Materializer.for_model(model, init, device)
+    materialize(list(model.modules()), list(model.parameters()))
+
+
+def check_materializable(model: nn.Module, init) -> None:
     if not on_meta(model):
         if init is not None:
             raise ModelError("init= initialises a model built on the meta device, but this model's "
                              "parameters are real; drop init= or build the model under "
                              "zeroshard.meta_init()")
         return
-    if stage != 3:
-        raise ModelError(f"the model is on the meta device, which only stage 3 can materialise shard by "
-                         f"shard; set zero_optimization.stage to 3 (it is {stage}), or build the model "
-                         "on a real device")
     if init is None and not built_by_meta_init(model):
         raise ModelError("the model is on the meta device but was not built under zeroshard.meta_init(), so "
                          "its buffers are lost and zeroshard cannot tell how to initialise it: build it under "

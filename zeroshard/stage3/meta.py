@@ -32,6 +32,7 @@ import torch.nn as nn
 from zeroshard.errors import ModelError
 
 _BUILT_ON_META = "_zeroshard_meta_init"  # on each module that meta_init gave a meta parameter
+_INIT = "_zeroshard_init"  # on a model whose weights come from elsewhere: the init= that fills them
 
 
 @contextmanager
@@ -84,6 +85,17 @@ def _refusing_from_pretrained() -> Iterator[None]:
         yield
     finally:
         model_class.from_pretrained = original
+
+
+def record_init(model: nn.Module, init) -> None:
+    """`initialize` without `init=` materialises this meta model with `init` instead of its own initialisation
+    (deepspeed's `zero.Init` + `from_pretrained`: `zeroshard.pretrained(path)`)."""
+    model.__dict__[_INIT] = init
+
+
+def recorded_init(model: nn.Module):
+    """The init `record_init` gave this model; else None."""
+    return model.__dict__.get(_INIT)
 
 
 def built_by_meta_init(model: nn.Module) -> bool:

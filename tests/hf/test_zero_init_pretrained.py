@@ -1,0 +1,68 @@
+"""DeepSpeed's large-model load, `with deepspeed.zero.Init(): model = AutoModelForCausalLM.from_pretrained(path)`,
+under `import zeroshard.deepspeed as deepspeed` (issue 28, acceptance 2).
+
+At stage 3 on 4 ranks the weights are read unit by unit into the shards (`zeroshard.pretrained`'s reader):
+the logits equal single-process `from_pretrained`'s, and no rank ever holds the whole model (on the CPU each
+rank is capped by RLIMIT_DATA below 85% of the model's fp32 bytes, as tests/hf/test_pretrained.py does; on
+CUDA the GPU's peak allocated memory is compared with the same bound). Below stage 3 the same script runs
+unchanged: `zero.Init` then does nothing, as in DeepSpeed, and the model is the files' whole.
+4 ranks, not 2: a rank's own training state at stage 3 (parameter and gradient shards in fp32) is the whole
+model's size at 2 ranks, half of it at 4, so only at 4 does a cap below the model leave room for one unit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.distributed import run_ranks
+from tests.memory_cap import MemoryCap
+
+IDS = torch.tensor([[1, 5, 9, 42, 7, 300, 12, 999]])
+FRACTION = 0.85  # of the model's fp32 bytes: each rank's bound at stage 3
+
+
+def _script(stage: int, path: str, device):
+    """The user's DeepSpeed script; only the config depends on the stage."""
+    from transformers import AutoModelForCausalLM
+
+    import zeroshard.deepspeed as deepspeed
+
+    with deepspeed.zero.Init():
+        model = AutoModelForCausalLM.from_pretrained(path)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      config={"train_micro_batch_size_per_gpu": 1,
+                                              "zero_optimization": {"stage": stage}})
+    with torch.no_grad():
+        return engine(input_ids=IDS.to(device)).logits.cpu()
+
+
+def _load(rank, world, device, path: str, full_bytes: int) -> dict:
+    below = _script(1, path, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        logits = _script(3, path, device)
+        return {"below": below, "stage3": logits, "cap_below_model": True,
+                "held": torch.cuda.max_memory_allocated(device) - before <= FRACTION * full_bytes}
+    cap = MemoryCap(full_bytes, FRACTION)  # last: the stage-1 load above holds the whole model by design
+    logits = _script(3, path, device)
+    return {"below": below, "stage3": logits, "cap_below_model": not cap.whole_fits, "held": cap.held()}
+
+
+def test_zero_init_from_pretrained_at_stage3_and_below(monkeypatch, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed buffers go back to the system, off the cap
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=12,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path, max_shard_size="20MB")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    full_bytes = 4 * reference.num_parameters()
+    with torch.no_grad():
+        expected = reference(input_ids=IDS).logits
+    del reference
+    for result in run_ranks(_load, 4, str(tmp_path), full_bytes):
+        assert result["cap_below_model"] and result["held"]
+        torch.testing.assert_close(result["stage3"], expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(result["below"], expected, rtol=0, atol=1e-6)

@@ -1,0 +1,179 @@
+"""`zeroshard.hf.Trainer`: transformers' `Trainer`, trained by zeroshard's engine instead of DDP or DeepSpeed.
+
+transformers' training loop runs as it is (its data loading and samplers,
+loss, logging, callbacks, evaluation); what DeepSpeed's integration does
+inside it, this class does over `zeroshard.deepspeed.initialize`, as
+transformers' `deepspeed_init` and accelerate's `DeepSpeedEngineWrapper` do:
+
+- the engine is built when training starts, from the DeepSpeed config with
+  its "auto" values filled from the arguments (`arguments.py`). A config
+  "optimizer" or "scheduler" block builds them, as DeepSpeed does; without
+  one, the Trainer's own (`create_optimizer`, `create_scheduler`) are used.
+- each micro-batch's backward is the engine's backward and step: the
+  engine reduces, clips (the config's `gradient_clipping`, filled from
+  `max_grad_norm`), updates and steps the LR scheduler at the end of the
+  accumulation window; the Trainer's own optimizer and scheduler steps are
+  then no-ops (`_SteppedByEngine`), and the norm it logs is the engine's.
+- a checkpoint (`save_steps`) is the engine's sharded checkpoint beside the
+  Trainer's files; `resume_from_checkpoint` loads it on any world size and
+  stage. `save_model` writes what `from_pretrained` loads, every rank
+  taking part (at stage 3 the weights are gathered unit by unit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import transformers
+
+from zeroshard.deepspeed.initialize import initialize
+from zeroshard.deepspeed.unsupported import UnsupportedError
+from zeroshard.engine import Engine
+from zeroshard.hf.arguments import filled_config
+
+
+class _SteppedByEngine:
+    """The Trainer's view of the engine's optimizer or LR scheduler: `step()` and `zero_grad()` do nothing, since
+    `engine.step()` ran them at the end of the window; everything else is the object's own."""
+
+    def __init__(self, stepped):
+        self.stepped = stepped
+
+    def step(self, *args, **kwargs) -> None:
+        """Done by `engine.step()` at the accumulation boundary."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The engine clears its gradient buffers itself."""
+
+    def __getattr__(self, name: str):
+        return getattr(self.stepped, name)
+
+
+class _ZeroshardTraining:
+    """Mixed into transformers' `Trainer` and `Seq2SeqTrainer` (see the module docstring)."""
+
+    engine: Engine | None = None
+
+    # -- building the engine ---------------------------------------------------
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if self.engine is None:
+            self.engine = self._build_engine(max_steps)
+        self.model_wrapped = self.deepspeed = self.engine
+        # No `accelerator.no_sync` around the window's first micro-batches (the engine decides when to reduce,
+        # and refuses no_sync where it reduces every micro-batch), as transformers skips it for DeepSpeed.
+        self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
+        if resume_from_checkpoint is not None:
+            self.engine.load_checkpoint(resume_from_checkpoint)
+        for attr in ("model", "optimizer", "lr_scheduler"):
+            setattr(self.callback_handler, attr, getattr(self, attr))
+        self.callback_handler.train_dataloader = train_dataloader
+        return self.engine, train_dataloader
+
+    def _build_engine(self, max_steps: int) -> Engine:
+        """As transformers' `deepspeed_init`: the config filled, then the optimizer and scheduler from the config's
+        blocks, else the Trainer's own; the engine over the model."""
+        config = filled_config(self.args, self.model, max_steps)
+        optimizer, scheduler = self.optimizer, self.lr_scheduler
+        if optimizer is None and "optimizer" not in config:
+            optimizer = self.create_optimizer()
+        if scheduler is None and "scheduler" not in config:
+            def scheduler(opt):  # the Trainer's schedule (lr_scheduler_type, warmup) over the engine's optimizer
+                return self.create_scheduler(num_training_steps=max_steps, optimizer=opt)
+        zero = config.get("zero_optimization", {})
+        if zero.get("stage") == 3 and "stage3_wrap_classes" not in zero:
+            zero["stage3_wrap_classes"] = _block_classes(self.model)
+        engine, engine_optimizer, _, engine_scheduler = initialize(
+            model=self.model, optimizer=optimizer, config=config, lr_scheduler=scheduler)
+        self.optimizer, self.lr_scheduler = _SteppedByEngine(engine_optimizer), _SteppedByEngine(engine_scheduler)
+        return engine
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
+        """The engine once it exists (evaluation and prediction run its forward); before, transformers' own."""
+        if self.engine is not None:
+            return self.engine
+        return super()._wrap_model(model, training, dataloader)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        """Nothing here: the engine's `load_checkpoint` restores the model with its optimizer state."""
+
+    # -- one micro-batch -------------------------------------------------------
+
+    def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        if model is not self.engine:
+            return super().training_step(model, inputs, num_items_in_batch)
+        with _backward_through(self.accelerator, self._engine_backward):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def _engine_backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """accelerate's `DeepSpeedEngineWrapper.backward`: the engine's backward, then its step.
+
+        transformers' loss is already this window's share (divided by the accumulation steps, or normalised by
+        the window's token count); the engine divides by the accumulation steps itself, so the loss it gets is
+        multiplied back."""
+        engine = self.engine
+        if self.accelerator.sync_gradients != engine.is_gradient_accumulation_boundary():
+            raise UnsupportedError(
+                f"the Trainer ends an accumulation window after micro-step {engine.micro_steps + 1}, which is not a "
+                f"multiple of gradient_accumulation_steps ({engine.gradient_accumulation_steps}): an epoch's last "
+                "window is shorter. zeroshard's windows have a fixed length: give the epoch a multiple of "
+                "gradient_accumulation_steps batches per rank (dataloader_drop_last, the dataset's size) or set "
+                "max_steps within the first epoch")
+        engine.backward(loss * engine.gradient_accumulation_steps)
+        engine.step()
+
+    def _clip_grad_norm(self, model):
+        """The engine clipped at its step; this is the norm it measured before clipping."""
+        if model is not self.engine:
+            return super()._clip_grad_norm(model)
+        return self.engine.get_global_grad_norm()
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if model is not self.engine:
+            return super()._get_grad_norm(model, grad_norm)
+        return self.engine.get_global_grad_norm()
+
+    # -- checkpoints and the saved model ---------------------------------------
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """The engine's sharded checkpoint (model, optimizer, scheduler, counters) in `output_dir`."""
+        if self.engine is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        self.engine.save_checkpoint(output_dir)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """What `from_pretrained` loads, written by rank 0 (transformers' `_save`, tokenizer and arguments too).
+        Every rank calls it: the weights are gathered from the shards into rank 0's copy."""
+        if self.engine is None:
+            return super().save_model(output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = self.engine.pretrained_state()
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state_dict)
+
+
+def _block_classes(model: nn.Module) -> list[str]:
+    """Stage 3's units: the model's repeated blocks, the classes transformers declares in `_no_split_modules` (as
+    accelerate's FSDP wrapping takes them) that the model holds; none (units by size) when it declares none."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return sorted({type(module).__name__ for module in model.modules()} & names)
+
+
+@contextlib.contextmanager
+def _backward_through(accelerator, backward):
+    """`accelerator.backward` is `backward` inside: transformers' `training_step` calls it after the loss."""
+    accelerator.backward = backward
+    try:
+        yield
+    finally:
+        del accelerator.backward  # the class's method again
+
+
+class Trainer(_ZeroshardTraining, transformers.Trainer):
+    """transformers' `Trainer`, trained by zeroshard (see the module docstring); the same arguments."""
+
+
+class Seq2SeqTrainer(_ZeroshardTraining, transformers.Seq2SeqTrainer):
+    """transformers' `Seq2SeqTrainer`, trained by zeroshard; the same arguments."""
