@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 from tests.hf.models import config_of
 from zeroshard.app.activation_count import count_activations, training_forward
+from zeroshard.app.cli import main
 from zeroshard.app.models import PRESETS, GPTConfig
 from zeroshard.estimate.activations import count_saved, korthikanti_layer_bytes
 
@@ -113,3 +114,19 @@ def test_builtin_gpt_against_korthikanti(micro_batch, seq, monkeypatch):
     full = count_activations("test-gpt", b, s, "full", "bf16")
     assert full.per_layer == (korthikanti_layer_bytes(s, b, h, a, "full"),) * 2
     assert full.outside == counted.outside  # the embeddings, head and loss are not checkpointed
+
+
+def test_cli_prints_activations_and_the_peak(capsys, monkeypatch):
+    monkeypatch.setitem(PRESETS, "test-tiny", TINY)
+    flags = ["estimate", "--model", "test-tiny", "--micro-batch", "2", "--seq", "16", "--json"]
+    assert main([*flags, "--checkpoint-activations", "full"]) == 0  # no --gpus: activations only
+    alone = json.loads(capsys.readouterr().out)["activations"]
+    full = count_activations("test-tiny", 2, 16, "full", "bf16")
+    assert (alone["total"], alone["per_layer"]) == (full.total, list(full.per_layer))
+    assert alone["recompute"] == max(count_activations("test-tiny", 2, 16, "none", "bf16").per_layer)
+    assert alone["korthikanti_per_layer"] == 2 * 2 * 16 * TINY.n_embd
+    assert main([*flags, "--gpus", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    saved = out["activations"]
+    assert saved["total"] == count_activations("test-tiny", 2, 16, "none", "bf16").total and saved["recompute"] == 0
+    assert out["peak_bytes"] == {s: b + saved["total"] for s, b in out["memory_bytes"].items()}

@@ -6,7 +6,8 @@ save_pretrained directory), in the training dtype, and runs one training
 forward on a batch of B sequences of S tokens, the loss included, under
 `zeroshard.estimate.count_saved`. Checkpointing "full" checkpoints every
 block as training would: the built-in GPT's `checkpointing="non_reentrant"`,
-a transformers model's own `gradient_checkpointing_enable()`.
+a transformers model's own `gradient_checkpointing_enable()` (`activation_checkpointing_enable()`
+in transformers 5).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def training_forward(name: str, micro_batch: int, seq: int, checkpointing: str =
         model.config.use_cache = False  # a training forward keeps no key/value cache
         _check_positions(name, seq, getattr(model.config, "max_position_embeddings", None)
                          or getattr(model.config, "n_positions", None))
-        if full:
-            model.gradient_checkpointing_enable()
+        if full:  # transformers 5 renames it; the older name stays for older versions
+            (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model.to(DTYPES[dtype]).train()
     batch = torch.zeros(micro_batch, seq, dtype=torch.long, device=device)
     return model, batch, _loss_call(model, batch, name in PRESETS)

@@ -224,6 +224,12 @@ def korthikanti_layer_bytes(seq: int, micro_batch: int, hidden: int, heads: int,
     The 34·s·b·h: attention 11 (the QKV input 2, Q and K 4, V 2, the output projection's input 2, its
     dropout mask 1), MLP 19 (input 2, the GeLU's input 8 and output 8, dropout mask 1), two LayerNorms'
     inputs 4. The 5·a·s²·b: the softmax output 2, its dropout mask 1, the dropout's output 2.
+
+    The built-in GPT (zeroshard.app.models.GPT) keeps 32·s·b·h + 4·a·s·b + 16·s·b per layer, as
+    `count_saved` finds: no dropout (the two s·b·h masks and the a·s²·b one absent); the flash attention
+    kernel, which keeps no softmax or dropout output (4·a·s²·b) but an fp32 log-sum-exp (4·a·s·b), and
+    whose output is the projection's input (one storage); two LayerNorms' fp32 mean and reciprocal
+    standard deviation (16·s·b), which the formula leaves out. With full recomputation: 2·s·b·h exactly.
     """
     if checkpointing not in CHECKPOINTING:
         raise ValueError(f"checkpointing '{checkpointing}': give one of {', '.join(CHECKPOINTING)}")
