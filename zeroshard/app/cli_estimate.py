@@ -19,6 +19,13 @@ from rich.console import Console
 from rich.table import Table
 
 from zeroshard import estimate
+from zeroshard.app.cli_estimate_activations import (
+    activations,
+    add_activations,
+    peak_bytes,
+    print_activations,
+    wants_activations,
+)
 from zeroshard.app.cli_estimate_offload import add_offload, offload_setup, print_offload
 from zeroshard.app.flags import add_command, add_dtype, positive_int
 from zeroshard.app.model_count import (
@@ -69,7 +76,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                              f"{' '.join(DEMO_WRAP)} for a preset, by size for another model)")
     parser.add_argument("--auto-wrap-min-params", type=count, default=AUTO_WRAP_MIN_PARAMS, metavar="ELEMENTS",
                         help="with --model and no --wrap: stage3_auto_wrap_min_params (default: %(default)s)")
-    parser.add_argument("--gpus", type=positive_int, required=True, metavar="N", help="GPUs (ranks) in all")
+    parser.add_argument("--gpus", type=positive_int, default=None, metavar="N",
+                        help="GPUs (ranks) in all; without it, with --micro-batch and --seq, activations only")
     parser.add_argument("--gpus-per-node", type=positive_int, default=None, metavar="G",
                         help="GPUs per node (default: 8, or --gpus if fewer)")
     add_dtype(parser, "bf16", "training dtype: 16-bit params and grads with an fp32 master copy, or "
@@ -89,6 +97,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="pipeline stages (GPTStage; a preset only) (default: %(default)s)")
     _add_zeropp(parser)
     add_offload(parser)
+    add_activations(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (bytes; see zeroshard.estimate.summarize)")
 
@@ -118,6 +127,15 @@ def zeropp_parts(args: argparse.Namespace) -> estimate.ZeroPP:
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
     """Compute and print the estimate; returns the exit status."""
     setup = offload_setup(args)  # before the mesh: a flag that needs another is refused on both paths
+    saved = activations(args) if wants_activations(args) else None
+    if args.gpus is None:
+        if saved is None:
+            args.command_parser.error("give --gpus for model states, or --model with --micro-batch and --seq "
+                                      "for activations")
+        return _print_activations_only(args, saved, console or Console())
+    if saved is not None and args.tp * args.pp > 1:
+        args.command_parser.error("activations with --tp/--pp are not counted per model part yet: drop "
+                                  "--micro-batch/--seq, or use --tp 1 --pp 1")
     if args.tp * args.pp > 1:
         return run_mesh(args, console)
     name, largest_unit, flats = None, args.largest_unit, None
@@ -135,11 +153,23 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
                                      zeropp_parts(args), setup)
     except ValueError as error:
         args.command_parser.error(str(error))
+    if saved is not None:
+        summary |= {"activations": saved, "peak_bytes": peak_bytes(summary["memory_bytes"], saved)}
     console = console or Console()
     if args.json:
         console.out(json.dumps(summary if name is None else {"model": name, **summary}, indent=2))
         return 0
     print_summary(console, summary, name)
+    if saved is not None:
+        print_activations(console, saved, summary["peak_bytes"])
+    return 0
+
+
+def _print_activations_only(args: argparse.Namespace, saved: dict, console: Console) -> int:
+    if args.json:
+        console.out(json.dumps({"model": args.model, "activations": saved}, indent=2))
+    else:
+        print_activations(console, saved, None)
     return 0
 
 

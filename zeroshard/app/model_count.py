@@ -169,11 +169,11 @@ def local_numel(shape: torch.Size, dim: int | None, tp: int, tp_rank: int) -> in
     return numel // shape[dim] * tp_shard_numel(shape[dim], tp, tp_rank)
 
 
-def build_hf_model(name: str) -> torch.nn.Module:
-    """The transformers model `name` describes, on the meta device (see `hf_config` and `model_class`)."""
+def build_hf_model(name: str, device: str = "meta") -> torch.nn.Module:
+    """The transformers model `name` describes, on `device` (default meta; see `hf_config` and `model_class`)."""
     config = hf_config(name)
     cls = model_class(config)
-    with torch.device("meta"):
+    with torch.device(device):
         return cls.from_config(config) if cls.__name__.startswith("Auto") else cls(config)
 
 
