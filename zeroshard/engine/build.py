@@ -7,9 +7,9 @@ user's optimizer is pointed at the master shards; hooks are installed.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import timedelta
-import logging
 from typing import Callable
 
 import torch
@@ -46,10 +46,10 @@ from zeroshard.stage3.materialize import (
 from zeroshard.stage3.meta import recorded_init
 from zeroshard.stage3.module_state import ModuleStateHooks
 from zeroshard.stage3.schedule import GatherSchedule
-
-log = logging.getLogger("zeroshard.config")
 from zeroshard.stage3.unit import Unit, build_units
 from zeroshard.stage3.wrapping import plan_units, unit_modules
+
+log = logging.getLogger("zeroshard.config")
 
 # What a rank that cannot open or fill its swap files was doing, in the error every rank raises.
 _SETUP = "setting up offload"
