@@ -329,3 +329,23 @@ def test_config_reference_is_generated():
 
     committed = (Path(__file__).parents[2] / "docs" / "config-reference.md").read_text(encoding="utf-8")
     assert committed == reference(), "regenerate: python -m zeroshard.config.reference > docs/config-reference.md"
+
+
+def test_numbers_written_as_strings_read_as_the_numbers_they_spell():
+    """DeepSpeed reads its config with pydantic's lax mode: "200000000" is an int there, "0.5" a float. The
+    same strings, and whole floats written in exponent form ("5e8"), give the same numbers here."""
+    from pydantic import TypeAdapter
+
+    raw = {"train_micro_batch_size_per_gpu": "2", "gradient_clipping": "0.5",
+           "zero_optimization": {"stage": 2, "reduce_bucket_size": "200000000", "allgather_bucket_size": "5e8"}}
+    config = Config.load(raw)
+    zero = config.zero_optimization
+    assert zero.reduce_bucket_size == TypeAdapter(int).validate_python("200000000")
+    assert zero.allgather_bucket_size == 500_000_000 and type(zero.allgather_bucket_size) is int
+    assert config.gradient_clipping == TypeAdapter(float).validate_python("0.5")
+    assert config.train_micro_batch_size_per_gpu == 2
+    bad = {**raw, "zero_optimization": {"stage": 2, "reduce_bucket_size": "5e8x", "allgather_bucket_size": "2.5"}}
+    with pytest.raises(ConfigError) as error:
+        Config.load(bad)
+    assert 'reduce_bucket_size must be a positive integer; got "5e8x"' in str(error.value)
+    assert 'allgather_bucket_size must be a positive integer; got "2.5"' in str(error.value)

@@ -35,19 +35,34 @@ def show(value: Any) -> str:
         return repr(value)
 
 
+def number_in_string(value: Any) -> Any:
+    """A JSON string that spells a number ("5e8", "500000000", "1e-3"), as that number, as DeepSpeed's
+    configs are read (pydantic's lax mode); any other value as it is."""
+    if not isinstance(value, str):
+        return value
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
 def integer(value: Any, minimum: int, requirement: str, float_note: str = "") -> int:
-    """An int >= `minimum`, or a whole float such as DeepSpeed's 5e8; `requirement` starts the message.
+    """An int >= `minimum`, or a whole float such as DeepSpeed's 5e8 (also spelled as a string, "5e8");
+    `requirement` starts the message.
 
     A float that is not whole gets `float_note` after the value, where one is given.
     """
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    elif isinstance(value, float) and float_note:
+    number = number_in_string(value)
+    if isinstance(number, float) and number.is_integer():
+        number = int(number)
+    elif isinstance(number, float) and float_note:
         raise invalid(requirement, value, float_note)
     # bool is a subclass of int, but `true` is not a count.
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise invalid(requirement, value)
-    return value
+    if isinstance(number, bool) or not isinstance(number, int) or number < minimum:
+        raise invalid(requirement, value if isinstance(value, str) else number)  # a string as written
+    return number
 
 
 def positive_int(value: Any) -> int:
@@ -80,12 +95,13 @@ def finite_number(value: Any, minimum: float, inclusive: bool, meaning: str = ""
                   noun: str = "a finite number") -> float:
     """A finite number above `minimum` (or equal to it, if `inclusive`), stored as a float.
 
-    The message reads "must be <noun> > <minimum><meaning>".
+    The message reads "must be <noun> > <minimum><meaning>". A string that spells a number is that number.
     """
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not is_number or not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+    number = number_in_string(value)
+    is_number = isinstance(number, (int, float)) and not isinstance(number, bool)
+    if not is_number or not math.isfinite(number) or number < minimum or (number == minimum and not inclusive):
         raise invalid(f"must be {noun} {'>=' if inclusive else '>'} {minimum:g}{meaning}", value)
-    return float(value)
+    return float(number)
 
 
 def non_negative_float(value: Any, meaning: str = "") -> float:
