@@ -74,7 +74,7 @@ FALSE, DISABLED = "false", "enabled false"
 _MONITOR = ("zeroshard has no built-in monitor: log engine.get_lr(), the loss and engine.get_global_grad_norm() "
             'with your own tool, and remove the section (or set "enabled": false)')
 _ZERO_PP = ("this part of ZeRO++ is not implemented yet (qwZ, hpZ and qgZ are: zero_quantized_weights, "
-            "zero_hpz_partition_size, zero_quantized_gradients): remove the key")
+            "zero_hpz_partition_size, zero_quantized_gradients; docs/zeropp.md): remove the key")
 
 RULES: dict[str, Rule] = {
     # ---- batch, optimizer, communication ----
@@ -133,7 +133,7 @@ RULES: dict[str, Rule] = {
         "DeepSpeed's legacy switch: pin_memory of each offload block that is enabled (no effect without one)"),
     "zero_optimization.offload_optimizer.super_offload": not_yet(
         "SuperOffload (DeepSpeed's offload for CPU-GPU superchips) is not implemented yet: remove the key; "
-        "offload_optimizer offloads as ZeRO-Offload does", _is(False), FALSE),
+        "offload_optimizer offloads as ZeRO-Offload does (docs/offload.md)", _is(False), FALSE),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": no_effect(
         "it sets the CPU cores of SuperOffload's CPU Adam, which zeroshard has not"),
     "zero_optimization.stage3_max_reuse_distance": no_effect(
@@ -177,7 +177,8 @@ RULES: dict[str, Rule] = {
     "aio.intra_op_parallelism": mapped("DeepSpeed's newer name for aio.thread_count"),
     # ---- parallelism and engines ----
     "tensor_parallel": not_yet(
-        "tensor parallelism is not implemented yet: remove the section (or set autotp_size 1)",
+        "DeepSpeed's automatic tensor parallelism (AutoTP) is not implemented yet: remove the section (or set "
+        "autotp_size 1); zeroshard's tensor parallelism is DTensor's on a mesh passed in code (docs/parallel.md)",
         lambda v: isinstance(v, dict) and v.get("autotp_size", 1) in (0, 1), "autotp_size 1"),
     "hybrid_engine": error("DeepSpeed's inference kernels are not part of zeroshard: remove the section",
                            _disabled, DISABLED),

@@ -30,15 +30,16 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
                config_params=None) -> tuple[Engine, torch.optim.Optimizer, DataLoader | None, object]:
     """DeepSpeed's `initialize`: returns (engine, engine.optimizer, a DataLoader or None, engine.lr_scheduler).
 
-    `distributed_port` has no effect (torchrun sets MASTER_PORT); `mpu` and `mesh_param` (model
-    parallelism) raise `UnsupportedError`. `dist_init_required=False` with no process group is a
+    `distributed_port` has no effect (torchrun sets MASTER_PORT); `mpu` and `mesh_param` raise
+    `UnsupportedError` (a mesh goes to `zeroshard.initialize(..., mesh=)`). `dist_init_required=False` with no process group is a
     `LaunchError`; otherwise the group is joined from torchrun's environment if it is not yet.
     """
     if model is None:
         raise ModelError("deepspeed.initialize needs a model: initialize(model=model, ...)")
     if mpu is not None or mesh_param is not None:
-        raise UnsupportedError("initialize(mpu=...) and initialize(mesh_param=...) are not supported yet: "
-                               "zeroshard is data-parallel ZeRO on the default group; leave them out")
+        raise UnsupportedError("initialize(mpu=...) and initialize(mesh_param=...) are not read: zeroshard's tensor "
+                               "and pipeline parallelism come from a DeviceMesh passed as "
+                               "zeroshard.initialize(..., mesh=) (docs/parallel.md); leave them out here")
     config = _config_from(args, config, config_params)
     if dist_init_required is False and not dist.is_initialized():
         raise LaunchError("dist_init_required=False, but no process group exists: call "

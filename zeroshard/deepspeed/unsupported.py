@@ -14,8 +14,11 @@ MIGRATE = "docs/migrate-from-deepspeed.md"
 NOT_PROVIDED = {
     "checkpointing": "activation checkpointing helpers are not provided: use torch.utils.checkpoint.checkpoint "
                      "in the model (stage 3 gathers again for the recomputation)",
-    "pipe": "pipeline parallelism is not supported yet; zeroshard is data-parallel ZeRO",
-    "PipelineModule": "pipeline parallelism is not supported yet; zeroshard is data-parallel ZeRO",
+    "pipe": "DeepSpeed's pipeline engine is not provided; zeroshard's pipeline parallelism is torch's pipelining "
+            "on a mesh: split the model with torch.distributed.pipelining and pass mesh= (docs/parallel.md)",
+    "PipelineModule": "DeepSpeed's pipeline engine is not provided; zeroshard's pipeline parallelism is torch's "
+                      "pipelining on a mesh: split the model with torch.distributed.pipelining and pass mesh= "
+                      "(docs/parallel.md)",
     "init_inference": "inference engines are not provided: evaluate with engine(...) under torch.no_grad(), "
                       "or save with engine.save_16bit_model and load the model on its own",
     "ops": "DeepSpeed's kernels (FusedAdam, DeepSpeedCPUAdam) are not provided: pass a torch optimizer "
@@ -29,7 +32,9 @@ NOT_PROVIDED = {
                "WarmupDecayLR and WarmupCosineLR; any torch scheduler can be passed as lr_scheduler",
     "add_tuning_arguments": "the autotuner is not provided",
     "profiling": "the FLOPs profiler is not provided: use torch.profiler",
-    "tp_model_init": "tensor parallelism is not supported yet",
+    "tp_model_init": "DeepSpeed's automatic tensor parallelism is not provided; zeroshard's tensor parallelism is "
+                     "DTensor's on a mesh: parallelize the model with torch's parallelize_module and pass mesh= "
+                     "(docs/parallel.md)",
     "module_inject": "kernel injection is not provided (it is an inference feature)",
     "compression": "DeepSpeed's compression library is not provided",
 }

@@ -51,12 +51,15 @@ class Init:
             "dtype": (dtype not in (None, torch.float32),
                       "build in fp32; the config's bf16 or fp16 section casts the parameters"),
             "data_parallel_group": (data_parallel_group is not None, "zeroshard.deepspeed uses the default group"),
-            "mpu": (mpu is not None, "model parallelism is not supported yet"),
+            "mpu": (mpu is not None, "DeepSpeed's mpu object is not read; zeroshard's tensor and pipeline "
+                                   "parallelism come from a mesh passed to initialize (docs/parallel.md)"),
             "zero_param_parallel_group": (zero_param_parallel_group is not None,
                                           "hpZ's groups are the nodes: set zero_optimization.zero_hpz_partition_size "
                                           "in the config"),
             "sequence_data_parallel_group": (sequence_data_parallel_group is not None,
-                                             "sequence parallelism is not supported yet"),
+                                             "DeepSpeed's Ulysses sequence parallelism is not supported yet "
+                                             "(tensor-parallel SequenceParallel layers work on a mesh: "
+                                             "docs/parallel.md)"),
             "zero_quantized_weights": (bool(zero_quantized_weights),
                                        "set zero_optimization.zero_quantized_weights (ZeRO++ qwZ) in the config"),
             "zero_quantized_nontrainable_weights": (bool(zero_quantized_nontrainable_weights),
