@@ -51,14 +51,18 @@ def plan(rng: random.Random, kills: int, asynchronous: bool) -> list[dict]:
     return out
 
 
-def train(workdir: Path, config: str, steps: int, save_every: int, kills: list[dict] | None) -> Path:
-    """One `zeroshard train` run in `workdir`; returns its save directory. With `kills`, under restarts."""
+def train(workdir: Path, config: str, steps: int, save_every: int, kills: list[dict] | None,
+          data: str | None = None) -> Path:
+    """One `zeroshard train` run in `workdir` (on `data`, default the Bible); returns its save directory.
+    With `kills`, under restarts."""
     dtype, stage, mode = config.split(":")
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "zeroshard.app.cli", "train", "--nproc", str(WORLD), "--model", "tiny",
            "--steps", str(steps), "--micro-batch", "2", "--stage", stage, "--dtype", dtype,
            "--save-every", str(save_every), "--save-dir", "ck", "--async-save", str(mode == "async").lower()]
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), str(SITE)]), "OMP_NUM_THREADS": "1"}
+    if data is not None:
+        cmd += ["--data", data]
     if kills is not None:
         cmd += ["--max-restarts", str(len(kills) + 2)]  # 2 spare: a generation may fail for another reason
         env["ZEROSHARD_CHAOS"] = json.dumps({"kills": kills, "log": str(workdir / "kills.jsonl")})
@@ -93,10 +97,11 @@ def _same(x, y) -> bool:
     return x == y
 
 
-def chaos(workdir: Path, config: str, steps: int, save_every: int, kills: list[dict]) -> list[str]:
+def chaos(workdir: Path, config: str, steps: int, save_every: int, kills: list[dict],
+          data: str | None = None) -> list[str]:
     """The reference and the chaos run of one configuration; returns the problems (none: a pass)."""
-    reference = train(workdir / "reference", config, steps, save_every, None)
-    killed = train(workdir / "chaos", config, steps, save_every, kills)
+    reference = train(workdir / "reference", config, steps, save_every, None, data)
+    killed = train(workdir / "chaos", config, steps, save_every, kills, data)
     log = workdir / "chaos" / "kills.jsonl"
     happened = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     problems = [] if len(happened) == len(kills) else [f"{len(happened)} of {len(kills)} planned kills happened"]
