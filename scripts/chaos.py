@@ -52,25 +52,58 @@ def plan(rng: random.Random, kills: int, asynchronous: bool) -> list[dict]:
 
 
 def train(workdir: Path, config: str, steps: int, save_every: int, kills: list[dict] | None,
-          data: str | None = None) -> Path:
-    """One `zeroshard train` run in `workdir` (on `data`, default the Bible); returns its save directory.
-    With `kills`, under restarts."""
+          data: str | None = None, world: int = WORLD, flags: tuple[str, ...] = (), restarts: bool = True) -> Path:
+    """One `zeroshard train` run on `world` ranks in `workdir` (on `data`, default the Bible); returns its save
+    directory. With `kills`, they happen (and, with `restarts`, torchrun restarts the ranks after each)."""
     dtype, stage, mode = config.split(":")
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "zeroshard.app.cli", "train", "--nproc", str(WORLD), "--model", "tiny",
+    cmd = [sys.executable, "-m", "zeroshard.app.cli", "train", "--nproc", str(world), "--model", "tiny",
            "--steps", str(steps), "--micro-batch", "2", "--stage", stage, "--dtype", dtype,
-           "--save-every", str(save_every), "--save-dir", "ck", "--async-save", str(mode == "async").lower()]
+           "--save-every", str(save_every), "--save-dir", "ck", "--async-save", str(mode == "async").lower(),
+           "--log-csv", "steps.csv", *flags]
     env = os.environ | {"PYTHONPATH": os.pathsep.join([str(ROOT), str(SITE)]), "OMP_NUM_THREADS": "1"}
     if data is not None:
         cmd += ["--data", data]
     if kills is not None:
-        cmd += ["--max-restarts", str(len(kills) + 2)]  # 2 spare: a generation may fail for another reason
+        cmd += ["--max-restarts", str(len(kills) + 2 if restarts else 0)]  # 2 spare: a generation may fail otherwise
         env["ZEROSHARD_CHAOS"] = json.dumps({"kills": kills, "log": str(workdir / "kills.jsonl")})
     done = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
     (workdir / "output.txt").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"{config}: the run failed (exit {done.returncode}); see {workdir / 'output.txt'}")
+    if (done.returncode != 0) == restarts:
+        raise RuntimeError(f"{config}: the run {'failed' if restarts else 'did not fail'} (exit {done.returncode}); "
+                           f"see {workdir / 'output.txt'}")
     return workdir / "ck"
+
+
+def shrink(workdir: Path, config: str, steps: int, save_every: int, kill: dict, data: str | None = None) -> list[str]:
+    """Acceptance 2: 4 ranks, one killed (no restart), resumed on 2 ranks from the latest checkpoint; the final
+    loss and weights against the uninterrupted 4-rank run's, within the parity bar (2e-5 loss, 1e-4 weights;
+    not bitwise: the reduction order changes). Returns the problems."""
+    reference = train(workdir / "reference", config, steps, save_every, None, data, world=4)
+    train(workdir / "killed", config, steps, save_every, [kill], data, world=4, restarts=False)
+    resumed = train(workdir / "killed", config, steps, save_every, None, data, world=2,
+                    flags=("--resume", "ck", "--log-csv", "resumed.csv"))
+    output = " ".join((workdir / "killed" / "output.txt").read_text().split())
+    problems = [] if "gradient accumulation 1 -> 2" in output else ["the 2 ranks did not keep the global batch"]
+    loss, resumed_loss = (_last_loss(workdir / where) for where in ("reference/steps.csv", "killed/resumed.csv"))
+    if abs(resumed_loss - loss) > 2e-5 * abs(loss):
+        problems.append(f"final loss {resumed_loss} against {loss} uninterrupted")
+    tag = f"global_step{steps}"
+    weights = [consolidate(where / tag) for where in (reference, resumed)]
+    error = ((weights[0] - weights[1]).norm() / weights[0].norm()).item()
+    return problems + ([f"final weights differ by {error:.2e} (relative)"] if error > 1e-4 else [])
+
+
+def _last_loss(csv_path: Path) -> float:
+    return float(csv_path.read_text().strip().splitlines()[-1].split(",")[1])
+
+
+def consolidate(tag_dir: Path) -> torch.Tensor:
+    """Every trained parameter's fp32 master, by name, in one vector (`zeroshard.checkpoint.consolidate`)."""
+    from zeroshard.checkpoint.consolidate import consolidate as whole
+
+    state = whole(tag_dir)
+    return torch.cat([state[name].reshape(-1).float() for name in sorted(state)])
 
 
 def differences(a: Path, b: Path) -> list[str]:
@@ -122,9 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--save-every", type=int, default=10, help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="draws the kill points (default: %(default)s)")
     parser.add_argument("--workdir", default=None, help="where the runs go (default: a temporary directory)")
+    parser.add_argument("--shrink", action="store_true",
+                        help="instead: 4 ranks, one killed, resumed on 2 ranks (global batch kept), against the "
+                             "uninterrupted 4-rank run within the parity bar")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="zeroshard-chaos-"))
+    if args.shrink:
+        # In an optimizer update after the first checkpoint, so that there is one to resume from.
+        kill = {"rank": rng.randrange(4), "point": "step", "after": args.save_every + rng.randint(1, args.save_every - 1)}
+        problems = shrink(workdir / "shrink", args.configs.split(",")[0], args.steps, args.save_every, kill)
+        print(f"4 ranks -> 2: kill {kill['point']}@rank{kill['rank']}: {'; '.join(problems) or 'within the parity bar'}")
+        return 1 if problems else 0
     failed, total = 0, 0
     for i, config in enumerate(args.configs.split(",")):
         kills = plan(rng, args.kills, config.endswith(":async"))

@@ -238,13 +238,15 @@ def _csv_losses(path) -> dict[int, float]:
 
 
 def test_train_resumes_on_another_world_size_and_stage(tmp_path):
-    # 2 ranks x 4 rows at stage 2, stopped after step 2; 4 ranks x 2 rows at stage 3 go on: the same global batch.
+    # 2 ranks x 4 rows at stage 2, stopped after step 2; 4 ranks x 1 row x 2 micro-steps at stage 3 go on.
     _train(tmp_path, "--micro-batch", "4", "--save-every", "2", "--save-dir", "ck", "--log-csv", "a.csv")
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["global_step2", "global_step4", "latest"]
     assert (tmp_path / "ck" / "latest").read_text().strip() == "global_step4"
-    output = _train(tmp_path, "--nproc", "4", "--stage", "3", "--micro-batch", "2", "--resume", "ck/global_step2",
+    # 1 row per rank: gradient accumulation 2 keeps the checkpoint's global batch of 8 rows.
+    output = _train(tmp_path, "--nproc", "4", "--stage", "3", "--micro-batch", "1", "--resume", "ck/global_step2",
                     "--save-dir", "ck4", "--log-csv", "b.csv", "--report", "report")
     assert "resumed from" in output and "steps 3-4 (resumed)" in output, output
+    assert "gradient accumulation 1 -> 2 keeps the checkpoint's global batch of 8 rows" in " ".join(output.split())
     whole, resumed = _csv_losses(tmp_path / "a.csv"), _csv_losses(tmp_path / "b.csv")
     assert list(whole) == [1, 2, 3, 4] and list(resumed) == [3, 4]
     assert [resumed[s] for s in (3, 4)] == pytest.approx([whole[3], whole[4]], rel=1e-5)
