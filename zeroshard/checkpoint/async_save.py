@@ -133,12 +133,10 @@ class AsyncSave:
             return None
         return publish(self._comm, self._began, [entries for _, _, entries in outcomes], self._save_latest)
 
-    def wait(self) -> Path:
+    def wait(self) -> Path | None:
         """Block until this rank's write ends, then publish (every rank must call it); returns the tag's path."""
         self._thread.join()
-        path = self.poll()
-        assert path is not None  # every rank joined its writer before the gather
-        return path
+        return self.poll()  # every rank's writer has ended: it publishes, or raises the failure
 
     def _abandon(self) -> None:
         """Remove the partial directory (rank 0), once every rank's writer has stopped writing into it."""
