@@ -19,7 +19,9 @@ write failed (a full disk) makes every rank raise the same
 `CheckpointError` at that boundary, naming the rank and the cause; the
 previous checkpoints are left as they were. `wait` blocks until this
 rank's write is done and publishes (a second save, a load, the end of the
-run): the process does not end with a save neither landed nor failed.
+run): the process does not end with a save neither landed nor failed
+(the writer thread is not a daemon; a save never published is logged as
+an error at exit).
 
 With offload to disk (nvme) an asynchronous save is refused: it would stage
 the whole disk tier in host memory, which is what that tier is there to
@@ -28,6 +30,7 @@ avoid; the synchronous save streams it a sub-group at a time.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import shutil
 import threading
@@ -97,6 +100,7 @@ class AsyncSave:
         self._thread = threading.Thread(target=self._write, args=(staged, metadata), daemon=False,
                                         name=f"zeroshard checkpoint writer ({began.tag})")
         self._thread.start()
+        atexit.register(self._unpublished_at_exit)  # non-daemon threads are joined before atexit handlers run
 
     @property
     def path(self) -> Path:
@@ -124,6 +128,7 @@ class AsyncSave:
         outcomes = all_gather_object(self._comm, (done, self._error, self._entries if done else None))
         failed = [(rank, error) for rank, (_, error, _) in enumerate(outcomes) if error is not None]
         if failed:
+            atexit.unregister(self._unpublished_at_exit)
             self._abandon()
             rank, error = failed[0]
             raise CheckpointError(f"the asynchronous save of '{self._began.tag}' failed: rank {rank} {error}. "
@@ -131,12 +136,21 @@ class AsyncSave:
                                   "space (or fix the cause) and save again")
         if not all(done for done, _, _ in outcomes):
             return None
+        atexit.unregister(self._unpublished_at_exit)
         return publish(self._comm, self._began, [entries for _, _, entries in outcomes], self._save_latest)
 
     def wait(self) -> Path | None:
         """Block until this rank's write ends, then publish (every rank must call it); returns the tag's path."""
         self._thread.join()
         return self.poll()  # every rank's writer has ended: it publishes, or raises the failure
+
+    def _unpublished_at_exit(self) -> None:
+        """The process ends with the save written (or failed) but never published: say so, loudly."""
+        outcome = f"failed ({self._error})" if self._error else "was written"
+        log.error("the asynchronous save of '%s' %s but never became 'latest': the process ended without "
+                  "engine.wait_for_checkpoint() (or a later step or save) on every rank; %s stays as it was "
+                  "and the partial directory %s is removed by the next save", self._began.tag, outcome,
+                  self._began.save_dir, self._began.partial)
 
     def _abandon(self) -> None:
         """Remove the partial directory (rank 0), once every rank's writer has stopped writing into it."""
