@@ -15,6 +15,7 @@ import torch.distributed as dist
 from zeroshard import checkpoint
 from zeroshard.checkpoint import CheckpointError, Counters
 from zeroshard.checkpoint.async_save import save_async
+from zeroshard.checkpoint.files import LATEST, point_latest
 from zeroshard.checkpoint.mesh import check_mesh, part_dir, write_mesh
 from zeroshard.comm import all_gather_object
 from zeroshard.core.flat import FlatParams
@@ -53,9 +54,37 @@ class CheckpointMethods:
         if asynchronous:
             raise CheckpointError("an asynchronous save on a dp x tp x pp mesh is not supported yet: save with "
                                   "asynchronous=False (config checkpoint.async_save false); nothing was written")
+        return self._save_parts(save_dir, tag, client_state, save_latest)
+
+    def _save_parts(self, save_dir: str | Path, tag, client_state: dict | None, save_latest: bool) -> Path:
+        """On a mesh: each model part writes its tag; only once every part's is complete does any part's
+        `latest` move to it, so the parts' `latest` never name different steps after a failed save."""
         if dist.get_rank() == 0:
             write_mesh(save_dir, self.mesh)
-        return checkpoint.save(self, part_dir(save_dir, self.mesh), tag, client_state, save_latest)
+        where, path, error = part_dir(save_dir, self.mesh), None, None
+        try:
+            path = checkpoint.save(self, where, tag, client_state, save_latest=False)
+        except CheckpointError as exc:  # raised in this part's dp group only: the other parts must hear it
+            error = str(exc)
+        self._every_part_agrees(error)
+        if save_latest:
+            error = None
+            if self.comm.rank == 0:  # each part's first dp rank
+                try:
+                    point_latest(where, path.name)
+                except OSError as exc:
+                    error = f"cannot point {where / LATEST} at '{path.name}' ({exc})"
+            self._every_part_agrees(error)
+        return path
+
+    def _every_part_agrees(self, error: str | None) -> None:
+        """Raise the same `CheckpointError` on every rank of the mesh if any part's save failed."""
+        rows = all_gather_object(self.cross.world, (self.mesh.model_part, error))
+        failed = [f"{part}: {e}" for part, e in rows if e]
+        if failed:
+            raise CheckpointError(f"the checkpoint was not completed by every model part ({'; '.join(failed)}); "
+                                  "no part's 'latest' moved to it, so a load resumes every part from the previous "
+                                  "checkpoint")
 
     def wait_for_checkpoint(self) -> Path | None:
         """Block until the asynchronous save in flight (if any) is written by every rank and published as
@@ -104,8 +133,8 @@ class CheckpointMethods:
         outcome, error = (None, None), None
         try:
             outcome = load(where)
-        except CheckpointError as exc:  # raised in this part's dp group only: the other parts must hear it
-            error = str(exc)
+        except Exception as exc:  # raised in this part's dp group only: the other parts must hear it, whatever it is
+            error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
         loaded = outcome[0].name if outcome[0] is not None else None
         rows = all_gather_object(self.cross.world, (self.mesh.model_part, loaded, self.global_steps, error))
         if len({(tag, steps) for _, tag, steps, _ in rows}) > 1 or any(e for *_, e in rows):
