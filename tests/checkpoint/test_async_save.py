@@ -75,7 +75,20 @@ def _snapshot(rank, world, device, root, monkeypatch_fail_rank):
             async_save.write_tensors = real
         out.append((latest_while_writing, (save_dir / LATEST).read_text().strip()))
     out.append(_full_disk(rank, world, device, Path(root) / "full", monkeypatch_fail_rank))
+    out.append(_refused_with_a_disk_tier(device, Path(root)))
     return out
+
+
+def _refused_with_a_disk_tier(device, root: Path) -> str:
+    """Offload to nvme: an asynchronous save would stage the whole disk tier in host memory, so it is refused."""
+    (root / "swap").mkdir(exist_ok=True)
+    engine = make_engine_with_schedule(Case(stage=1, offload="nvme", nvme_path=str(root / "swap")), device=device)[0]
+    try:
+        with pytest.raises(zeroshard.CheckpointError) as refused:
+            engine.save_checkpoint(root / "nvme", asynchronous=True)
+    finally:
+        engine.offload.close()
+    return str(refused.value)
 
 
 def _full_disk(rank, world, device, save_dir: Path, fail_rank: int):
@@ -105,7 +118,8 @@ def _full_disk(rank, world, device, save_dir: Path, fail_rank: int):
 def test_async_save_is_a_snapshot_published_when_complete_and_a_full_disk_fails_every_rank(tmp_path):
     results = run_ranks(_snapshot, 2, str(tmp_path), 1)
     for rank in range(2):
-        *snapshots, (error, steps, leftovers) = results[rank]
+        *snapshots, (error, steps, leftovers), refused = results[rank]
+        assert "offload device \"nvme\"" in refused and "nothing was written" in refused, refused
         for i, (while_writing, after) in enumerate(snapshots):
             assert (while_writing, after) == ("first", "step3"), (CASES[i], rank)
         assert "rank 1 cannot write its shard" in error and "No space left on device" in error, error
@@ -124,3 +138,4 @@ def test_async_save_is_a_snapshot_published_when_complete_and_a_full_disk_fails_
                 assert torch.equal(written[key], reference[key]), (case, rank, key)
     assert (tmp_path / "full" / LATEST).read_text().strip() == "after"
     assert verify(tmp_path / "full", "good")[1] == []
+    assert not (tmp_path / "nvme").exists()
