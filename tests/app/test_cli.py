@@ -117,7 +117,7 @@ def test_train_help_lists_its_flags(capsys):
     assert exit_info.value.code == 0
     for flag in ("--nproc", "--stage", "--steps", "--data", "--micro-batch", "--accumulation",
                  "--bucket-size", "--seed", "--model", "--config", "--reduce-scatter", "--report",
-                 "--log-csv", "--log-every"):
+                 "--log-csv", "--log-every", "--max-restarts", "--async-save"):
         assert flag in out
 
 
@@ -130,6 +130,9 @@ def test_train_help_lists_its_flags(capsys):
     (["train", "--reduce-scatter", "maybe"], "expected true or false"),
     (["train", "--nproc", "2", "--nodes", "3"], "argument --nodes: 3 nodes must divide the 2 ranks"),
     (["train", "--zeropp"], "need stage 3, not stage 2"),
+    (["train", "--max-restarts", "3"], "--max-restarts resumes each restart from the latest checkpoint in "
+                                       "--save-dir: give --save-every STEPS too"),
+    (["train", "--max-restarts", "-1", "--save-every", "5"], "argument --max-restarts: must be 0 or more"),
     (["compare", "--runs", "9"], "invalid choice"),
     ([], "required"),
 ])
@@ -143,7 +146,7 @@ def test_bad_flags_are_argparse_errors(capsys, argv, message):
 def test_torchrun_argv():
     args = build_parser().parse_args(["train", "--nproc", "3", "--stage", "1", "--steps", "7"])
     argv = torchrun_argv(args)
-    assert argv[:5] == ["--nnodes", "1", "--nproc-per-node", "3", "--standalone"]
+    assert argv[:7] == ["--nnodes", "1", "--nproc-per-node", "3", "--standalone", "--max-restarts", "0"]
     module = argv.index("--module")
     assert argv[module + 1] == "zeroshard.app.train"
     assert build_parser().parse_args(["train", *argv[module + 2:]]).steps == 7
