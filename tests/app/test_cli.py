@@ -117,7 +117,7 @@ def test_train_help_lists_its_flags(capsys):
     assert exit_info.value.code == 0
     for flag in ("--nproc", "--stage", "--steps", "--data", "--micro-batch", "--accumulation",
                  "--bucket-size", "--seed", "--model", "--config", "--reduce-scatter", "--report",
-                 "--log-csv", "--log-every"):
+                 "--log-csv", "--log-every", "--max-restarts", "--async-save"):
         assert flag in out
 
 
@@ -130,6 +130,9 @@ def test_train_help_lists_its_flags(capsys):
     (["train", "--reduce-scatter", "maybe"], "expected true or false"),
     (["train", "--nproc", "2", "--nodes", "3"], "argument --nodes: 3 nodes must divide the 2 ranks"),
     (["train", "--zeropp"], "need stage 3, not stage 2"),
+    (["train", "--max-restarts", "3"], "--max-restarts resumes each restart from the latest checkpoint in "
+                                       "--save-dir: give --save-every STEPS too"),
+    (["train", "--max-restarts", "-1", "--save-every", "5"], "argument --max-restarts: must be 0 or more"),
     (["compare", "--runs", "9"], "invalid choice"),
     ([], "required"),
 ])
@@ -143,7 +146,7 @@ def test_bad_flags_are_argparse_errors(capsys, argv, message):
 def test_torchrun_argv():
     args = build_parser().parse_args(["train", "--nproc", "3", "--stage", "1", "--steps", "7"])
     argv = torchrun_argv(args)
-    assert argv[:5] == ["--nnodes", "1", "--nproc-per-node", "3", "--standalone"]
+    assert argv[:7] == ["--nnodes", "1", "--nproc-per-node", "3", "--standalone", "--max-restarts", "0"]
     module = argv.index("--module")
     assert argv[module + 1] == "zeroshard.app.train"
     assert build_parser().parse_args(["train", *argv[module + 2:]]).steps == 7
@@ -238,13 +241,15 @@ def _csv_losses(path) -> dict[int, float]:
 
 
 def test_train_resumes_on_another_world_size_and_stage(tmp_path):
-    # 2 ranks x 4 rows at stage 2, stopped after step 2; 4 ranks x 2 rows at stage 3 go on: the same global batch.
+    # 2 ranks x 4 rows at stage 2, stopped after step 2; 4 ranks x 1 row x 2 micro-steps at stage 3 go on.
     _train(tmp_path, "--micro-batch", "4", "--save-every", "2", "--save-dir", "ck", "--log-csv", "a.csv")
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["global_step2", "global_step4", "latest"]
     assert (tmp_path / "ck" / "latest").read_text().strip() == "global_step4"
-    output = _train(tmp_path, "--nproc", "4", "--stage", "3", "--micro-batch", "2", "--resume", "ck/global_step2",
+    # 1 row per rank: gradient accumulation 2 keeps the checkpoint's global batch of 8 rows.
+    output = _train(tmp_path, "--nproc", "4", "--stage", "3", "--micro-batch", "1", "--resume", "ck/global_step2",
                     "--save-dir", "ck4", "--log-csv", "b.csv", "--report", "report")
     assert "resumed from" in output and "steps 3-4 (resumed)" in output, output
+    assert "gradient accumulation 1 -> 2 keeps the checkpoint's global batch of 8 rows" in " ".join(output.split())
     whole, resumed = _csv_losses(tmp_path / "a.csv"), _csv_losses(tmp_path / "b.csv")
     assert list(whole) == [1, 2, 3, 4] and list(resumed) == [3, 4]
     assert [resumed[s] for s in (3, 4)] == pytest.approx([whole[3], whole[4]], rel=1e-5)

@@ -663,14 +663,14 @@ def test_cli_train_resume_checked_before_launching(tmp_path, monkeypatch, capsys
 
 
 def test_resume_of_a_checkpoint_the_demo_did_not_write(saved):
-    from zeroshard.app.train import UsageError, _resume
+    from zeroshard.app.restart import resume
 
     e = make_engine(CASE)
     schedule = torch.optim.lr_scheduler.LambdaLR(e.optimizer, lambda step: 1.0)
-    with pytest.raises(UsageError, match=(
+    with pytest.raises(CheckpointError, match=(
             rf"^{re.escape(str(saved[0] / TAG))} was not written by the demo \(`zeroshard train --save-every`\), "
             r"so it does not say which step it ended; load it with engine\.load_checkpoint in your own script$")):
-        _resume(e, schedule, argparse.Namespace(resume=str(saved[0]), steps=5))
+        resume(e, schedule, str(saved[0]), 5)
 
 
 def test_cli_resume_with_nothing_left_to_train(tmp_path):

@@ -61,3 +61,19 @@ def test_divergent_ranks_stop_with_an_error_naming_step_rank_and_unit(monkeypatc
         assert "the ranks first differ at collective #" in message, message
         assert "rank 0:" in message and "rank 1:" in message
         assert "did not complete" not in message, message  # no collective timed out first
+
+
+def test_a_dead_peer_is_named_as_gone_with_the_restart_advice():
+    # Rank 1 was killed: gloo says the connection was reset, and rank 1 never posts its trace.
+    import torch.distributed as dist
+
+    from zeroshard.comm.stall import Trace, explain
+
+    trace = Trace(micro_step=7, global_step=7)
+    trace.note("all_gather")
+    error = RuntimeError("[gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:40302: Connection reset by peer")
+    message = explain(0, 2, trace, 0, error, timeout_s=0.2, store=dist.HashStore())
+    assert "rank 1 is gone: the connection reported \"Connection reset by peer\"" in message, message
+    assert "--max-restarts" in message and "control flow" not in message, message
+    diverged = explain(0, 2, trace, 0, RuntimeError("Timed out waiting 3000ms"), timeout_s=0.2, store=dist.HashStore())
+    assert "control flow" in diverged and "is gone" not in diverged, diverged  # a timeout alone: the old advice

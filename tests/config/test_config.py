@@ -62,7 +62,7 @@ DEFAULTS = {
              "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1.0},
     "communication_data_type": None,
     "dataloader_drop_last": False,
-    "checkpoint": {"tag_validation": "Warn"},
+    "checkpoint": {"tag_validation": "Warn", "async_save": False},
     "non_finite": {"action": "skip", "max_consecutive_skips": 10},
     "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
             "overlap_events": True, "use_gds": False},

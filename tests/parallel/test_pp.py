@@ -12,6 +12,7 @@ Also: a checkpoint saved on pp2 x dp2 reloads on pp2 x dp1 and goes on
 exactly; on another pp or tp it is refused, naming what differs.
 """
 
+import errno
 from dataclasses import replace
 
 import pytest
@@ -54,7 +55,26 @@ def _ranks(rank, world, device, cases, ckpt):
         runs.append(report(engine, part, train_steps(mesh, device, mc, step_fn, range(STEPS))))
         if i == SAVED:
             engine.save_checkpoint(ckpt)
+            _torn_save_moves_no_latest(engine, ckpt)
     return runs
+
+
+def _torn_save_moves_no_latest(engine, ckpt) -> None:
+    """A save that fails in one model part (its disk full) raises on every rank and moves no part's 'latest'."""
+    from zeroshard.checkpoint import saving
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real = saving.write_streamed
+    if engine.mesh.rank("pp") == 1:
+        saving.write_streamed = full
+    try:
+        with pytest.raises(CheckpointError, match="not completed by every model part .*No space left on device"):
+            engine.save_checkpoint(ckpt, tag="torn")
+    finally:
+        saving.write_streamed = real
+    assert [(p / "latest").read_text() for p in sorted(ckpt.glob("pp*-tp*"))] == [f"global_step{STEPS}\n"] * 2
 
 
 def test_pp2_dp2_schedules_match_one_process_and_count_reductions(tmp_path):

@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "and give --rdzv-endpoint (default: %(default)s)")
     launch.add_argument("--rdzv-endpoint", metavar="HOST:PORT", default=None,
                         help="rendezvous address shared by all nodes (default: a free local port)")
+    launch.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                        help="restart the ranks up to N times after one dies (torchrun's elastic agent); each "
+                             "restart resumes from the latest complete checkpoint of --save-dir, which "
+                             "--save-every writes (default: %(default)s)")
     add_arguments(train.add_argument_group("training"))
     cli_estimate.add_parser(commands)
     compare.add_parser(commands)
@@ -192,6 +196,7 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     else:
         rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
     return ["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc), *rendezvous,
+            "--max-restarts", str(args.max_restarts),
             "--module", "zeroshard.app.train", *to_argv(args)]
 
 
@@ -202,6 +207,10 @@ def run_train(args: argparse.Namespace) -> int:
 
     # Ranks share this machine's cores; torchrun would otherwise set 1 thread and warn about it.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    if args.max_restarts:
+        # Each generation of ranks its own store: on the rendezvous' shared one, gloo's connect after a
+        # restart can read the dead generation's addresses and hang (pytorch/pytorch#135712).
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         run(parse_args(torchrun_argv(args)))
     except ChildFailedError as error:
@@ -266,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.nodes is not None and args.nproc % args.nodes:
             args.command_parser.error(f"argument --nodes: {args.nodes} nodes must divide the {args.nproc} ranks "
                                       "of --nproc on this machine")
+        if args.max_restarts and args.save_every is None:
+            args.command_parser.error("--max-restarts resumes each restart from the latest checkpoint in "
+                                      "--save-dir: give --save-every STEPS too")
+        if args.max_restarts < 0:
+            args.command_parser.error(f"argument --max-restarts: must be 0 or more; got {args.max_restarts}")
         _check_config(args)
         if args.resume is not None:
             _check_resume(args)

@@ -42,6 +42,7 @@ from zeroshard.app.flags import (
 )
 from zeroshard.app.models import GPT, PRESETS
 from zeroshard.app.report import print_report, report_figures
+from zeroshard.app.restart import BatchError, completed, keep_global_batch, resume, resume_source, save
 from zeroshard.app.run_log import StepLog, write_report
 from zeroshard.app.train_offload import add_offload, make_default_nvme_path, offload_keys, remove_default_nvme_path
 from zeroshard.app.train_mesh import MeshUsageError, on_mesh, resolve_defaults, train_on_mesh
@@ -94,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--save-dir", metavar="DIR", default="checkpoints",
                         help="where --save-every writes its checkpoints, one directory per step, and "
                              "'latest' names the newest (default: %(default)s)")
+    parser.add_argument("--async-save", type=true_or_false, nargs="?", const=True, default=None, metavar="true|false",
+                        help="write each checkpoint in the background from a copy in host memory; it becomes "
+                             "'latest' once every rank's file is complete (default: false, or the config's)")
     parser.add_argument("--resume", metavar="PATH", default=None,
                         help="continue from a checkpoint: a --save-dir (its latest) or one step's directory; "
                              "any --nproc and --stage can read it. --steps counts from the first step and lays "
@@ -122,6 +126,7 @@ _FLAG_KEYS = {
     # The engine buckets by the smaller of the two sizes; set both so the flag means it.
     "bucket_size": ("zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size"),
     "reduce_scatter": ("zero_optimization.reduce_scatter",),
+    "async_save": ("checkpoint.async_save",),
 }
 
 
@@ -141,7 +146,7 @@ def engine_config(args: argparse.Namespace) -> zeroshard.Config:
         value = getattr(args, flag)
         for key in keys if value is not None else ():
             section, _, name = key.rpartition(".")
-            target = raw[section] if section else raw
+            target = raw.setdefault(section, {}) if section else raw
             if args.config is not None and target.get(name) != value:
                 log.info("--%s %s overrides %s = %s from %s", flag.replace("_", "-"), value, key,
                          json.dumps(target.get(name)), args.config)
@@ -232,13 +237,16 @@ def train(args: argparse.Namespace, console: Console | None = None) -> RunResult
         raise UsageError(f"the corpus has {len(corpus.ids)} characters, fewer than the model's "
                          f"context of {model.cfg.block_size} + 1; use a longer --data file")
     config = engine_config(args)
+    source = resume_source(args)
+    if source is not None and keep_global_batch(args, source, int(os.environ.get("WORLD_SIZE", 1))):
+        config = engine_config(args)  # the accumulation that keeps the checkpoint's global batch
     swap_root = make_default_nvme_path(config)
     if swap_root is not None:
         log.info("offload: swap files under %s (removed at the end)", swap_root)
     engine = None
     try:
         engine = zeroshard.initialize(model, optimizer, config)
-        return _train(engine, optimizer, corpus, config, args, console)
+        return _train(engine, optimizer, corpus, config, args, console, source)
     finally:
         if engine is not None:
             engine.offload.close()  # this rank's swap files, now (not when the engine is collected)
@@ -246,13 +254,13 @@ def train(args: argparse.Namespace, console: Console | None = None) -> RunResult
 
 
 def _train(engine: zeroshard.Engine, optimizer: torch.optim.Optimizer, corpus: CharCorpus, config: zeroshard.Config,
-           args: argparse.Namespace, console: Console) -> RunResult:
+           args: argparse.Namespace, console: Console, source: str | None) -> RunResult:
     """The training loop, then every rank's figures and rank 0's report."""
     schedule = lr_schedule(optimizer, args.steps)  # the engine keeps the optimizer's param groups
     log.info("%s: %s characters, alphabet of %d; GPT '%s' with %s parameters",
              args.data or "King James Bible", f"{len(corpus.ids):,}", corpus.vocab_size,
              args.model, f"{engine.num_params:,}")
-    start = _resume(engine, schedule, args) if args.resume is not None else 0
+    start = resume(engine, schedule, source, args.steps) if source is not None else 0
     rank0 = dist.get_rank() == 0
     step_log = StepLog(args.log_csv if rank0 else None, args.log_every or max(1, args.steps // 10), args.steps)
     with _progress(console, rank0) as progress, step_log:
@@ -271,29 +279,6 @@ def _train(engine: zeroshard.Engine, optimizer: torch.optim.Optimizer, corpus: C
             paths = write_report(args.report, report_figures(engine, args, config, result, everyone))
             console.print("report: " + ", ".join(str(p) for p in paths))
     return result
-
-
-def _resume(engine: zeroshard.Engine, schedule: torch.optim.lr_scheduler.LRScheduler,
-            args: argparse.Namespace) -> int:
-    """Load --resume into the engine and the LR schedule; returns the number of steps already done."""
-    path, client_state = engine.load_checkpoint(args.resume, must_exist=True)  # --resume names one: no (None, None)
-    if "demo_step" not in client_state:
-        raise UsageError(f"{path} was not written by the demo (`zeroshard train --save-every`), so it does not "
-                         "say which step it ended; load it with engine.load_checkpoint in your own script")
-    start = client_state["demo_step"]
-    if start >= args.steps:
-        raise UsageError(f"{path} is at step {start} and --steps is {args.steps}: nothing left to train; "
-                         f"give --steps above {start}")
-    schedule.load_state_dict(client_state["lr_schedule"])
-    log.info("resumed from %s at step %d", path, start)
-    return start
-
-
-def _save(engine: zeroshard.Engine, schedule: torch.optim.lr_scheduler.LRScheduler,
-          args: argparse.Namespace, steps_done: int) -> None:
-    if args.save_every is None or (steps_done % args.save_every and steps_done != args.steps):
-        return
-    engine.save_checkpoint(args.save_dir, client_state={"demo_step": steps_done, "lr_schedule": schedule.state_dict()})
 
 
 def _progress(console: Console, enabled: bool) -> Progress:
@@ -333,9 +318,11 @@ def _train_loop(engine: zeroshard.Engine, schedule: torch.optim.lr_scheduler.LRS
         seconds.append(time.perf_counter() - start)
         progress.update(task, advance=1, loss=losses[-1], tps=rows * block / seconds[-1])
         step_log(step + 1, losses[-1], lrs[-1], seconds[-1], rows * block / seconds[-1])
-        _save(engine, schedule, args, step + 1)
+        save(engine, schedule, args, step + 1, rows)
+    engine.wait_for_checkpoint()  # an asynchronous save in flight lands (or fails) before the run ends
     delta = {op: (after[op].calls - before[op].calls, after[op].bytes - before[op].bytes, after[op].algorithms,
-                  {s: b - before[op].by_scope.get(s, 0) for s, b in after[op].by_scope.items()}) for op in after}
+                  {s: b - before[op].by_scope.get(s, 0) for s, b in after[op].by_scope.items()})
+             for op in after if op != "object_gather"}  # an asynchronous save's gathers: no step's traffic
     return losses, lrs, seconds, delta
 
 
@@ -374,11 +361,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, format="%(message)s",
                         handlers=[RichHandler(console=console, show_path=False, show_time=False)])
     try:
+        if completed(args):  # restarted after its last step: nothing to do again
+            return
         if on_mesh(args):
             train_on_mesh(args, engine_config(args), lr_schedule, console)
         else:
             train(args, console)
-    except (UsageError, MeshUsageError, zeroshard.ConfigError, zeroshard.CheckpointError) as error:
+    except (UsageError, MeshUsageError, BatchError, zeroshard.ConfigError, zeroshard.CheckpointError) as error:
         # Every rank says it: torchrun may stop the others before rank 0 gets to print.
         console.print(f"[red]error[/] (rank {rank}): {error}", highlight=False)
         raise SystemExit(2) from None

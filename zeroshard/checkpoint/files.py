@@ -130,11 +130,17 @@ def commit(save_dir: Path, tag: str, save_latest: bool = True) -> Path:
     partial.rename(final)
     shutil.rmtree(old, ignore_errors=True)
     if save_latest:
-        tmp = save_dir / f".{LATEST}.tmp"
-        write_bytes(tmp, (tag + "\n").encode())
-        os.replace(tmp, save_dir / LATEST)
+        point_latest(save_dir, tag)
     fsync_dir(save_dir)  # the renames themselves survive a power loss
     return final
+
+
+def point_latest(save_dir: Path, tag: str) -> None:
+    """Point `save_dir/latest` at `tag`, replacing the file whole (a reader sees the old tag or the new)."""
+    tmp = save_dir / f".{LATEST}.tmp"
+    write_bytes(tmp, (tag + "\n").encode())
+    os.replace(tmp, save_dir / LATEST)
+    fsync_dir(save_dir)
 
 
 def fsync_dir(path: Path) -> None:

@@ -70,6 +70,43 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None =
     as DeepSpeed's: "Warn" (default) writes rank 0's with a warning on rank 0, "Ignore" writes rank 0's
     silently, "Fail" raises `CheckpointError` on every rank before anything is written.
     """
+    began = begin(trainer, save_dir, tag, client_state)
+    comm, entries = trainer.comm, {}
+
+    def write_shard() -> None:
+        windows, runs = windows_of(trainer, began.held, began.surveyed)
+        path = began.partial / rank_file(comm.rank)
+        entries[rank_file(comm.rank)] = _write_windows(trainer, path, windows, began.metadata(runs))
+
+    agree(comm, attempt(write_shard, f"cannot write its shard to {began.partial}"))
+    return publish(comm, began, all_gather_object(comm, entries), save_latest)
+
+
+@dataclass
+class Began:
+    """A save once every rank has agreed to write it: its tag, save id and partial directory, what each
+    bucket holds, and (rank 0) state.pt's bytes and the manifest of the save's step, less its files."""
+
+    save_dir: Path
+    tag: str
+    save_id: str
+    partial: Path
+    rank: int
+    started: int | None  # rank 0: the partial directory's creation time (older partial directories are stale)
+    held: Holdings
+    surveyed: list[Surveyed]
+    state: bytes | None  # rank 0
+    manifest: dict | None  # rank 0
+
+    def metadata(self, runs: dict[str, list]) -> dict[str, str]:
+        """A rank file's metadata: whose file it is, of which save, and the runs each tensor holds."""
+        return {"format": FORMAT, "rank": str(self.rank), "save_id": self.save_id, "runs": runs_metadata(runs)}
+
+
+def begin(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None,
+          client_state: dict | None) -> Began:
+    """Everything of a save before a rank file is written, agreed by every rank: the checks (boundary, tag,
+    finite state, plain client_state), rank 0's state.pt and manifest of this step, the partial directory."""
     trainer.check_checkpoint_boundary("save_checkpoint")
     if not isinstance(save_dir, (str, os.PathLike)):
         raise CheckpointError(f"save_dir must be a path (str or pathlib.Path); got {type(save_dir).__name__}")
@@ -77,7 +114,7 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None =
     save_dir = Path(save_dir)
     comm, held = trainer.comm, holdings(trainer)
     save_id = uuid.uuid4().hex if comm.rank == 0 else None  # rank 0's, shared with the tag below
-    state, error = None, None
+    state, manifest, error = None, None, None
     try:
         tag = check_tag(tag)
     except CheckpointError as exc:  # agreed below, so that no rank waits for one that stopped here
@@ -86,38 +123,38 @@ def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None =
     error = error or unfit
     if comm.rank == 0 and error is None:
         state, error = _serialized_state(trainer, held, surveyed, client_state, save_id)
+        manifest = _manifest(trainer, held, surveyed, save_id)
     agree(comm, error)
     tag, save_id = _agreed_tag(comm, tag, save_id, trainer.config.checkpoint.tag_validation)
     partial = partial_dir(save_dir, tag)
-    started: list[int] = []  # the partial directory's creation time: older partial directories are stale
+    started: list[int] = []
     if comm.rank == 0:
-        error = _attempt(lambda: started.append(_fresh_dir(save_dir, partial)), f"cannot create {partial}")
+        error = attempt(lambda: started.append(_fresh_dir(save_dir, partial)), f"cannot create {partial}")
     agree(comm, error)
-    entries: dict[str, dict] = {}
+    return Began(save_dir, tag, save_id, partial, comm.rank, (started or [None])[0], held, surveyed, state, manifest)
 
-    def write_shard() -> None:
-        windows, runs = _windows(trainer, held, surveyed)
-        metadata = {"format": FORMAT, "rank": str(comm.rank), "save_id": save_id, "runs": runs_metadata(runs)}
-        entries[rank_file(comm.rank)] = _write_windows(trainer, partial / rank_file(comm.rank), windows, metadata)
 
-    agree(comm, _attempt(write_shard, f"cannot write its shard to {partial}"))
-    everyone = all_gather_object(comm, entries)
+def publish(comm: Comm, began: Began, everyone: list[dict[str, dict]], save_latest: bool) -> Path:
+    """Complete a save whose rank files are written (`everyone`: each rank's manifest entries): rank 0 checks
+    it sees every file, writes state.pt and the manifest, renames the tag into place and points `latest` at
+    it; every rank returns once that is done, or raises the same error (earlier checkpoints intact)."""
+    error = None
     if comm.rank == 0:
         files = {name: entry for rank_entries in everyone for name, entry in rank_entries.items()}
 
         def finish() -> None:
-            _check_shared(partial, files)
-            write_bytes(partial / STATE, state)
-            files[STATE] = bytes_entry(state)
-            write_bytes(partial / MANIFEST, sealed(_manifest(trainer, held, surveyed, files, save_id)).encode())
-            commit(save_dir, tag, save_latest)
-            _remove_stale(save_dir, started[0])
+            _check_shared(began.partial, files)
+            write_bytes(began.partial / STATE, began.state)
+            files[STATE] = bytes_entry(began.state)
+            write_bytes(began.partial / MANIFEST, sealed(began.manifest | {"files": dict(sorted(files.items()))}).encode())
+            commit(began.save_dir, began.tag, save_latest)
+            _remove_stale(began.save_dir, began.started)
 
-        error = _attempt(finish, f"cannot complete {partial}")
+        error = attempt(finish, f"cannot complete {began.partial}")
     agree(comm, error)  # every rank returns once the tag is in place
     if comm.rank == 0:
-        log.info("saved checkpoint %s (%d rank files)", save_dir / tag, comm.world_size)
-    return save_dir / tag
+        log.info("saved checkpoint %s (%d rank files)", began.save_dir / began.tag, comm.world_size)
+    return began.save_dir / began.tag
 
 
 def _survey(trainer: Trainer, held: Holdings) -> tuple[list[Surveyed], str | None]:
@@ -157,7 +194,7 @@ def _tags_by_rank(tags: list[str], shown: int = 4) -> str:
     return listed if len(tags) <= shown else f"{listed}, ... ({len(tags)} ranks)"
 
 
-def _attempt(action, what: str) -> str | None:
+def attempt(action, what: str) -> str | None:
     """Run `action`; its failure becomes the message every rank raises (the previous tags stay intact).
 
     Any exception, not only OSError (a tensor of a dtype safetensors cannot store, say): a rank that
@@ -213,7 +250,7 @@ class _Window:
     get: Callable[[], torch.Tensor]
 
 
-def _windows(trainer: Trainer, held: Holdings, surveyed: list[Surveyed]
+def windows_of(trainer: Trainer, held: Holdings, surveyed: list[Surveyed]
              ) -> tuple[dict[str, _Window], dict[str, list]]:
     """This rank's tensors (its shard of masters, optimizer state and frozen flats; rank 0 adds the
     replicated) and the runs of parameters each holds. CPU tensors are written as they are, no copy."""
@@ -292,8 +329,8 @@ def _serialized_state(trainer: Trainer, held: Holdings, surveyed: list[Surveyed]
     return buffer.getvalue(), None
 
 
-def _manifest(trainer: Trainer, held: Holdings, surveyed: list[Surveyed], files: dict[str, dict],
-              save_id: str) -> dict:
+def _manifest(trainer: Trainer, held: Holdings, surveyed: list[Surveyed], save_id: str) -> dict:
+    """The manifest of the save's step, less `files` (added when every rank's file is written)."""
     optimizer = trainer.optimizer
     state_keys = sorted({k for seen in surveyed for k in seen.state_keys})
     manifest = {
@@ -306,7 +343,6 @@ def _manifest(trainer: Trainer, held: Holdings, surveyed: list[Surveyed], files:
         "state_dict": _state_dict_keys(trainer),
         "hf_config": hf_config(trainer.module),  # a transformers model's config.json, for consolidate
         "save_id": save_id,
-        "files": dict(sorted(files.items())),
     }
     return manifest
 

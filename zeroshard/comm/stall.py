@@ -36,6 +36,11 @@ _ADVICE = ("every rank must run the same collectives in the same order: at stage
            "a layer on some ranks, data-dependent branches) must be made to agree")
 
 
+# What gloo and NCCL say when the process at the other end of a connection is gone.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+              "remote process exited")
+
+
 class CollectiveError(ZeroshardError, RuntimeError):
     """A collective failed or timed out; the message says where each rank was."""
 
@@ -85,6 +90,15 @@ def explain(rank: int, world: int, trace: Trace, index: int, error: BaseExceptio
              f"({trace.ops[index]}) did not complete: {error}"]
     traces = _exchange(rank, world, mine, peer_wait_s, store)
     silent = [r for r in range(world) if r not in traces]
+    gone = next((phrase for phrase in _PEER_GONE if phrase.lower() in str(error).lower()), None)
+    if silent and gone is not None:  # a dead rank, not ranks that diverged: no advice about control flow
+        lines.append(f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} "
+                     f"{'are' if len(silent) > 1 else 'is'} gone: the connection reported \"{gone}\" and "
+                     f"{'they' if len(silent) > 1 else 'it'} did not report within {peer_wait_s:.0f} s (a process "
+                     "that died or was killed, a machine or link lost). These ranks cannot go on: restart the "
+                     "run from its latest checkpoint (`zeroshard train --max-restarts N`, or torchrun "
+                     "--max-restarts N, restarts the ranks by itself; docs/fault-tolerance.md)")
+        return "\n  ".join(lines)
     if silent:
         lines.append(f"ranks {silent} did not report within {peer_wait_s:.0f} s (still computing, "
                      "finished, or dead)")

@@ -173,6 +173,11 @@ class CheckpointConfig(BaseModel):
             "What save_checkpoint does when the ranks pass different tags: \"Warn\" warns and writes rank 0's "
             "tag, \"Ignore\" writes rank 0's tag silently, \"Fail\" raises on every rank. Any case is "
             "accepted and stored as written here. DeepSpeed: checkpoint.tag_validation (default \"Warn\")."))
+    async_save: StrictBool = Field(False, description=(
+        "true: save_checkpoint returns once the state of the step is copied to host memory and writes it in a "
+        "background thread; the tag becomes 'latest' at a later step once every rank's file is complete, and a "
+        "failed write raises on every rank at that step (docs/fault-tolerance.md). Not with offload device "
+        "\"nvme\" or on a mesh. save_checkpoint(asynchronous=) overrides it. DeepSpeed: none (zeroshard only)."))
 
 
 class Config(BaseModel):

@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 from zeroshard import checkpoint
 from zeroshard.checkpoint import CheckpointError, Counters
+from zeroshard.checkpoint.async_save import save_async
+from zeroshard.checkpoint.files import LATEST, point_latest
 from zeroshard.checkpoint.mesh import check_mesh, part_dir, write_mesh
 from zeroshard.comm import all_gather_object
 from zeroshard.core.flat import FlatParams
@@ -25,22 +27,78 @@ class CheckpointMethods:
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | int | float | None = None,
                         client_state: dict | None = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False) -> Path:
+                        exclude_frozen_parameters: bool = False, asynchronous: bool | None = None) -> Path:
         """Write a sharded checkpoint to `save_dir/tag` (default tag `global_step<N>`; a number becomes
         `str(tag)`) and point `save_dir/latest` at it (unless `save_latest` is false); returns the tag's
         directory. Every rank must call it, at an accumulation boundary. `client_state`: your own plain data
         (tensors, numbers, strings, lists, dicts, `Path`, `Namespace`), given back by `load_checkpoint`;
         rank 0's is the one stored. `exclude_frozen_parameters=True` is not supported yet (an error).
         See `zeroshard/checkpoint/saving.py`. Called on some ranks only, it raises `CheckpointError` on
-        them within `rank_check_timeout` (comm/entry.py) and writes nothing."""
+        them within `rank_check_timeout` (comm/entry.py) and writes nothing.
+
+        `asynchronous` (default: config `checkpoint.async_save`): return once the state of this step is
+        copied to host memory; a background thread writes it, and the tag becomes `latest` at a later
+        `engine.step()` once every rank's file is complete (`checkpoint/async_save.py`); a failed write
+        raises `CheckpointError` on every rank at that step. A save in flight is completed first.
+        """
         self.check_checkpoint_options(exclude_frozen_parameters=exclude_frozen_parameters)
+        asynchronous = self.config.checkpoint.async_save if asynchronous is None else asynchronous
         self._enter("save_checkpoint", CheckpointError, checkpoint_call=True)
         self._land_update()  # a delayed update in flight, first: the state written is the whole of it
-        if self.mesh is None:
+        self.wait_for_checkpoint()  # a second save waits for the first
+        if self.mesh is None and not asynchronous:
             return checkpoint.save(self, save_dir, tag, client_state, save_latest)
+        if self.mesh is None:
+            self._async_save = save_async(self, save_dir, tag, client_state, save_latest)
+            return self._async_save.path
+        if asynchronous:
+            raise CheckpointError("an asynchronous save on a dp x tp x pp mesh is not supported yet: save with "
+                                  "asynchronous=False (config checkpoint.async_save false); nothing was written")
+        return self._save_parts(save_dir, tag, client_state, save_latest)
+
+    def _save_parts(self, save_dir: str | Path, tag, client_state: dict | None, save_latest: bool) -> Path:
+        """On a mesh: each model part writes its tag; only once every part's is complete does any part's
+        `latest` move to it, so the parts' `latest` never name different steps after a failed save."""
         if dist.get_rank() == 0:
             write_mesh(save_dir, self.mesh)
-        return checkpoint.save(self, part_dir(save_dir, self.mesh), tag, client_state, save_latest)
+        where, path, error = part_dir(save_dir, self.mesh), None, None
+        try:
+            path = checkpoint.save(self, where, tag, client_state, save_latest=False)
+        except CheckpointError as exc:  # raised in this part's dp group only: the other parts must hear it
+            error = str(exc)
+        self._every_part_agrees(error)
+        if save_latest:
+            error = None
+            if self.comm.rank == 0:  # each part's first dp rank
+                try:
+                    point_latest(where, path.name)
+                except OSError as exc:
+                    error = f"cannot point {where / LATEST} at '{path.name}' ({exc})"
+            self._every_part_agrees(error)
+        return path
+
+    def _every_part_agrees(self, error: str | None) -> None:
+        """Raise the same `CheckpointError` on every rank of the mesh if any part's save failed."""
+        rows = all_gather_object(self.cross.world, (self.mesh.model_part, error))
+        failed = [f"{part}: {e}" for part, e in rows if e]
+        if failed:
+            raise CheckpointError(f"the checkpoint was not completed by every model part ({'; '.join(failed)}); "
+                                  "no part's 'latest' moved to it, so a load resumes every part from the previous "
+                                  "checkpoint")
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Block until the asynchronous save in flight (if any) is written by every rank and published as
+        `latest`; returns its tag's directory (None: no save in flight). Every rank must call it; a failed
+        write raises `CheckpointError` on every rank. Call it before the process ends."""
+        save, self._async_save = self._async_save, None
+        return save.wait() if save is not None else None
+
+    def _poll_checkpoint(self) -> None:
+        """At the end of an optimizer step: publish the asynchronous save in flight once every rank has
+        written it, or raise its failure on every rank."""
+        save, self._async_save = self._async_save, None
+        if save is not None and save.poll() is None:
+            self._async_save = save  # some rank is still writing
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | int | float | None = None,
                         load_module_strict: bool = True, load_optimizer_states: bool = True,
@@ -61,6 +119,7 @@ class CheckpointMethods:
         self.check_checkpoint_options(load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
         self._enter("load_checkpoint", CheckpointError, checkpoint_call=True)
         self._land_update()  # a delayed update in flight lands before the load replaces the state it writes
+        self.wait_for_checkpoint()  # a save in flight lands first: it may be the one to load
         load = partial(checkpoint.load, self, tag=tag, load_optimizer_states=load_optimizer_states,
                        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                        must_exist=must_exist)
@@ -74,8 +133,8 @@ class CheckpointMethods:
         outcome, error = (None, None), None
         try:
             outcome = load(where)
-        except CheckpointError as exc:  # raised in this part's dp group only: the other parts must hear it
-            error = str(exc)
+        except Exception as exc:  # raised in this part's dp group only: the other parts must hear it, whatever it is
+            error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
         loaded = outcome[0].name if outcome[0] is not None else None
         rows = all_gather_object(self.cross.world, (self.mesh.model_part, loaded, self.global_steps, error))
         if len({(tag, steps) for _, tag, steps, _ in rows}) > 1 or any(e for *_, e in rows):

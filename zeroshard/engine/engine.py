@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zeroshard.checkpoint.async_save import AsyncSave
 from zeroshard.comm import CollectiveError, OpStats, wait_all
 from zeroshard.comm.entry import enter
 from zeroshard.config import Config
@@ -83,6 +84,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # from the config's block
         self.state = TrainingState.IDLE
         self._failure: str | None = None  # why the engine is FAILED
+        self._async_save: AsyncSave | None = None  # an asynchronous checkpoint in flight (checkpoint_methods.py)
         self.mesh = mesh
         check_mesh_config(mesh, config, init, model)
         # Before the flat buffers: ties start every stage's copy from the lowest stage's values.
@@ -264,6 +266,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
             self.fail(f"the optimizer step failed on this rank ({type(exc).__name__}: {exc})")
             raise
         self.state = TrainingState.IDLE
+        self._poll_checkpoint()  # an asynchronous save's outcome, known to every rank at this boundary
 
     def _grad_norms(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """The L2 norm of each part of the gradients this rank counts; a gradient shard on disk gives the

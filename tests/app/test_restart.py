@@ -1,0 +1,50 @@
+"""The demo after a torchrun restart: where it resumes from, and the global batch on another number of ranks.
+
+References: the restart count torchrun sets (TORCHELASTIC_RESTART_COUNT),
+the files of the save directory, and the batch arithmetic rows = micro-batch
+x ranks x accumulation.
+"""
+
+import argparse
+
+import pytest
+import torch
+
+from zeroshard.app.restart import BatchError, completed, keep_global_batch, resume_source
+
+
+def _checkpoint(directory, **client_state):
+    """A tag directory as far as these functions read it: a manifest to resolve, state.pt's client_state."""
+    directory.mkdir(parents=True)
+    (directory / "manifest.json").write_text("{}")
+    torch.save({"client_state": client_state}, directory / "state.pt")
+    return directory
+
+
+def _args(tmp_path, **kw):
+    return argparse.Namespace(**({"save_every": 2, "save_dir": str(tmp_path / "ck"), "resume": None, "steps": 6,
+                                  "micro_batch": 2, "accumulation": 1} | kw))
+
+
+def test_a_restart_resumes_from_the_save_directory_once_it_has_a_latest(tmp_path, monkeypatch):
+    args = _args(tmp_path, resume="first")
+    assert resume_source(args) == "first"  # a first start: --resume only
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert resume_source(args) == "first"  # restarted before any checkpoint was complete
+    _checkpoint(tmp_path / "ck" / ".global_step2.partial")  # a save cut short is no checkpoint
+    assert resume_source(args) == "first"
+    _checkpoint(tmp_path / "ck" / "global_step4", demo_step=4)
+    (tmp_path / "ck" / "latest").write_text("global_step4\n")
+    assert resume_source(args) == args.save_dir and not completed(args)
+    assert completed(_args(tmp_path, steps=4))  # the run had ended: nothing to train again
+
+
+def test_fewer_ranks_keep_the_global_batch_by_accumulation_or_say_which_flag_to_change(tmp_path):
+    source = str(_checkpoint(tmp_path / "ck", global_batch=8))
+    same = _args(tmp_path)
+    assert not keep_global_batch(same, source, 4) and same.accumulation == 1  # 2 x 4 x 1 = 8 already
+    fewer = _args(tmp_path)
+    assert keep_global_batch(fewer, source, 2) and fewer.accumulation == 2  # 2 x 2 x 2 = 8
+    with pytest.raises(BatchError, match=r"global batch of 8 rows per step; --micro-batch 2 x 3 ranks = 6 rows "
+                                         r"does not divide it"):
+        keep_global_batch(_args(tmp_path), source, 3)
