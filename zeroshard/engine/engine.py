@@ -249,7 +249,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
                      if tiers.grad_swaps else tiers.gradients())
             check = check_step(self._grad_norms(grads), self.cross.world if self.cross else self.comm,
                                self.global_steps, self.micro_steps, self.loss_scale * self._grad_divisor,
-                               self._device)
+                               self._device, self.comm, self.cross.dp_groups() if self.cross else None)
             self.global_grad_norm = check.norm
             if check.nonfinite_ranks:
                 self._skip_step(check)
