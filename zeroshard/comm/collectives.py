@@ -13,6 +13,13 @@ are slower than an all-reduce of the same buffer, so there:
   other rank and receives theirs in place (batched send/recv), the same
   (N-1)/N of the buffer as a ring all-gather.
 
+Both run as batched point-to-point messages tagged with the rank's running
+checksum of its collectives (`_tagged_exchange`, stall.py), the all-to-all
+too: ranks that ran different collectives then stall instead of meeting a
+message of another size, on which gloo aborts the process. (The figures
+below measured the all-to-all as gloo's `all_to_all_single`, which sends the
+same chunks.)
+
 Measured with `torchrun --nproc-per-node 2|4 benchmarks/collectives.py` (gloo,
 torch 2.13, 1 thread per rank, 190 MiB fp32 buffer, 2-core CPU machine),
 milliseconds at 2 / 4 ranks: all-gather by exchange 83 / 161, native 220 /

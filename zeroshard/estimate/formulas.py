@@ -19,7 +19,8 @@ STAGES = (0, 1, 2, 3)  # the formulas; which stages the engine runs is the engin
 # all-reduce = reduce-scatter + all-gather, hence twice the factor.
 _RING_STEPS = {"reduce_scatter": 1, "all_gather": 1, "all_to_all": 1, "all_reduce": 2}
 _FP32_BYTES = BYTES["fp32"]
-# The step check: per rank, four float64 figures (gradient squares, non-finite flag, two step counters).
+# The step check: per rank, five float64 figures (gradient squares, non-finite flag, two step counters,
+# the checksum of the rank's collectives).
 _STEP_CHECK_BYTES = 5 * 8
 _ADAM_BYTES = 2 * _FP32_BYTES  # Adam's two moments, fp32 whatever the training dtype
 
