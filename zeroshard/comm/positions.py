@@ -265,13 +265,18 @@ class Waited:
 def _wait_in_turn(jobs: queue.SimpleQueue) -> None:
     while (job := jobs.get()) is not None:
         works, timeout_s, waited = job
+        job = None
         try:
             for work in works:
                 work.wait(timeout=timedelta(seconds=timeout_s))
         except Exception as error:  # the poller raises it in the rank's own thread
             waited.error = error
+        # Drop this thread's references before the rank's thread goes on, so that the rank's thread, which
+        # still holds the works, destroys them: a work destroyed here could be mid-destruction (the GIL
+        # released) when the interpreter finalizes, and the process would abort.
+        works = work = None
         waited.done.set()
-        del job, works, waited  # hold no tensors while waiting for the next
+        waited = None
 
 
 def _landed(work, seconds: float) -> bool:
