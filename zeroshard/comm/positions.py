@@ -24,12 +24,12 @@ rank whose position says nothing (computing, or at the same place) keeps
 the wait going up to `collective_timeout`, as a slow collective should.
 
 Which work handles can be polled (measured on gloo, torch 2.13, CPU):
-`work.wait(timeout)` on all_reduce, broadcast, all_to_all_single (our
-reduce-scatter) and all_gather_single (the step check) raises
+`work.wait(timeout)` on all_reduce, broadcast, all_to_all_single and
+all_gather_single (the step check) raises
 "Operation timed out!" and can be called again: the operation still lands,
 with the right values, and the group stays usable; `work.is_completed()`
-is False until it lands. Batched isend/irecv (our all-gather on gloo) is
-different: a timed-out wait closes the pair ("Application timeout caused
+is False until it lands. Batched isend/irecv (our all-gather and
+reduce-scatter on gloo) is different: a timed-out wait closes the pair ("Application timeout caused
 pair closure"), and `is_completed()` never turns True before `wait()`. So
 point-to-point work is waited once, with the whole collective_timeout, in a
 thread of the comm's own (`Waiter`), and the rank polls that wait instead.
