@@ -1,8 +1,9 @@
 """3D parallelism: ZeRO over `dp` composed with DTensor tensor parallelism and torch pipelining.
 
 Each name is imported from its module on first use: `torch.distributed.tensor` and
-`torch.distributed.pipelining` (which brings in torch's compiler) cost about 1.4 s at every process start
-together, and a run without tensor or pipeline parallelism needs neither.
+`torch.distributed.pipelining` (which brings in torch's compiler) cost about 1.4 s of a process's start
+together, which a process that builds no optimizer and no mesh (the CLI's launcher, `zeroshard estimate`)
+need not pay. (Building a torch optimizer imports torch's compiler, and with it DTensor, anyway.)
 """
 
 import importlib
