@@ -53,7 +53,6 @@ import json
 import queue
 import threading
 import time
-import weakref
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -228,21 +227,50 @@ def _wait_slow(work, comm: Watched, number: int, grace: float) -> None:
     publish(group, rank, running(trace))
 
 
+_IDLE_S = 0.1  # a Waiter's thread ends after this long without work (a new one starts at the next wait)
+
+
 class Waiter:
     """A thread of one comm's own that waits for work that cannot be polled (gloo's point-to-point), so the
-    rank can poll that wait and look at where the others are meanwhile. The thread ends when the comm is
-    collected (unless a stuck wait holds it until the collective_timeout)."""
+    rank can poll that wait and look at where the others are meanwhile. The thread ends once idle for
+    `_IDLE_S` (a stuck wait holds it until the collective_timeout), so that no thread outlives the training."""
 
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=_wait_in_turn, args=(self._queue,), daemon=True, name="zeroshard-wait").start()
-        weakref.finalize(self, self._queue.put, None)
+        self._lock = threading.Lock()  # a job is never queued for a thread that has decided to end
+        self._thread: threading.Thread | None = None
 
     def submit(self, works: list, timeout_s: float) -> "Waited":
         """Wait for `works` in turn, each up to `timeout_s`, in the thread; returns the wait to poll."""
         waited = Waited()
-        self._queue.put((works, timeout_s, waited))
+        with self._lock:
+            self._queue.put((works, timeout_s, waited))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="zeroshard-wait")
+                self._thread.start()
         return waited
+
+    def _run(self) -> None:
+        while True:
+            try:
+                works, timeout_s, waited = self._queue.get(timeout=_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            try:
+                for work in works:
+                    work.wait(timeout=timedelta(seconds=timeout_s))
+            except Exception as error:  # the poller raises it in the rank's own thread
+                waited.error = error
+            # Drop this thread's references before the rank's thread goes on, so that the rank's thread, which
+            # still holds the works, destroys them: a work destroyed here could be mid-destruction (the GIL
+            # released) when the interpreter finalizes, and the process would abort.
+            works = work = None
+            waited.done.set()
+            waited = None
 
 
 class Waited:
@@ -260,23 +288,6 @@ class Waited:
             raise RuntimeError("timed out waiting for the point-to-point exchange")
         if self.error is not None:
             raise self.error
-
-
-def _wait_in_turn(jobs: queue.SimpleQueue) -> None:
-    while (job := jobs.get()) is not None:
-        works, timeout_s, waited = job
-        job = None
-        try:
-            for work in works:
-                work.wait(timeout=timedelta(seconds=timeout_s))
-        except Exception as error:  # the poller raises it in the rank's own thread
-            waited.error = error
-        # Drop this thread's references before the rank's thread goes on, so that the rank's thread, which
-        # still holds the works, destroys them: a work destroyed here could be mid-destruction (the GIL
-        # released) when the interpreter finalizes, and the process would abort.
-        works = work = None
-        waited.done.set()
-        waited = None
 
 
 def _landed(work, seconds: float) -> bool:
