@@ -70,7 +70,7 @@ def test_comm_bytes_per_step(stage, kwargs, expected):
 
 def test_step_check_is_four_float64_per_rank():
     # Norm, non-finite flag and counters: one all-gather per optimizer step, whatever the stage, dtype or clipping.
-    assert [estimate.step_check_bytes(n) for n in (1, 2, 4)] == [32, 64, 128]
+    assert [estimate.step_check_bytes(n) for n in (1, 2, 4)] == [40, 80, 160]
     with pytest.raises(ValueError):
         estimate.step_check_bytes(0)
 
@@ -191,13 +191,13 @@ def test_train_two_ranks_stage3_reports_measured_equal_to_formula(tmp_path):
         assert measured == formula and ok == "✓", (name, output)
     assert memory["params"][1] == memory["grads"][1] == f"{4 * psi // 2:,}"  # stage 3: both sharded
 
-    comm = _table_rows(output, ("all_reduce", "reduce_scatter", "all_gather", "order_check", "step_check"))
-    assert set(comm) == {"reduce_scatter", "all_gather", "order_check", "step_check"}, output  # no all-reduce
+    comm = _table_rows(output, ("all_reduce", "reduce_scatter", "all_gather", "step_check"))
+    assert set(comm) == {"reduce_scatter", "all_gather", "step_check"}, output  # no all-reduce, no order check
     for name, (_, _, measured, formula, _, _, ok) in comm.items():
         assert measured == formula and ok == "✓", (name, output)
     assert comm["reduce_scatter"][2] == f"{4 * psi:,}"
     assert comm["all_gather"][2] == f"{8 * psi:,}"  # forward and backward
-    assert comm["step_check"][2] == "64"  # norm, non-finite flag, counters: 4 float64 per rank
+    assert comm["step_check"][2] == "80"  # norm, non-finite flag, counters, checksum: 5 float64 per rank
     _check_report(tmp_path / "report", tmp_path / "steps.csv", psi, memory, comm)
 
 

@@ -94,7 +94,7 @@ def test_train_on_a_2x2x2_mesh_prints_loss_each_step_and_every_ranks_figures(mes
         params, grads, master, optimizer = (int(c.replace(",", "")) for c in memory[rank][3:7])
         assert params > 0 and grads * 2 == params and master == 0 and optimizer >= params  # stage 2, fp32, dp=2
         dp, tp, pp, mesh = (int(c.replace(",", "")) for c in comm[rank][2:6])
-        assert dp > 0 and tp == 0 and pp > 0 and mesh == 8 * 32  # the step check: 4 float64 per rank of 8
+        assert dp > 0 and tp == 0 and pp > 0 and mesh == 8 * 40  # the step check: 5 float64 per rank of 8
     assert memory[0][2] == "0-0" and memory[7][2] == "1-1"  # one block per stage
     assert memory[0][3:] == memory[3][3:] != memory[4][3:]  # ranks of one stage hold equal parts
 

@@ -5,20 +5,44 @@ padded sizes, which exceeds 4 Psi by fewer than N elements per unit. At
 stage 3 (persistence threshold 0, so every parameter is sharded) each
 micro-step all-gathers every unit twice (forward, backward) and
 reduce-scatters it once: 2 x 4 Psi + 4 Psi, and nothing after the step.
-On gloo, stage 3 agrees on each of those collectives first: one 8-byte
-checksum per rank, all-gathered. Before each optimizer step, at every stage,
-the step check all-gathers four float64 figures per rank (gradient norm,
-non-finite flag, counters), clipping or not: 32 N bytes, and no all-reduce
-of a scalar.
+Before each optimizer step, at every stage, the step check all-gathers five
+float64 figures per rank (gradient norm, non-finite flag, counters, the
+checksum of the rank's collectives), clipping or not: 40 N bytes, and no
+all-reduce of a scalar.
+
+The second reference is the backend itself: the calls into torch.distributed
+during each step, counted under the engine, are exactly the collectives
+comm_stats() records (the model's own and the step check): no collective runs
+to check the ranks' order, on gloo or NCCL.
 """
 
 import pytest
 
+import zeroshard.comm
 from tests import distributed
 from tests.distributed import run_ranks
 from tests.recipes import Case, make_model, make_optimizer, micro_batch
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "order_check", "step_check")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "step_check")
+# What the engine may call in torch.distributed; a batch of sends and receives (gloo's all-gather and
+# reduce-scatter) is one call. (isend and irecv stay unwrapped: P2POp checks them by identity, and they run
+# only inside batch_isend_irecv.)
+BACKEND = ("all_reduce", "all_gather_single", "all_to_all_single", "reduce_scatter_single", "batch_isend_irecv",
+           "broadcast", "all_gather", "all_gather_object", "send", "recv", "barrier")
+
+
+def _count_backend_calls(calls: list[str]):
+    """Wrap torch.distributed's collectives so that each call is appended to `calls`; returns the undo."""
+    import torch.distributed as dist
+
+    originals = {name: getattr(dist, name) for name in BACKEND}
+
+    def counted(name, fn):
+        return lambda *args, **kwargs: (calls.append(name), fn(*args, **kwargs))[1]
+
+    for name, fn in originals.items():
+        setattr(dist, name, counted(name, fn))
+    return lambda: [setattr(dist, name, fn) for name, fn in originals.items()]
 
 
 def _per_step(rank, world, device, cases):
@@ -32,14 +56,18 @@ def _per_step(rank, world, device, cases):
         padded = sum(u.flat.padded_numel for u in engine.buckets)
         deltas = []
         for step in range(2):
-            before = engine.comm_stats()
-            for micro in range(case.accumulation):
-                x, y = (t.to(device) for t in micro_batch(step, case, world, rank, micro))
-                engine.backward(engine(x, y))
-                engine.step()
+            before, calls = engine.comm_stats(), []
+            undo = _count_backend_calls(calls)
+            try:
+                for micro in range(case.accumulation):
+                    x, y = (t.to(device) for t in micro_batch(step, case, world, rank, micro))
+                    engine.backward(engine(x, y))
+                    engine.step()
+            finally:
+                undo()
             after = engine.comm_stats()
             deltas.append({op: (after[op].calls - before[op].calls, after[op].bytes - before[op].bytes)
-                           for op in OPS})
+                           for op in after} | {"backend": sorted(calls)})
         out.append((psi, padded, len(engine.buckets), deltas))
     return out
 
@@ -58,11 +86,18 @@ CASES = [
 
 def expected(case: Case, padded: int, units: int, world: int) -> dict:
     want = _expected_collectives(case, padded, units)
-    want["step_check"] = (1, 32 * world)  # once per optimizer step: 4 float64 per rank, clipping or not
-    if case.stage == 3 and distributed.test_device(world).type == "cpu":
-        calls = sum(calls for calls, _ in want.values())
-        want["order_check"] = (calls, 8 * world * calls)
+    want["step_check"] = (1, 40 * world)  # once per optimizer step: 5 float64 per rank, clipping or not
+    want = {op: want.get(op, (0, 0)) for op in zeroshard.comm.OPS}
+    want["backend"] = _backend_calls(want, distributed.test_device(world).type == "cpu")
     return want
+
+
+def _backend_calls(want: dict, gloo: bool) -> list[str]:
+    """The torch.distributed calls that run the collectives of `want`, one each: nothing else."""
+    runs = {"all_reduce": "all_reduce", "step_check": "all_gather_single",
+            "all_gather": "batch_isend_irecv" if gloo else "all_gather_single",
+            "reduce_scatter": "batch_isend_irecv" if gloo else "reduce_scatter_single"}
+    return sorted(runs[op] for op, (calls, _) in want.items() for _ in range(calls))
 
 
 def _expected_collectives(case: Case, padded: int, units: int) -> dict:

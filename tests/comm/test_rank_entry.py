@@ -199,7 +199,7 @@ def _happy_path(rank: int, device, root: str) -> dict:
     original = positions.publish, positions.read
     positions.publish, positions.read = _counting(calls)
     try:
-        for step in range(3):  # stage 3: gathers, order checks, reduce-scatters, the step check
+        for step in range(3):  # stage 3: gathers, reduce-scatters, the step check
             _step(engine, step, rank, device)
     finally:
         positions.publish, positions.read = original

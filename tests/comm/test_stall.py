@@ -1,13 +1,22 @@
-"""Ranks that run different units in one step stop with an error that says where, instead of hanging.
+"""Ranks that run different collectives stop with an error that names the first one, on every rank, not a hang.
 
-The reference is the control flow the test itself sets up: rank 1 skips the
-second block in step 2, so the ranks' gathers disagree from that block on.
+The reference is the control flow each test sets up itself: rank 1 skips the
+second block in step 2 (its gathers and reductions no longer match rank 0's
+from that block on), or runs the two blocks, of the same size, in the other
+order in step 2 (every collective keeps its size: only the record of what
+each rank ran tells them apart). No collective runs to check the order: each
+rank's running checksum of its collectives, published when a collective
+stalls and compared at the step check, finds the difference, and the ranks'
+rings of recent collectives, compared through the store, name it.
 """
 
-import pytest
-import torch
+import re
+from datetime import timedelta
 
-from tests.distributed import RankFailure, run_ranks
+import torch
+import torch.distributed as dist
+
+from tests.distributed import run_ranks
 from tests.recipes import GPT_CFG, Case, micro_batch
 from zeroshard.app.models import GPT
 
@@ -15,52 +24,91 @@ TIMEOUT_S = 3.0
 DIVERGE_AT = 2
 
 
-class SkippingGPT(GPT):
-    """On rank 1, from step DIVERGE_AT on, the second block is skipped."""
+class DivergingGPT(GPT):
+    """On rank 1, from step DIVERGE_AT on, the blocks run as `order` says (indices into `blocks`)."""
 
-    skip = False
+    order: tuple[int, ...] | None = None
 
     def run_blocks(self, x):
-        for i, block in enumerate(self.blocks):
-            if not (self.skip and i == 1):
-                x = block(x)
+        for i in self.order or range(len(self.blocks)):
+            x = self.blocks[i](x)
         return x
 
 
-def _diverge(rank, world, device):
+def _diverge(rank, device, order, zero: dict) -> dict:
     import zeroshard
     from zeroshard.app.models.gpt import Block
 
     case = Case(stage=3)
     torch.manual_seed(0)
-    model = SkippingGPT(GPT_CFG).to(device)
-    config = case.config() | {"collective_timeout": TIMEOUT_S}
-    engine = zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), config, wrap=[Block])
-    for step in range(4):
-        model.skip = rank == 1 and step >= DIVERGE_AT
-        x, y = (t.to(device) for t in micro_batch(step, case, world, rank, 0))
-        engine.backward(engine(x, y))
-        engine.step()
-    return step
+    model = DivergingGPT(GPT_CFG).to(device)
+    group = dist.new_group([0, 1], backend="gloo", timeout=timedelta(seconds=15))  # one per scenario
+    config = case.config() | {"collective_timeout": TIMEOUT_S, "rank_check_timeout": 2.0}  # a look after 0.5 s
+    config["zero_optimization"] |= zero
+    engine = zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), config, wrap=[Block], group=group)
+    held = []
+    try:
+        for step in range(4):
+            model.order = order if rank == 1 and step >= DIVERGE_AT else None
+            held = [b.master.detach().clone() for b in engine.buckets]
+            x, y = (t.to(device) for t in micro_batch(step, case, 2, rank, 0))
+            engine.backward(engine(x, y))
+            engine.step()
+    except zeroshard.CollectiveError as error:
+        unchanged = all(torch.equal(a, b.master) for a, b in zip(held, engine.buckets))
+        return {"error": str(error), "step": step, "unchanged": unchanged}
+    return {"error": None}
+
+
+def _scenarios(rank, world, device):
+    # Swapped, with no prefetch: each gather is the one the block needs, so rank 0 gathers blocks.0 where
+    # rank 1 gathers blocks.1, of the same size.
+    no_prefetch = {"stage3_prefetch_bucket_size": 1}
+    return {"skip": _diverge(rank, device, (0,), {}), "swap": _diverge(rank, device, (1, 0), no_prefetch)}
 
 
 def test_divergent_ranks_stop_with_an_error_naming_step_rank_and_unit(monkeypatch):
-    # gloo, also where GPUs exist: the explained timeout is gloo's (NCCL's watchdog reports its own).
+    # gloo, also where GPUs exist: the stall explained here is gloo's (on NCCL the step check tells the ranks
+    # apart, test_a_step_check_tells_apart_ranks_that_ran_other_collectives_of_the_same_size).
     monkeypatch.setenv("ZEROSHARD_TEST_DEVICE", "cpu")
-    with pytest.raises(RankFailure) as failure:
-        run_ranks(_diverge, 2, timeout_s=120)
-    # Both ranks ended by themselves (run_ranks killed none at its 120 s), each with zeroshard's error,
-    # and it came from the ranks' agreement on the collective, not from waiting out a timeout.
-    assert failure.value.hung == []
-    messages = failure.value.messages()
-    assert len(messages) == 2, messages  # both ranks raised; neither hung
-    for message in messages:
-        assert "CollectiveError" in message
-        assert f"step {DIVERGE_AT}" in message
-        assert "unit 'blocks.1'" in message
-        assert "the ranks first differ at collective #" in message, message
-        assert "rank 0:" in message and "rank 1:" in message
-        assert "did not complete" not in message, message  # no collective timed out first
+    ranks = run_ranks(_scenarios, 2, timeout_s=120)  # a hang fails here
+    for scenario, units in (("skip", ("unit 'blocks.1'",)), ("swap", ("unit 'blocks.0'", "unit 'blocks.1'"))):
+        for result in ranks:
+            message = result[scenario]["error"]
+            assert message is not None, scenario  # both ranks raised a CollectiveError; neither hung
+            assert result[scenario]["step"] == DIVERGE_AT and result[scenario]["unchanged"], (scenario, message)
+            assert f"step {DIVERGE_AT}" in message, message
+            assert all(unit in message for unit in units), message
+            assert "the ranks first differ at collective #" in message, message
+            assert "rank 0:" in message and "rank 1:" in message
+            assert "did not complete" not in message, message  # found before any collective timed out
+        swapped = re.search(r"rank 0: all_gather of (\d+) bytes for unit 'blocks.0', rank 1: all_gather of (\d+) "
+                            r"bytes for unit 'blocks.1'", ranks[0]["swap"]["error"])
+        assert swapped and swapped[1] == swapped[2], ranks[0]["swap"]["error"]  # equal sizes, paired wrongly
+
+
+def _other_collectives_of_the_same_size(rank, world, device) -> dict:
+    """Rank 0 sums bucket 'a', rank 1 bucket 'b' (the same size): the sums land, wrongly paired."""
+    from zeroshard.comm import CollectiveError, Comm, CommRecorder, all_reduce
+    from zeroshard.core.grad_norm import check_step
+
+    comm = Comm.create(dist.group.WORLD, CommRecorder())
+    all_reduce(comm, torch.ones(8, device=device), async_op=False, what="bucket 'common'")
+    all_reduce(comm, torch.ones(8, device=device), async_op=False, what=f"bucket '{'ab'[rank]}'")
+    try:
+        check_step([torch.ones((), device=device)], comm, 0, 1)
+    except CollectiveError as error:
+        return {"error": str(error), "step_checks": comm.recorder.snapshot()["step_check"].calls}
+    return {"error": None}
+
+
+def test_a_step_check_tells_apart_ranks_that_ran_other_collectives_of_the_same_size():
+    for result in run_ranks(_other_collectives_of_the_same_size, 2):
+        message = result["error"]
+        assert message is not None and result["step_checks"] == 1  # the one collective of the check
+        assert "at the step check the ranks found that they ran different collectives" in message, message
+        assert ("the ranks first differ at collective #2 of step 0 (micro-step 0): rank 0: all_reduce of 32 bytes "
+                "for bucket 'a', rank 1: all_reduce of 32 bytes for bucket 'b'") in message, message
 
 
 def test_a_dead_peer_is_named_as_gone_with_the_restart_advice():

@@ -27,17 +27,19 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from zeroshard.app.demo_config import DEMO_CONFIG
 from zeroshard.app.models import GPT, PRESETS, GPTConfig, GPTStage
 from zeroshard.config.schema import ZeroConfig
 from zeroshard.estimate import FROZEN, PERSISTENT, SHARDED, Flat
 from zeroshard.estimate.parallel import tp_shard_numel
-from zeroshard.parallel.plans import gpt_tp_plan
 from zeroshard.stage3.wrapping import UnitPlan, flat_parts, plan_units, unit_modules
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 # The engine's defaults, where the caller gives no wrapping rule.
 AUTO_WRAP_MIN_PARAMS: int = ZeroConfig.model_fields["stage3_auto_wrap_min_params"].default
@@ -125,7 +127,7 @@ def count_parts(model: str | GPTConfig, pp: int = 1, tp: int = 1, wrap: tuple[st
     for p in range(pp):
         with torch.device("meta"):
             stage = GPTStage(GPT(cfg), p, pp)  # stage_layers' ValueError for pp > n_layer
-        dims = tp_split_dims(stage, gpt_tp_plan(stage))
+        dims = tp_split_dims(stage, _tp_plan(stage)) if tp > 1 else {}  # tp 1: nothing split
         plans = plan_units(stage, unit_modules(stage, wrap, min_numel))
         for t in range(tp):
             local = {id(param): local_numel(param.shape, dims.get(n), tp, t)
@@ -141,10 +143,18 @@ def part_numels(model: str | GPTConfig, pp: int = 1, tp: int = 1) -> dict[tuple[
     return {key: counted.numel for key, counted in count_parts(model, pp, tp).items()}
 
 
+def _tp_plan(stage: GPTStage) -> dict:
+    from zeroshard.parallel.plans import gpt_tp_plan  # torch.distributed.tensor: imported when tp > 1
+
+    return gpt_tp_plan(stage)
+
+
 def tp_split_dims(model: torch.nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, int]:
     """Parameter name -> the dimension a tensor-parallel plan splits (absent: replicated), by DTensor's
     styles: ColwiseParallel splits a Linear's weight and bias by output features, RowwiseParallel its
     weight by input features (the bias stays whole); on an Embedding the other way round."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     modules = dict(model.named_modules())
     dims = {}
     for module_name, style in plan.items():

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from matplotlib.figure import Figure
-
 from zeroshard.estimate import wire_bytes
 
 MB = 1e6
@@ -20,7 +18,7 @@ _DPI = 100
 
 def loss_chart(path: Path, losses: list[float], lrs: list[float], first_step: int = 1) -> None:
     """The global mean loss per optimizer step (from `first_step`), with the learning rate on a second axis."""
-    fig = Figure(figsize=(8, 4.5), dpi=_DPI, layout="constrained")
+    fig = _figure(figsize=(8, 4.5), dpi=_DPI, layout="constrained")
     ax = fig.add_subplot()
     steps = range(first_step, first_step + len(losses))
     ax.plot(steps, losses, color="tab:blue", label="loss")
@@ -50,7 +48,7 @@ def _legend(ax, colors: dict[str, str], extra: list | None = None, **kwargs) -> 
 
 def memory_chart(path: Path, memory_stats: list[dict[str, int]], formula: dict[str, int], title: str) -> None:
     """Model-state bytes of every rank, stacked by state, beside the formula's total."""
-    fig = Figure(figsize=(8, 4.5), dpi=_DPI, layout="constrained")
+    fig = _figure(figsize=(8, 4.5), dpi=_DPI, layout="constrained")
     ax = fig.add_subplot()
     parts = [k for k in STATES + ("staging",) if any(stats[k] for stats in memory_stats)]  # fp32: no master
     colors = _colors(parts)
@@ -75,7 +73,7 @@ def compare_chart(path: Path, runs: list[dict], world: int) -> None:
     def sent(logical: dict[str, int]) -> dict[str, float]:
         return {op: wire_bytes(b, world, op) for op, b in logical.items()}
 
-    fig = Figure(figsize=(11, 4.8), dpi=_DPI, layout="constrained")
+    fig = _figure(figsize=(11, 4.8), dpi=_DPI, layout="constrained")
     memory_ax, comm_ax = fig.subplots(1, 2)
     panels = ((memory_ax, lambda run, key: run[key], "memory", STATES, "model states, MB per rank"),
               (comm_ax, lambda run, key: sent(run[key]), "comm", COLLECTIVES, "MB sent per rank per step"))
@@ -97,6 +95,14 @@ def compare_chart(path: Path, runs: list[dict], world: int) -> None:
     comm_ax.set_title("Communication: measured | estimate")
     fig.suptitle(f"zeroshard compare: {world} ranks (AR: all-reduce instead of reduce-scatter)")
     fig.savefig(path)
+
+
+def _figure(**kwargs):
+    """A matplotlib Figure; matplotlib (about 1 s to import) loads only when a chart is drawn, not when
+    the CLI starts."""
+    from matplotlib.figure import Figure
+
+    return Figure(**kwargs)
 
 
 def _colors(names) -> dict[str, str]:

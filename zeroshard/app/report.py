@@ -17,7 +17,7 @@ from zeroshard import estimate
 from zeroshard.app.model_count import stage3_flats
 from zeroshard.app.train_offload import offloaded, pool_formula
 from zeroshard.estimate.offload import POOLS
-from zeroshard.estimate.zeropp import ZeroPP, hpz_secondary_bytes, stage3_comm_bytes, stage3_comm_calls
+from zeroshard.estimate.zeropp import ZeroPP, hpz_secondary_bytes, stage3_comm_bytes
 
 _STEP_COUNTER_BYTES = 4  # torch's Adam(W) keeps one fp32 `step` tensor per optimizer tensor
 
@@ -102,9 +102,7 @@ def report_figures(engine: zeroshard.Engine, args: argparse.Namespace, config: z
         "memory_pools": [pools for *_, pools in everyone],  # memory_stats(pool) by rank
         "comm_stats": [{op: {"calls": c, "bytes": b, "by_scope": s} for op, (c, b, s) in ops.items()}
                        for _, ops, _ in everyone],
-        "estimate": {"memory": memory, "comm": comm} | ({"order_check": _zeropp_order_check_bytes(engine, args, 1)}
-                                                         if _zeropp(engine.config).on else {})
-                    | ({"pools": offload_pools(engine, args)} if offloaded(config) else {}),
+        "estimate": {"memory": memory, "comm": comm} | ({"pools": offload_pools(engine, args)} if offloaded(config) else {}),
         "sample": result.sample,
     }
 
@@ -196,18 +194,11 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
     reduced = [grads] * (args.stage == 0 or not args.reduce_scatter)
     gathered = f"{param_bytes}Ψ" + (f"×{2 * args.accumulation}" if args.stage == 3 else "")
     how = {"all_reduce": " + ".join(reduced), "reduce_scatter": grads, "all_gather": gathered,
-           "order_check": "8N per collective", "step_check": "32N (norm, inf/nan flag, step counters)",
+           "step_check": "40N (norm, inf/nan flag, step counters, collectives' checksum)",
            "fault_check": "8N per step and per gather of a unit on disk"}
     if _zeropp(engine.config).on:
-        how |= {"reduce_scatter": "ZeRO++: by scope below", "all_gather": "ZeRO++: by scope below",
-                "order_check": "8 x its group's ranks per collective"}
-    # Stage 3 on gloo agrees on every collective first: one 8-byte checksum per rank each.
-    checked = sum(calls for op, (calls, *_) in measured.items() if op != "order_check")
-    checks = estimate.order_check_bytes(world, checked)
-    if _zeropp(engine.config).on:  # ZeRO++'s node and cross-node collectives agree within their own groups
-        checks = _zeropp_order_check_bytes(engine, args, measured["step_check"][0])
-    formula = formula | {"order_check": checks if measured["order_check"][1] else 0,
-                         "step_check": estimate.step_check_bytes(world),
+        how |= {"reduce_scatter": "ZeRO++: by scope below", "all_gather": "ZeRO++: by scope below"}
+    formula = formula | {"step_check": estimate.step_check_bytes(world),
                          "fault_check": estimate.fault_check_bytes(world, _fault_checks(engine, args))}
     # all_gather's "object" is the setup's agreement check (0 bytes), not a way to move tensors.
     algorithms = {op: ",".join(sorted(a - {"object"})) for op, (_, b, a, _) in measured.items() if b}
@@ -240,19 +231,6 @@ def _fault_checks(engine: zeroshard.Engine, args: argparse.Namespace) -> int:
     stepped_now = not (delayed and engine.delayed.delays(engine.global_steps - 1))
     on_disk = sum(any(f.shard_swap is not None for f in unit.gathered_flats) for unit in engine.units)
     return stepped_now + delayed + bool(engine.offload.tiers.grad_swaps) + 2 * args.accumulation * on_disk
-
-
-def _zeropp_order_check_bytes(engine: zeroshard.Engine, args: argparse.Namespace, step_checks: int) -> int:
-    """Stage 3's order checks on gloo: 8 bytes per rank of the group that runs each collective, whose
-    group follows from its scope: the whole group N, a node D, or (qgZ's second hop) the K nodes."""
-    world, per_node, zeropp = dist.get_world_size(), ranks_per_node(engine), _zeropp(engine.config)
-    calls = stage3_comm_calls(stage3_flats(engine.units), world, per_node, engine.precision.param_dtype.itemsize,
-                              engine.precision.reduce_dtype.itemsize, args.accumulation, zeropp)
-    group = {("all_gather", "cross_node"): world, ("all_gather", "node"): per_node,
-             ("reduce_scatter", "node"): per_node,
-             ("reduce_scatter", "cross_node"): world // per_node if zeropp.qgz else world}
-    ranks = sum(n * group[op, scope] for op, scopes in calls.items() for scope, n in scopes.items())
-    return 8 * (ranks + step_checks * world)
 
 
 def _scope_table(engine: zeroshard.Engine, args: argparse.Namespace,

@@ -32,14 +32,13 @@ import torch
 import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
-from torch.distributed.pipelining import Schedule1F1B
 
 import zeroshard
 from zeroshard.app.data import CharCorpus, load_text, micro_batch
 from zeroshard.app.models import GPT, PRESETS, GPTStage, lm_loss
 from zeroshard.app.run_log import StepLog
 from zeroshard.comm.group import this_rank_gpu
-from zeroshard.parallel import Mesh, PipelineStage, build_mesh, parallelize_gpt
+from zeroshard.parallel.mesh import Mesh, build_mesh
 
 log = logging.getLogger("zeroshard.app.train")
 
@@ -119,6 +118,8 @@ def build_part(args: argparse.Namespace, corpus: CharCorpus, mesh: Mesh) -> tupl
     device = this_rank_gpu() if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(args.seed)
     gpt = GPT(dataclasses.replace(PRESETS[args.model], vocab_size=corpus.vocab_size))
+    from zeroshard.parallel.plans import parallelize_gpt  # torch.distributed.tensor: only for a mesh run
+
     part = parallelize_gpt(GPTStage(gpt, mesh.rank("pp"), mesh.pp).to(device), mesh)
     decay = [p for p in part.parameters() if p.dim() >= 2]
     no_decay = [p for p in part.parameters() if p.dim() < 2]
@@ -158,6 +159,10 @@ def train_on_mesh(args: argparse.Namespace, config: zeroshard.Config,
 
 def _pipeline_step(engine: zeroshard.Engine, args: argparse.Namespace):
     """One optimizer step through 1F1B: returns this stage's mean loss over the micro-batches (last stage) or None."""
+    from torch.distributed.pipelining import Schedule1F1B  # pipelining brings torch's compiler: only for pp
+
+    from zeroshard.parallel.stage import PipelineStage
+
     stage = PipelineStage(engine)
     schedule = Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=lm_loss)
     return lambda x, y: stage.train_step(schedule, x, y)

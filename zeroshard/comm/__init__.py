@@ -9,6 +9,7 @@ from zeroshard.comm.collectives import (
     all_gather_object,
     all_reduce,
     broadcast,
+    divergence,
     fault_check,
     reduce_scatter,
     step_check,
@@ -22,6 +23,6 @@ from zeroshard.comm.stall import CollectiveError
 
 __all__ = [
     "OPS", "Algorithms", "CollectiveError", "Comm", "CommRecorder", "Hops", "HopsPending", "OpStats", "Pending",
-    "PendingGroup", "Qgz", "all_gather", "all_gather_object", "all_reduce", "broadcast", "ensure_process_group",
-    "fault_check", "qgz_reduce_scatter", "qwz_all_gather", "reduce_scatter", "step_check", "wait_all",
+    "PendingGroup", "Qgz", "all_gather", "all_gather_object", "all_reduce", "broadcast", "divergence",
+    "ensure_process_group", "fault_check", "qgz_reduce_scatter", "qwz_all_gather", "reduce_scatter", "step_check", "wait_all",
 ]

@@ -13,6 +13,13 @@ are slower than an all-reduce of the same buffer, so there:
   other rank and receives theirs in place (batched send/recv), the same
   (N-1)/N of the buffer as a ring all-gather.
 
+Both run as batched point-to-point messages tagged with the rank's running
+checksum of its collectives (`_tagged_exchange`, stall.py), the all-to-all
+too: ranks that ran different collectives then stall instead of meeting a
+message of another size, on which gloo aborts the process. (The figures
+below measured the all-to-all as gloo's `all_to_all_single`, which sends the
+same chunks.)
+
 Measured with `torchrun --nproc-per-node 2|4 benchmarks/collectives.py` (gloo,
 torch 2.13, 1 thread per rank, 190 MiB fp32 buffer, 2-core CPU machine),
 milliseconds at 2 / 4 ranks: all-gather by exchange 83 / 161, native 220 /
@@ -27,9 +34,7 @@ from __future__ import annotations
 import atexit
 import pickle
 import time
-import zlib
 from dataclasses import dataclass, field
-from datetime import timedelta
 from functools import partial
 from typing import Callable
 
@@ -38,7 +43,7 @@ import torch.distributed as dist
 
 from zeroshard.comm import positions
 from zeroshard.comm.recorder import CommRecorder, Scope
-from zeroshard.comm.stall import CollectiveError, Trace, explain, mismatch
+from zeroshard.comm.stall import CollectiveError, Trace, differ, explain
 
 _created: dict[str, int] = {}  # comms made per group name in this process, in the same order on every rank
 _GLOO_EXIT_DRAIN_S = 0.05  # how long the main thread lets go of the GIL at exit, for gloo's worker threads
@@ -90,12 +95,10 @@ class Comm:
     group: dist.ProcessGroup
     recorder: CommRecorder
     algorithms: Algorithms
-    p2p_calls: int = 0  # tags point-to-point messages; every rank counts the same calls
-    trace: Trace = field(default_factory=Trace)  # this micro-step's collectives, to explain a stall
+    trace: Trace = field(default_factory=Trace)  # this rank's record of its collectives (stall.py)
     # Seconds a wait may block before the stall is explained (gloo). NCCL gets the group's own
     # timeout instead: a wait with a timeout would block the CPU on every collective.
     timeout_s: float | None = None
-    check_order: bool = False  # agree on each collective before running it (stage 3 on gloo)
     # Seconds the ranks wait for each other in an entry check (entry.py); a quarter of it, at most
     # 5 s, is the grace period after which a slow collective compares positions (positions.py).
     rank_check_timeout_s: float = 60.0
@@ -103,6 +106,7 @@ class Comm:
     entries: int = 0  # entry checks so far (entry.py); every rank counts the same calls
     # Where the group lies, for bytes by scope: "node" (inside one node), "cross_node", None (unknown).
     scope: Scope | None = None
+    waiter: positions.Waiter | None = None  # waits for point-to-point work (gloo), made at its first wait
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, recorder: CommRecorder, timeout_s: float | None = None,
@@ -155,13 +159,14 @@ class Pending(Landing):
     Waiting is explicit for every backend. On gloo a wait that outlasts a
     grace period looks at where the other ranks are (`positions.wait_watched`);
     point-to-point work (`pollable=False`) cannot be waited twice, so it is
-    waited once, up to the timeout.
+    waited once, up to the timeout, in the comm's `Waiter` thread, and that
+    wait is polled.
     """
 
-    def __init__(self, comm: Comm, op: str, work=None, index: int = 0, pollable: bool = True):
+    def __init__(self, comm: Comm, op: str, work=None, number: int = 0, pollable: bool = True):
         super().__init__()
         self._comm, self._op = comm, op
-        self._index = index  # its position in the comm's trace of the step
+        self._number = number  # its number in the comm's trace
         self._pollable = pollable
         # Backend work handles: one per collective, several for a batch of sends and receives.
         self._works = work if isinstance(work, list) else [w for w in (work,) if w is not None]
@@ -174,19 +179,21 @@ class Pending(Landing):
             return
         start = time.perf_counter()
         comm = self._comm
-        for work in self._works:
+        works = self._works
+        if comm.timeout_s is not None and not self._pollable and works:
+            comm.waiter = comm.waiter or positions.Waiter()
+            works = [comm.waiter.submit(works, comm.timeout_s)]
+        for work in works:
             try:
                 if comm.timeout_s is None:
                     work.wait()
-                elif self._pollable:
-                    positions.wait_watched(work, comm, self._index)
                 else:
-                    work.wait(timeout=timedelta(seconds=comm.timeout_s))
+                    positions.wait_watched(work, comm, self._number)
             except CollectiveError as error:
                 self._failure = error
                 raise
             except RuntimeError as error:
-                self._failure = CollectiveError(_explain(comm, self._index, error))
+                self._failure = CollectiveError(_explain(comm, self._number, error))
                 raise self._failure from error
         self._works = []
         self._comm.recorder.add_seconds(self._op, time.perf_counter() - start)
@@ -209,43 +216,35 @@ def wait_all(pendings: "list[Pending] | list[PendingGroup]") -> None:
         pending.wait()
 
 
-def _explain(comm: Comm, index: int, error: BaseException) -> str:
-    """Why collective `index` of the step failed: every rank's trace, and the positions ranks published."""
+def _explain(comm: Comm, number: int, error: BaseException) -> str:
+    """Why collective `number` failed: every rank's record, and the positions ranks published."""
     published = positions.read(comm.group, comm.world_size)
     where = ""
     if any(p.get("where") != "running" for p in published.values()):
         where = positions.describe_all(published, comm.world_size)
-    return explain(comm.rank, comm.world_size, comm.trace, index, error, comm.timeout_s,
+    return explain(comm.rank, comm.world_size, comm.trace, number, error, comm.timeout_s,
                    positions.group_store(comm.group), where)
+
+
+def divergence(comm: Comm, when: str) -> CollectiveError:
+    """The error every rank raises once the ranks' records are known to differ (`when`: how that was
+    found, the same on every rank): their rings, compared through the store, name the first difference."""
+    comm.trace.diverged = differ(comm.rank, comm.world_size, comm.trace, positions.group_store(comm.group), when)
+    return CollectiveError(comm.trace.diverged)
 
 
 def _launch(comm: Comm, op: str, nbytes: int, algorithm: str, call, async_op: bool, what: str = "",
             pollable: bool = True) -> Pending:
     comm.recorder.record(op, nbytes, algorithm, comm.scope)
     label = f"{op} of {nbytes} bytes" + (f" for {what}" if what else "")
-    index = comm.trace.note(label)
-    if comm.check_order and comm.world_size > 1:
-        _check_order(comm, label, index)
+    number = comm.trace.note(label)
     start = time.perf_counter()
     work = call()
     comm.recorder.add_seconds(op, time.perf_counter() - start)
-    pending = Pending(comm, op, work, index, pollable)
+    pending = Pending(comm, op, work, number, pollable)
     if not async_op:
         pending.wait()
     return pending
-
-
-def _check_order(comm: Comm, label: str, index: int) -> None:
-    """Raise the same `CollectiveError` on every rank if they are not all about to run `label`."""
-    mine = torch.tensor([zlib.crc32(label.encode())], dtype=torch.int64)
-    every = torch.empty(comm.world_size, dtype=torch.int64)
-    comm.recorder.record("order_check", _nbytes(every), "native", comm.scope)
-    work = dist.all_gather_single(every, mine, group=comm.group, async_op=True)
-    Pending(comm, "order_check", work, index).wait()
-    if (every != every[0]).any():
-        labels = [None] * comm.world_size
-        dist.all_gather_object(labels, label, group=comm.group)
-        raise CollectiveError(mismatch(comm.rank, comm.trace, index, labels))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -285,9 +284,14 @@ def reduce_scatter(
         return _launch(comm, "reduce_scatter", nbytes, "native", call, async_op, what)
     if scratch is None:
         raise ValueError("the all_to_all reduce-scatter needs a scratch buffer the size of `full`")
-    call = partial(dist.all_to_all_single, scratch, full, group=comm.group, async_op=True)
-    pending = _launch(comm, "reduce_scatter", nbytes, "all_to_all+sum", call, True, what)
-    pending.then(lambda: torch.sum(scratch.view(n, -1), dim=0, out=shard))
+    rank, sent, received = comm.rank, full.view(n, -1), scratch.view(n, -1)
+
+    def exchange():  # each peer's chunk of `full` to it, theirs of this rank's chunk into `scratch`
+        received[rank].copy_(sent[rank])
+        return _tagged_exchange(comm, lambda peer: sent[peer], lambda peer: received[peer])
+
+    pending = _launch(comm, "reduce_scatter", nbytes, "all_to_all+sum", exchange, True, what, pollable=False)
+    pending.then(lambda: torch.sum(received, dim=0, out=shard))
     if not async_op:
         pending.wait()
     return pending
@@ -310,20 +314,25 @@ def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True, what: str 
         call = partial(dist.all_gather_single, full, own, group=comm.group, async_op=True)
         return _launch(comm, "all_gather", nbytes, _named("native", encoding), call, async_op, what)
 
-    def exchange():
-        comm.p2p_calls += 1
-        tag = comm.p2p_calls % (1 << 20)  # one tag per gather, so gathers in flight never mix
-        own = full[rank * chunk : (rank + 1) * chunk]
-        ops = []
-        for peer in range(n):
-            if peer != rank:
-                theirs = full[peer * chunk : (peer + 1) * chunk]
-                ops.append(dist.P2POp(dist.isend, own, group=comm.group, group_peer=peer, tag=tag))
-                ops.append(dist.P2POp(dist.irecv, theirs, group=comm.group, group_peer=peer, tag=tag))
-        return dist.batch_isend_irecv(ops)
-
+    own, chunks = full[rank * chunk : (rank + 1) * chunk], full.view(n, chunk)
+    exchange = partial(_tagged_exchange, comm, lambda peer: own, lambda peer: chunks[peer])
     return _launch(comm, "all_gather", nbytes, _named("send_recv", encoding), exchange, async_op, what,
                    pollable=False)
+
+
+def _tagged_exchange(comm: Comm, to: Callable[[int], torch.Tensor], into: Callable[[int], torch.Tensor]) -> list:
+    """Send `to(peer)` to every other rank and receive its message into `into(peer)`, as one batch.
+
+    The tag is the running checksum of this rank's collectives (stall.py), this one's included: ranks that
+    ran the same collectives pair their messages; ranks that did not use other tags, so their messages (of
+    another size, on which gloo would abort the process) never meet, and the exchange stalls, explained.
+    """
+    tag, ops = comm.trace.digest & 0x7FFFFFFF, []
+    for peer in range(comm.world_size):
+        if peer != comm.rank:
+            ops.append(dist.P2POp(dist.isend, to(peer), group=comm.group, group_peer=peer, tag=tag))
+            ops.append(dist.P2POp(dist.irecv, into(peer), group=comm.group, group_peer=peer, tag=tag))
+    return dist.batch_isend_irecv(ops)
 
 
 def _named(algorithm: str, encoding: str) -> str:

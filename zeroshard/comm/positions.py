@@ -24,31 +24,41 @@ rank whose position says nothing (computing, or at the same place) keeps
 the wait going up to `collective_timeout`, as a slow collective should.
 
 Which work handles can be polled (measured on gloo, torch 2.13, CPU):
-`work.wait(timeout)` on all_reduce, broadcast, all_to_all_single (our
-reduce-scatter) and all_gather_single (order and step checks) raises
+`work.wait(timeout)` on all_reduce, broadcast, all_to_all_single and
+all_gather_single (the step check) raises
 "Operation timed out!" and can be called again: the operation still lands,
 with the right values, and the group stays usable; `work.is_completed()`
-is False until it lands. Batched isend/irecv (our all-gather on gloo) is
-different: a timed-out wait closes the pair ("Application timeout caused
+is False until it lands. Batched isend/irecv (our all-gather and
+reduce-scatter on gloo) is different: a timed-out wait closes the pair ("Application timeout caused
 pair closure"), and `is_completed()` never turns True before `wait()`. So
-point-to-point work is waited once, with the whole collective_timeout.
+point-to-point work is waited once, with the whole collective_timeout, in a
+thread of the comm's own (`Waiter`), and the rank polls that wait instead.
 On NCCL, `work.wait()` only makes the current stream wait and returns at
 once, and `is_completed()` is a non-blocking event query: a stuck NCCL
 collective shows at the next host synchronisation, not here. There zeroshard
-relies on the entry checks (store-based, backend-independent) and on NCCL's
-watchdog with the group's timeout.
+relies on the entry checks (store-based, backend-independent), on the step
+check's comparison of the ranks' records (stall.py), and on NCCL's watchdog
+with the group's timeout.
+
+A rank stuck in a collective also publishes its record's checksum at that
+collective (`stall.Trace`): a rank whose own record disagrees at the same
+number, or a rank that saw such a disagreement, knows the ranks ran
+different collectives, and all of them compare their rings through the
+store and raise the same `CollectiveError` naming the first difference.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from zeroshard.comm.stall import CollectiveError, Trace
+from zeroshard.comm.stall import CollectiveError, Trace, differ
 
 _PREFIX = "zeroshard/position/"
 _PHASES = {"step": "engine.step()"}  # the trace's phase, in words
@@ -119,11 +129,12 @@ def in_call(trace: Trace, call: str, seq: int, state: str = "waiting") -> dict[s
             "micro": trace.micro_step, "n": trace.published}
 
 
-def in_collective(trace: Trace, index: int) -> dict[str, Any]:
+def in_collective(trace: Trace, number: int) -> dict[str, Any]:
     trace.published += 1
-    op = trace.ops[index] if 0 <= index < len(trace.ops) else "?"
+    entry = trace.entry(number)
+    index, op, digest = (entry[2], entry[3], entry[4]) if entry else (number, "?", None)
     return {"where": "collective", "index": index, "op": op, "phase": trace.phase, "step": trace.global_step,
-            "micro": trace.micro_step, "n": trace.published}
+            "micro": trace.micro_step, "n": trace.published, "noted": number + 1, "digest": digest}
 
 
 def describe(position: dict[str, Any] | None) -> str:
@@ -155,19 +166,30 @@ def elsewhere(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
     return False
 
 
-def wait_watched(work, comm: Watched, index: int) -> None:
+def records_differ(trace: Trace, theirs: dict[str, Any]) -> bool:
+    """Whether a rank at `theirs` ran other collectives than this rank (its record's checksum at the collective
+    it waits in differs from this rank's at the same number), or found that some rank did."""
+    if theirs.get("differs"):
+        return True
+    if theirs.get("where") != "collective" or theirs.get("digest") is None:
+        return False
+    mine = trace.entry(theirs["noted"] - 1)
+    return mine is not None and mine[4] != theirs["digest"]
+
+
+def wait_watched(work, comm: Watched, number: int) -> None:
     """Wait for a pollable work handle (see the module's docstring) up to `comm.timeout_s`.
 
     Raises `CollectiveError` once another rank is known to be elsewhere, and the
     work's own RuntimeError if it fails or times out (the caller explains it).
     """
-    grace = min(grace_s(comm.rank_check_timeout_s), comm.timeout_s)
+    grace = min(grace_s(comm.rank_check_timeout_s), comm.timeout_s / 2)  # a look before the timeout
     if comm.trace.diverged is None and _landed(work, grace):  # the happy path: one wait, as ever
         return
-    _wait_slow(work, comm, index, grace)
+    _wait_slow(work, comm, number, grace)
 
 
-def _wait_slow(work, comm: Watched, index: int, grace: float) -> None:
+def _wait_slow(work, comm: Watched, number: int, grace: float) -> None:
     """The wait past the grace period: publish this rank's position, and look at the others' each poll."""
     trace, group, rank, world = comm.trace, comm.group, comm.rank, comm.world_size
     if trace.diverged is not None:
@@ -175,7 +197,7 @@ def _wait_slow(work, comm: Watched, index: int, grace: float) -> None:
             return
         raise CollectiveError(trace.diverged)  # known already: the ranks' collectives no longer match
     deadline = time.monotonic() + comm.timeout_s - grace
-    mine = in_collective(trace, index)
+    mine = in_collective(trace, number)
     publish(group, rank, mine)
     suspects: dict[int, dict] = {}
     while True:
@@ -186,6 +208,14 @@ def _wait_slow(work, comm: Watched, index: int, grace: float) -> None:
         if _landed(work, min(grace / 2, left)):
             break
         positions = read(group, world)
+        differing = sorted(r for r, p in positions.items() if r != rank and records_differ(trace, p))
+        if differing:  # a fact, not a guess: no second look needed
+            mine.update(state="stopped", differs=True)
+            publish(group, rank, mine)
+            when = (f"while waiting in {trace.named(number)}, this rank found that rank(s) "
+                    f"{', '.join(map(str, differing))} ran other collectives")
+            trace.diverged = differ(rank, world, trace, group_store(group), when)
+            raise CollectiveError(trace.diverged)
         found = {r: p for r, p in positions.items() if r != rank and elsewhere(mine, p)}
         confirmed = sorted(r for r, p in found.items() if suspects.get(r) == p)  # the same note twice
         if confirmed:
@@ -195,6 +225,69 @@ def _wait_slow(work, comm: Watched, index: int, grace: float) -> None:
             raise CollectiveError(trace.diverged)
         suspects = found
     publish(group, rank, running(trace))
+
+
+_IDLE_S = 0.1  # a Waiter's thread ends after this long without work (a new one starts at the next wait)
+
+
+class Waiter:
+    """A thread of one comm's own that waits for work that cannot be polled (gloo's point-to-point), so the
+    rank can poll that wait and look at where the others are meanwhile. The thread ends once idle for
+    `_IDLE_S` (a stuck wait holds it until the collective_timeout), so that no thread outlives the training."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # a job is never queued for a thread that has decided to end
+        self._thread: threading.Thread | None = None
+
+    def submit(self, works: list, timeout_s: float) -> "Waited":
+        """Wait for `works` in turn, each up to `timeout_s`, in the thread; returns the wait to poll."""
+        waited = Waited()
+        with self._lock:
+            self._queue.put((works, timeout_s, waited))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name="zeroshard-wait")
+                self._thread.start()
+        return waited
+
+    def _run(self) -> None:
+        while True:
+            try:
+                works, timeout_s, waited = self._queue.get(timeout=_IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            try:
+                for work in works:
+                    work.wait(timeout=timedelta(seconds=timeout_s))
+            except Exception as error:  # the poller raises it in the rank's own thread
+                waited.error = error
+            # Drop this thread's references before the rank's thread goes on, so that the rank's thread, which
+            # still holds the works, destroys them: a work destroyed here could be mid-destruction (the GIL
+            # released) when the interpreter finalizes, and the process would abort.
+            works = work = None
+            waited.done.set()
+            waited = None
+
+
+class Waited:
+    """Work being waited in a `Waiter`'s thread, polled as a work handle is (`wait(timeout)`, `is_completed`)."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        return self.done.is_set()
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        if not self.done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError("timed out waiting for the point-to-point exchange")
+        if self.error is not None:
+            raise self.error
 
 
 def _landed(work, seconds: float) -> bool:

@@ -72,7 +72,7 @@ class Hops:
         make = partial(Comm.create, recorder=comm.recorder, timeout_s=comm.timeout_s,
                        rank_check_timeout_s=comm.rank_check_timeout_s)
         node, cross = make(topology.node_group, scope="node"), make(topology.cross_node_group, scope="cross_node")
-        node.check_order = cross.check_order = comm.check_order
+        node.trace = cross.trace = comm.trace  # one record of the rank's collectives, checked at the step check
         return cls(node, cross)
 
     @property
@@ -162,4 +162,4 @@ def _hop(comm: Comm, rows: torch.Tensor, codec: BlockCodec, what: str, hop: str)
     received = torch.empty_like(sent)
     call = partial(dist.all_to_all_single, received, sent, group=comm.group, async_op=True)
     algorithm = _named("all_to_all+sum", encoding(codec)) + f", qgZ {hop}"
-    return _launch(comm, "reduce_scatter", sent.numel(), algorithm, call, True, what), received
+    return _launch(comm, "reduce_scatter", sent.numel(), algorithm, call, True, f"{what} (qgZ {hop})"), received

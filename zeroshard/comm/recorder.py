@@ -18,12 +18,11 @@ from typing import Literal
 # Where a comm's group lies (`Comm.scope`): inside one node, or across nodes.
 Scope = Literal["node", "cross_node"]
 
-# order_check: stage 3 on gloo agrees on each collective before running it (comm/stall.py).
 # object_gather: all_gather_object of small picklable objects (checks that ranks agree), bytes pickled.
 # step_check: before each optimizer step, an all-gather of each rank's few figures (norm, flag, counters).
 # fault_check: after work that may fail on one rank alone (offload's disk I/O), an all-gather of a flag per rank.
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "order_check", "object_gather",
-       "step_check", "fault_check")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "object_gather", "step_check",
+       "fault_check")
 
 
 @dataclass

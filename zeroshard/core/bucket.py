@@ -24,11 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from zeroshard.comm import Comm, Pending, Qgz, all_gather, all_reduce, reduce_scatter
 from zeroshard.core.flat import FlatParams
-from zeroshard.core.local import local_grad
+from zeroshard.core.local import is_dtensor, local_grad
 from zeroshard.core.precision import Precision
 from zeroshard.core.staging import StagingPool
 from zeroshard.core.grad_on_disk import GradOnDisk
@@ -149,7 +148,7 @@ class Bucket:
         if self.full_grad is None:
             return
         for p, view in zip(self.params, self.flat.views(self.full_grad)):
-            if isinstance(p, DTensor):
+            if is_dtensor(p):
                 continue
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                 p.grad = view

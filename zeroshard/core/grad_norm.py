@@ -1,12 +1,18 @@
 """The step check: before each optimizer step the ranks agree, in one collective, on the gradients and counters.
 
-Each rank sends four float64 figures, all-gathered (`comm.step_check`): the
+Each rank sends five float64 figures, all-gathered (`comm.step_check`): the
 sum of squares of its reduced gradients, whether any of them is inf or nan,
-its `global_steps` and its `micro_steps`. From every rank's row, every rank
-takes the same decisions:
+its `global_steps`, its `micro_steps`, and the running checksum of the
+collectives it ran (`comm.trace.digest`, comm/stall.py). From every rank's
+row, every rank takes the same decisions:
 
 - the ranks' counters differ: `CollectiveError` (they would reduce
   gradients of different steps into one update);
+- the ranks' checksums differ: they ran different collectives (gathered
+  another unit than their peers, of the same size or not), so what they
+  reduced is not what they meant to: `CollectiveError` naming the first
+  collective that differs, found by comparing the ranks' rings of recent
+  collectives through the store; nothing is updated;
 - some rank's gradients are non-finite: the step is not applied (the engine
   skips it, or raises `NonFiniteError`);
 - else the global L2 norm, as `torch.nn.utils.clip_grad_norm_` computes it on
@@ -26,11 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.comm import CollectiveError, Comm, step_check
+from zeroshard.comm import CollectiveError, Comm, divergence, step_check
 from zeroshard.config.schema import NonFiniteConfig
 from zeroshard.errors import ZeroshardError
 
-_SQUARES, _NONFINITE, _GLOBAL_STEPS, _MICRO_STEPS = range(4)  # the columns of a rank's row
+_SQUARES, _NONFINITE, _GLOBAL_STEPS, _MICRO_STEPS, _RECORD = range(5)  # the columns of a rank's row
 
 
 class NonFiniteError(ZeroshardError, FloatingPointError):
@@ -47,7 +53,8 @@ class StepCheck:
 
 
 def check_step(norms: list[torch.Tensor], comm: Comm, global_steps: int, micro_steps: int,
-               loss_scale: float = 1.0, device: torch.device | None = None) -> StepCheck:
+               loss_scale: float = 1.0, device: torch.device | None = None, record: Comm | None = None,
+               peers: list[list[int]] | None = None) -> StepCheck:
     """Exchange this rank's figures with every rank (one collective) and agree on the step.
 
     `norms`: the L2 norms (`torch._foreach_norm`) of this rank's disjoint part
@@ -56,16 +63,21 @@ def check_step(norms: list[torch.Tensor], comm: Comm, global_steps: int, micro_s
     gradient, so that the ranks split the work there too. The squares are
     summed over ranks, on `device` (the training device: NCCL's collectives take no host tensor,
     and offloaded gradients' norms are on the host). Raises `CollectiveError`, on every rank, if the
-    ranks' counters differ.
+    ranks' counters differ, or their records of the collectives they ran: `record`'s (default `comm`),
+    compared among each group of `peers` (ranks of `comm`; default: all of them), the ranks that run the
+    same collectives (a mesh's data-parallel groups).
     """
     device = device or (norms[0].device if norms else torch.device("cpu"))
     squares = torch.zeros((), dtype=torch.float64, device=device)
     if norms:
         squares = torch.stack([n.to(device) for n in norms]).double().square().sum()
-    counters = torch.tensor([global_steps, micro_steps], dtype=torch.float64, device=device)
+    # The checksum is below 2**32: exact in float64.
+    record = record or comm
+    counters = torch.tensor([global_steps, micro_steps, record.trace.digest], dtype=torch.float64, device=device)
     mine = torch.cat([squares.reshape(1), torch.isfinite(squares).logical_not().double().reshape(1), counters])
     rows = step_check(comm, mine).cpu().tolist()
     _check_counters(rows)
+    _check_records(rows, comm.rank, record, peers or [list(range(len(rows)))])
     nonfinite = tuple(rank for rank, row in enumerate(rows) if row[_NONFINITE])
     if nonfinite:
         return StepCheck(math.inf, nonfinite)
@@ -83,6 +95,17 @@ def _check_counters(rows: list[list[float]]) -> None:
         "would be averaged across different steps. Every rank must run the same number of engine.backward() "
         "and engine.step() calls (give each rank the same number of batches: drop the last uneven batch, or "
         "stop every rank together), and load the same checkpoint on every rank; restart from a checkpoint")
+
+
+def _check_records(rows: list[list[float]], rank: int, record: Comm, peers: list[list[int]]) -> None:
+    differ = [group for group in peers if len({rows[r][_RECORD] for r in group}) > 1]
+    if not differ:
+        return
+    when = "at the step check the ranks found that they ran different collectives; no update was applied on any rank"
+    if any(rank in group for group in differ):
+        raise divergence(record, when)
+    raise CollectiveError(f"{when}: ranks {differ[0]} did (their errors name the first collective that differs). "
+                          "Every rank must run the same collectives in the same order; restart from a checkpoint")
 
 
 def clip_coefficient(norm: float, max_norm: float) -> float:

@@ -96,8 +96,6 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
         torch.cuda.set_device(device)
     comm = Comm.create(group, CommRecorder(), config.collective_timeout, config.rank_check_timeout,
                        scope=declared_scope(group, config.zero_optimization.ranks_per_node))
-    # Ranks running different units would make gloo abort on a message size: check first.
-    comm.check_order = config.stage == 3 and dist.get_backend(group) == "gloo"
     switches = StageSwitches.for_stage(config.stage)
     groups = trainable_groups(model, optimizer)  # before any change: a failure leaves all as it was
     check_ranks_agree(comm, model, optimizer, config.to_dict())

@@ -56,7 +56,6 @@ from zeroshard.engine.state import EngineStateError, TrainingState
 from zeroshard.engine.validate import check_mesh_config
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload import OffloadError
-from zeroshard.parallel.cross import CrossParallel
 from zeroshard.parallel.mesh import Mesh
 from zeroshard.stage3.gathered import full_state_dict
 
@@ -88,8 +87,11 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.mesh = mesh
         check_mesh_config(mesh, config, init, model)
         # Before the flat buffers: ties start every stage's copy from the lowest stage's values.
-        self.cross = CrossParallel(mesh, model, tied or {}, config.collective_timeout, config.rank_check_timeout) \
-            if mesh is not None else None
+        self.cross = None
+        if mesh is not None:  # imported here: `import zeroshard` stays free of torch.distributed.tensor (0.7 s)
+            from zeroshard.parallel.cross import CrossParallel
+
+            self.cross = CrossParallel(mesh, model, tied or {}, config.collective_timeout, config.rank_check_timeout)
         parts = build(model, optimizer, config, mesh.group("dp") if mesh else group, init, self._on_grad,
                       grads_on_disk=mesh is None and not config.zero_optimization.offload_optimizer.delayed_update)
         if compiled_call is not None:  # compiled in place once built: a failed build leaves the module as it was
@@ -253,7 +255,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
                      if tiers.grad_swaps else tiers.gradients())
             check = check_step(self._grad_norms(grads), self.cross.world if self.cross else self.comm,
                                self.global_steps, self.micro_steps, self.loss_scale * self._grad_divisor,
-                               self._device)
+                               self._device, self.comm, self.cross.dp_groups() if self.cross else None)
             self.global_grad_norm = check.norm
             if check.nonfinite_ranks:
                 self._skip_step(check)

@@ -9,11 +9,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from zeroshard.comm.group import LaunchError
 from zeroshard.config import ConfigError
-from zeroshard.core.local import local
+from zeroshard.core.local import is_dtensor, local
 from zeroshard.core.optim import OptimizerError, check_elementwise, is_fresh
 from zeroshard.dtypes import NAMES, torch_name
 from zeroshard.errors import ModelError
@@ -80,7 +79,7 @@ def check_mesh_arguments(mesh, group, tied) -> None:
 
 def check_mesh_config(mesh, config, init, model: nn.Module) -> None:
     """DTensor parameters need the mesh their tp is part of; what does not compose with tp or pp yet is refused."""
-    foreign = [n for n, p in model.named_parameters() if isinstance(p, DTensor)
+    foreign = [n for n, p in model.named_parameters() if is_dtensor(p)
                and (mesh is None or p.device_mesh != mesh.device_mesh["tp"])]
     if foreign:
         raise ModelError(f"parameters {foreign[:3]} are DTensors{' of another device mesh' if mesh else ''}: tensor "

@@ -19,8 +19,9 @@ STAGES = (0, 1, 2, 3)  # the formulas; which stages the engine runs is the engin
 # all-reduce = reduce-scatter + all-gather, hence twice the factor.
 _RING_STEPS = {"reduce_scatter": 1, "all_gather": 1, "all_to_all": 1, "all_reduce": 2}
 _FP32_BYTES = BYTES["fp32"]
-# The step check: per rank, four float64 figures (gradient squares, non-finite flag, two step counters).
-_STEP_CHECK_BYTES = 4 * 8
+# The step check: per rank, five float64 figures (gradient squares, non-finite flag, two step counters,
+# the checksum of the rank's collectives).
+_STEP_CHECK_BYTES = 5 * 8
 _ADAM_BYTES = 2 * _FP32_BYTES  # Adam's two moments, fp32 whatever the training dtype
 
 # Bytes per element of (parameters, gradients, fp32 master weights) per training dtype: 16-bit
@@ -138,7 +139,8 @@ def comm_bytes_per_step(
 
 def step_check_bytes(world_size: int) -> int:
     """Logical bytes of the step check, once per optimizer step at every stage and dtype: an all-gather
-    of four float64 figures per rank (gradient squares, non-finite flag, global step, micro-step; see
+    of five float64 figures per rank (gradient squares, non-finite flag, global step, micro-step, the
+    checksum of the collectives the rank ran; see
     zeroshard/core/grad_norm.py). Clipping and fp16's overflow test use it: no other collective."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1 rank; got {world_size}")
@@ -150,12 +152,6 @@ def fault_check_bytes(world_size: int, checks: int) -> int:
     disk I/O that may fail on one rank alone (zeroshard/core/faults.py): once per optimizer step with swap
     files, and at stage 3 before each gather of a unit whose shards are on disk (forward and backward)."""
     return 8 * world_size * checks
-
-
-def order_check_bytes(world_size: int, collectives: int) -> int:
-    """Logical bytes of stage 3's order checks on gloo: before each collective, an all-gather of
-    one 8-byte checksum per rank (see zeroshard/comm/stall.py)."""
-    return 8 * world_size * collectives
 
 
 def wire_bytes(logical: int, world_size: int, op: str) -> float:

@@ -43,6 +43,11 @@ class CrossParallel:
         self._counts = {id(p): _counts_once(p, mesh) and id(p) not in tied_elsewhere for p in model.parameters()}
         self._ranges: dict[int, list[tuple[int, int]]] = {}
 
+    def dp_groups(self) -> list[list[int]]:
+        """The data-parallel groups as lists of world ranks: the ranks that run the same collectives."""
+        ranks = self.mesh.device_mesh.mesh  # (pp, dp, tp): each coordinate's world rank
+        return ranks.transpose(1, 2).reshape(-1, ranks.shape[1]).tolist()
+
     def settle(self, param: nn.Parameter) -> None:
         """Bring a DTensor gradient to its parameter's placements, in place on `.grad`.
 
