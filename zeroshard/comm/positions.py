@@ -228,6 +228,17 @@ def _wait_slow(work, comm: Watched, number: int, grace: float) -> None:
 
 
 _IDLE_S = 0.1  # a Waiter's thread ends after this long without work (a new one starts at the next wait)
+# A Waiter's thread only blocks in a wait: 1 MiB of stack, not the default 8 MiB, which a rank capped by
+# RLIMIT_DATA (it counts thread stacks) would pay for every comm.
+_STACK_BYTES = 1 << 20
+
+
+def _start_with_small_stack(thread: threading.Thread) -> None:
+    before = threading.stack_size(_STACK_BYTES)
+    try:
+        thread.start()
+    finally:
+        threading.stack_size(before)
 
 
 class Waiter:
@@ -247,7 +258,7 @@ class Waiter:
             self._queue.put((works, timeout_s, waited))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, daemon=True, name="zeroshard-wait")
-                self._thread.start()
+                _start_with_small_stack(self._thread)
         return waited
 
     def _run(self) -> None:
