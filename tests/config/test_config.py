@@ -61,6 +61,10 @@ DEFAULTS = {
     "fp16": {"enabled": False, "loss_scale": 0.0, "initial_scale_power": 16, "loss_scale_window": 1000,
              "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1.0},
     "communication_data_type": None,
+    "communication_compression": {
+        "gradients": {"codec": "none", "block_size": 128, "hadamard": None, "error_feedback": True,
+                      "hierarchical": False, "rank": 4, "start_step": 10, "warm_start": True},
+        "parameters": {"codec": "none", "block_size": 128, "hadamard": None}},
     "dataloader_drop_last": False,
     "checkpoint": {"tag_validation": "Warn", "async_save": False},
     "non_finite": {"action": "skip", "max_consecutive_skips": 10},

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from zeroshard.config.blocks import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, OptimizerBlock, SchedulerBlock
+from zeroshard.config.compression import GradientCompression, ParameterCompression
 from zeroshard.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from zeroshard.config.schema import Bf16Config, CheckpointConfig, Config, Fp16Config, NonFiniteConfig, ZeroConfig
 
@@ -54,6 +55,10 @@ def reference() -> str:
              table("zero_optimization.offload_param", OffloadParamConfig, "zero_optimization.offload_param."),
              table("aio", AioConfig, "aio."),
              table("bf16", Bf16Config, "bf16."), table("fp16", Fp16Config, "fp16."),
+             table("communication_compression.gradients", GradientCompression,
+                   "communication_compression.gradients."),
+             table("communication_compression.parameters", ParameterCompression,
+                   "communication_compression.parameters."),
              table("non_finite", NonFiniteConfig, "non_finite."),
              table("checkpoint", CheckpointConfig, "checkpoint.")]
     seen: set[type[BaseModel]] = set()

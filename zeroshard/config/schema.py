@@ -30,9 +30,10 @@ from pydantic_core import PydanticCustomError
 
 from zeroshard.config.auto import ConfigFacts, resolve_autos
 from zeroshard.config.blocks import OptimizerBlock, SchedulerBlock, parse_block
+from zeroshard.config.compression import CompressionConfig, compression_problems
 from zeroshard.config.errors import ConfigError, ConfigWarning
 from zeroshard.config.keys import key_problems, read_json
-from zeroshard.config.offload import AioConfig
+from zeroshard.config.offload import AioConfig, raise_problems
 from zeroshard.config.offload import section as _section_or_null
 from zeroshard.config.offload_merge import OffloadArg, merge_offload_argument, merge_other_names
 from zeroshard.config.report import LoadReport
@@ -247,6 +248,11 @@ class Config(BaseModel):
             None, description=(
                 "dtype of gradient reductions: \"fp32\", or the training dtype (\"bf16\" or \"fp16\"); "
                 "null = the training dtype. DeepSpeed: communication_data_type (default null)."))
+    communication_compression: Annotated[CompressionConfig, BeforeValidator(
+        _section(CompressionConfig, '{"gradients": {"codec": "int8"}}'))] = Field(
+        default_factory=CompressionConfig,
+        description="Codecs for the gradient reductions and parameter gathers (see CompressionConfig, "
+                    "docs/compression.md). DeepSpeed: none (zeroshard only).")
     non_finite: Annotated[NonFiniteConfig, BeforeValidator(_section(NonFiniteConfig, '{"action": "skip"}'))] = Field(
         default_factory=NonFiniteConfig,
         description="What a step whose gradients hold inf or nan does, in fp32 and bf16 (see "
@@ -272,6 +278,15 @@ class Config(BaseModel):
                 "zeroshard", "non_finite.action \"error\" does not apply with fp16.enabled: fp16's loss scaler "
                 "overflows by design while it finds its scale, and skips those steps itself (LossScaleError at "
                 "min_loss_scale). Remove non_finite.action, or train in bf16 to stop at the first inf or nan")
+        return self
+
+    @model_validator(mode="after")
+    def _compression_fits(self) -> Config:
+        zero = self.zero_optimization
+        zeropp = {"zero_quantized_gradients": zero.zero_quantized_gradients,
+                  "zero_quantized_weights": zero.zero_quantized_weights}
+        problems = compression_problems(self.communication_compression, zero.stage, zero.reduce_scatter, zeropp)
+        raise_problems("Config", [(("communication_compression",), problem) for problem in problems])
         return self
 
     @property
