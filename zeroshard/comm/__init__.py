@@ -1,4 +1,4 @@
-"""Communication: process groups, recorded collectives, and ZeRO++'s quantized ones (qwZ, qgZ)."""
+"""Communication: process groups, recorded collectives, and quantized ones (compressed reductions, qwZ, qgZ)."""
 
 from zeroshard.comm.collectives import (
     Algorithms,
@@ -16,13 +16,15 @@ from zeroshard.comm.collectives import (
     wait_all,
 )
 from zeroshard.comm.group import ensure_process_group
-from zeroshard.comm.qgz import Hops, HopsPending, Qgz, qgz_reduce_scatter
+from zeroshard.comm.compressed import CompressedReduction, ErrorFeedback
+from zeroshard.comm.qgz import Hops, HopsPending, qgz_reduce_scatter
+from zeroshard.comm.quantize import BlockCodec
 from zeroshard.comm.qwz import qwz_all_gather
 from zeroshard.comm.recorder import OPS, CommRecorder, OpStats
 from zeroshard.comm.stall import CollectiveError
 
 __all__ = [
-    "OPS", "Algorithms", "CollectiveError", "Comm", "CommRecorder", "Hops", "HopsPending", "OpStats", "Pending",
-    "PendingGroup", "Qgz", "all_gather", "all_gather_object", "all_reduce", "broadcast", "divergence",
+    "OPS", "Algorithms", "BlockCodec", "CollectiveError", "Comm", "CommRecorder", "CompressedReduction",
+    "ErrorFeedback", "Hops", "HopsPending", "OpStats", "Pending", "PendingGroup", "all_gather", "all_gather_object", "all_reduce", "broadcast", "divergence",
     "ensure_process_group", "fault_check", "qgz_reduce_scatter", "qwz_all_gather", "reduce_scatter", "step_check", "wait_all",
 ]

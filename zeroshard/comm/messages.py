@@ -17,8 +17,20 @@ import torch.nn.functional as F
 from zeroshard.comm.quantize import SCALE_DTYPE, BlockCodec, Quantized, dequantize, quantize
 
 
-def encode_rows(rows: torch.Tensor, codec: BlockCodec) -> torch.Tensor:
-    """(m, L) floating-point values as (m, message_bytes(L)) uint8: each row's scales, then its payload."""
+def encode_rows(rows: torch.Tensor, codec: BlockCodec, error: torch.Tensor | None = None) -> torch.Tensor:
+    """(m, L) floating-point values as (m, message_bytes(L)) uint8: each row's scales, then its payload.
+
+    With `error` ((m, L) fp32, error feedback), the rows sent are `rows + error`, and `error` becomes what
+    that message left out: `rows + error - decoded`, which the next message adds back. A block that held
+    inf or nan (a step about to be skipped) leaves zeros there, not a residual that would poison every
+    later message.
+    """
+    if error is not None:
+        fed = rows.float() + error
+        encoded = encode_rows(fed, codec)
+        torch.sub(fed, decode_rows(encoded, fed.shape[1], codec), out=error)
+        error.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        return encoded
     m, length = rows.shape
     blocks = codec.blocks(length)
     padded = F.pad(rows, (0, blocks * codec.block_size - length))  # rows of whole blocks: no block spans two

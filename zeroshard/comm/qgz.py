@@ -51,10 +51,16 @@ from zeroshard.estimate.formulas import shard_numel
 
 @dataclass(frozen=True)
 class Hops:
-    """The two comms of qgZ for this rank: its node (hop 1) and its peers on the other nodes (hop 2)."""
+    """The two comms of qgZ for this rank: its node (hop 1) and its peers on the other nodes (hop 2); or
+    one hop over the whole group (`flat`: no cross-node comm, K = 1), a flat compressed reduce-scatter."""
 
     node: Comm  # D ranks, group rank = local index
-    cross_node: Comm  # K ranks, group rank = node
+    cross_node: Comm | None  # K ranks, group rank = node; None: one hop
+
+    @classmethod
+    def flat(cls, comm: Comm) -> "Hops":
+        """One hop: every rank sends each peer its chunk, quantized, and sums what it receives."""
+        return cls(comm, None)
 
     @classmethod
     def create(cls, comm: Comm, topology: Topology) -> "Hops":
@@ -76,20 +82,19 @@ class Hops:
         return cls(node, cross)
 
     @property
+    def nodes(self) -> int:
+        return 1 if self.cross_node is None else self.cross_node.world_size
+
+    @property
     def world_size(self) -> int:
-        return self.node.world_size * self.cross_node.world_size
+        return self.node.world_size * self.nodes
 
-
-@dataclass(frozen=True)
-class Qgz:
-    """qgZ as a bucket uses it: the hops and how gradients travel."""
-
-    hops: Hops
-    codec: BlockCodec
-
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor, what: str = "") -> "HopsPending":
-        """`qgz_reduce_scatter` over these hops: the mean over all N ranks, not the sum."""
-        return qgz_reduce_scatter(self.hops, shard, full, self.codec, what=what)
+    def error_shapes(self, numel: int) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """The (rows, S) shapes of this rank's messages at hop 1 and hop 2 (None: a hop that sends nothing)
+        for a tensor of `numel` elements: what an error feedback per hop holds."""
+        n, d, k = self.world_size, self.node.world_size, self.nodes
+        size = shard_numel(numel, n)
+        return ((n, size) if d > 1 else None), ((k, size) if k > 1 else None)
 
 
 class HopsPending(Landing):
@@ -116,14 +121,16 @@ class HopsPending(Landing):
 
 
 def qgz_reduce_scatter(hops: Hops, shard: torch.Tensor, full: torch.Tensor, codec: BlockCodec,
-                       async_op: bool = True, what: str = "") -> HopsPending:
+                       async_op: bool = True, what: str = "",
+                       errors: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)) -> HopsPending:
     """This rank's chunk of the mean over all N ranks of `full` (any shape, floating), into `shard`.
 
     `full` is read flattened and zero-padded to N x S elements, S =
     ceil(numel / N) = `shard.numel()` (1-D, any floating dtype: the mean is
-    computed in fp32 and cast once). `full` is read at the call.
+    computed in fp32 and cast once). `full` is read at the call. `errors`:
+    the error feedback of hop 1 and hop 2 (`Hops.error_shapes`), or None.
     """
-    n, d, k = hops.world_size, hops.node.world_size, hops.cross_node.world_size
+    n, d, k = hops.world_size, hops.node.world_size, hops.nodes
     size = shard_numel(full.numel(), n)
     if not full.is_floating_point() or shard.dim() != 1 or shard.numel() != size:
         raise CodecError(f"qgZ reduces a floating-point tensor of {full.numel()} elements ({full.dtype}) over "
@@ -139,7 +146,7 @@ def qgz_reduce_scatter(hops: Hops, shard: torch.Tensor, full: torch.Tensor, code
         if k == 1:
             finish(partials[0])
             return None
-        pending, received = _hop(hops.cross_node, partials, codec, what, "hop 2")
+        pending, received = _hop(hops.cross_node, partials, codec, what, "qgZ hop 2", errors[1])
         return pending.then(lambda: finish(decode_rows(received, size, codec).sum(0)))
 
     def node_sums() -> torch.Tensor:  # hop 1 landed: (D senders, K chunks, S) summed over the senders
@@ -148,18 +155,20 @@ def qgz_reduce_scatter(hops: Hops, shard: torch.Tensor, full: torch.Tensor, code
     if d == 1:  # no hop 1: hop 2 starts now, from this rank's own chunks
         result = HopsPending(second(by_peer.float()), None)
     else:
-        pending, received = _hop(hops.node, by_peer, codec, what, "hop 1")
+        pending, received = _hop(hops.node, by_peer, codec, what, "qgZ hop 1" if k > 1 else "", errors[0])
         result = HopsPending(pending, lambda: second(node_sums()))
     if not async_op:
         result.wait()
     return result
 
 
-def _hop(comm: Comm, rows: torch.Tensor, codec: BlockCodec, what: str, hop: str):
+def _hop(comm: Comm, rows: torch.Tensor, codec: BlockCodec, what: str, hop: str, error: torch.Tensor | None):
     """Launch the all-to-all of `rows` (W x m rows of `size` values, m for each of the W ranks) as quantized
-    messages; returns its pending and the buffer that receives W x m encoded rows, by sender."""
-    sent = encode_rows(rows, codec)
+    messages (`error`: their error feedback); returns its pending and the buffer that receives W x m encoded
+    rows, by sender. `hop`: its name in the record ("" for the one hop of a flat reduce-scatter)."""
+    sent = encode_rows(rows, codec, error)
     received = torch.empty_like(sent)
     call = partial(dist.all_to_all_single, received, sent, group=comm.group, async_op=True)
-    algorithm = _named("all_to_all+sum", encoding(codec)) + f", qgZ {hop}"
-    return _launch(comm, "reduce_scatter", sent.numel(), algorithm, call, True, f"{what} (qgZ {hop})"), received
+    algorithm = _named("all_to_all+sum", encoding(codec)) + (f", {hop}" if hop else "")
+    label = f"{what} ({hop})" if hop else what
+    return _launch(comm, "reduce_scatter", sent.numel(), algorithm, call, True, label), received

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.comm import Comm, Pending, Qgz, all_gather, all_reduce, reduce_scatter
+from zeroshard.comm import BlockCodec, Comm, CompressedReduction, Pending, all_gather, all_reduce, qwz_all_gather
+from zeroshard.comm import reduce_scatter
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import is_dtensor, local_grad
 from zeroshard.core.precision import Precision
@@ -72,14 +73,16 @@ class Bucket:
     """
 
     def __init__(self, flat: FlatParams, switches: StageSwitches, use_reduce_scatter: bool, param_group: int,
-                 name: str = "", precision: Precision = FP32, accumulation: int = 1, qgz: Qgz | None = None,
+                 name: str = "", precision: Precision = FP32, accumulation: int = 1,
+                 compressed: CompressedReduction | None = None, weights: BlockCodec | None = None,
                  offload: bool = False, own_master: bool = False):
         """`offload`: the master, its fp32 gradient and the optimizer state live in host memory (or, moved
         there by `OptimizerTiers`, on disk): the master is an fp32 tensor of its own on the CPU even in fp32
         training, and the reduced gradient shard is summed there in fp32 (`host_grad` at stage 1).
         `own_master`: never share the parameters' storage (stage 3's shards offloaded, fp32 master kept)."""
         self.flat = flat
-        self.qgz = qgz  # stage 3 with ZeRO++: gradients reduced by qgZ's two quantized hops
+        self.compressed = compressed  # gradients travel quantized (communication_compression, ZeRO++'s qgZ)
+        self.weights = weights  # stages 1-2: the updated shards travel quantized (communication_compression)
         self.name = name  # for messages: "bucket 3", "unit 'blocks.1', param group 0"
         self.switches = switches
         self.use_reduce_scatter = use_reduce_scatter  # false: all-reduce + slice, for comparison
@@ -116,6 +119,8 @@ class Bucket:
                 self.host_grad = torch.zeros(flat.shard_numel, dtype=precision.master_dtype, device="cpu")
         self._staged = [False] * len(flat.params)  # stage 2: slots of `staging` holding this micro-step
         self._accumulated = False  # stage 2: grad_shard already holds part of this window
+        self.feedback = None if compressed is None else compressed.feedback_for(
+            flat.padded_numel, all_reduce=not switches.shard_optimizer, device=flat.device)
         self.on_disk: GradOnDisk | None = None  # stages 2-3, the master on disk: grad_shard too (`swap_grads`)
 
     def _init_master(self) -> torch.Tensor:
@@ -191,6 +196,8 @@ class Bucket:
         if self.switches.shard_grads:
             return self._reduce_staged(comm, pool, scale)
         buffer = self._reduce_input()
+        if self.compressed is not None:
+            return self._reduce_compressed(buffer, scale * comm.world_size)
         before, after = self.precision.reduce_factors(comm.world_size, scale)
         if before != 1.0:
             buffer.mul_(before)
@@ -203,6 +210,15 @@ class Bucket:
         else:
             pending = all_reduce(comm, buffer, what=self.name)
         return pending.then(lambda: self.grad_shard.mul_(after))
+
+    def _reduce_compressed(self, buffer: torch.Tensor, after: float) -> Pending:
+        """Stages 0-1: the mean over the ranks, quantized on the wire (`CompressedReduction`), times `after`."""
+        if not self.switches.shard_optimizer:
+            pending, result = self.compressed.all_reduce(buffer, self.feedback, self.name), buffer
+        else:
+            pending = self.compressed.reduce_scatter(self.grad_shard, buffer, self.feedback, self.name)
+            result = self.grad_shard
+        return pending.then(lambda: result.mul_(after)) if after != 1.0 else pending
 
     def _reduce_input(self) -> torch.Tensor:
         """Stages 0-1: the window's local gradient sum, in the reduce dtype, in the buffer `grad_shard` views."""
@@ -222,16 +238,16 @@ class Bucket:
 
     def _reduce_staged(self, comm: Comm, pool: StagingPool, scale: float) -> Pending:
         staging = self._staging_with_zeros(pool)
-        # qgZ sums in fp32 and returns the mean itself: no pre-scaling, and N x scale after.
-        before, after = (1.0, scale * comm.world_size) if self.qgz else self.precision.reduce_factors(
+        # A compressed reduction sums in fp32 and returns the mean itself: no pre-scaling, and N x scale after.
+        before, after = (1.0, scale * comm.world_size) if self.compressed else self.precision.reduce_factors(
             comm.world_size, scale)
         if before != 1.0:
             staging.mul_(before)
         direct = (self.on_disk is None and not self._accumulated  # reduce straight into grad_shard
                   and self.grad_shard.dtype == staging.dtype and self.grad_shard.device == staging.device)
         out = self.grad_shard if direct else pool.acquire(self.flat.shard_numel, staging.dtype, staging.device)
-        if self.qgz is not None:
-            pending = self.qgz.reduce_scatter(out, staging, what=self.name)
+        if self.compressed is not None:
+            pending = self.compressed.reduce_scatter(out, staging, self.feedback, what=self.name)
         elif self.use_reduce_scatter:
             scratch = self._scratch(comm, pool)
             pending = reduce_scatter(comm, out, staging, scratch, what=self.name)
@@ -350,7 +366,10 @@ class Bucket:
         return self.flat.shard(self.flat.data) if self.switches.shard_optimizer else self.flat.data
 
     def gather_params(self, comm: Comm) -> Pending:
-        """All-gather the updated shards into the full flat buffer (stages 1-2)."""
+        """All-gather the updated shards into the full flat buffer (stages 1-2); with `weights`, quantized, and
+        every rank (this one too, for its own shard) takes the dequantized values: the master stays exact."""
+        if self.weights is not None:
+            return qwz_all_gather(comm, self.flat.data, self._own_params(), self.weights, what=self.name)
         return all_gather(comm, self.flat.data, what=self.name)
 
     def zero_grad(self, pool: StagingPool) -> None:

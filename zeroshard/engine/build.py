@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zeroshard.comm import Comm, CommRecorder, Hops, Qgz, all_gather_object, broadcast, ensure_process_group
-from zeroshard.comm.quantize import BlockCodec
-from zeroshard.comm.topology import build_topology, declared_scope
+from zeroshard.comm import Comm, CommRecorder, all_gather_object, broadcast, ensure_process_group
+from zeroshard.comm.topology import declared_scope
 from zeroshard.config import Config
 from zeroshard.core.bucket import Bucket, StageSwitches
 from zeroshard.core.bucketing import bucket_params
@@ -32,6 +31,7 @@ from zeroshard.core.staging import StagingPool
 from zeroshard.engine.agreement import check_ranks_agree
 from zeroshard.engine.memory_fit import check_states_fit
 from zeroshard.engine.offload import Offload, OffloadBuild, offload_choice
+from zeroshard.engine.wire import Wire, wire
 from zeroshard.engine.validate import check_device_matches_group, check_model, device_of, mark_wrapped, trainable_groups
 from zeroshard.stage3.gathered import Placement, place
 from zeroshard.stage3.gathers import Gathers
@@ -127,14 +127,14 @@ def _build_flats(model: nn.Module, optimizer: torch.optim.Optimizer, groups: lis
     names = {id(p): name for name, p in model.named_parameters()}
     units, schedule = [], None
     choose = offload_choice(config, sum(local(p).numel() for g in groups for p in g))
+    codecs = wire(comm, config)
     if switches.shard_params:
-        gathers, qgz = zeropp(comm, config)
         built = ((lambda unit: agreed(comm, lambda: stream.unit_built(unit), _SETUP, device))
                  if stream.streams else None)
-        units, schedule = _build_units(model, groups, config, gathers, qgz, precision, materialize, choose, built)
+        units, schedule = _build_units(model, groups, config, comm, codecs, precision, materialize, choose, built)
         buckets = [b for unit in units for b in unit.buckets]
     else:
-        buckets = _build_buckets(model, groups, config, comm, precision, switches, choose)
+        buckets = _build_buckets(model, groups, config, comm, codecs, precision, switches, choose)
     if precision.mixed:  # frozen parameters and buffers; the buckets' parameters already are (left untouched:
         dtype = precision.param_dtype  # a DTensor's .to() would replace even a tensor of the right dtype)
         model._apply(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
@@ -146,46 +146,30 @@ def _build_flats(model: nn.Module, optimizer: torch.optim.Optimizer, groups: lis
     return names, units, schedule, buckets, pool
 
 
-def _build_buckets(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, comm: Comm,
+def _build_buckets(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, comm: Comm, codecs: Wire,
                    precision: Precision, switches: StageSwitches, offload: Callable[[int], bool]) -> list[Bucket]:
     """Stages 0-2: size buckets in backward order, started from rank 0's values."""
     zero = config.zero_optimization
     buckets = bucket_params(model, groups, min(zero.reduce_bucket_size, zero.allgather_bucket_size))
     flats = [FlatParams(b.params, comm.world_size, comm.rank) for b in buckets]
     broadcast_from_rank0(comm, model, flats)  # in the model's dtype: masters start from these values
+    # Quantized gathers after the step dequantize into the parameters: the master must be a copy of its own.
+    weights = codecs.weights if switches.shard_optimizer else None
     return [Bucket(flat, switches, zero.reduce_scatter, b.group, f"bucket {i}", precision,
-                   config.gradient_accumulation_steps, offload=offload(flat.numel))
+                   config.gradient_accumulation_steps, codecs.gradients, weights, offload=offload(flat.numel),
+                   own_master=weights is not None)
             for i, (flat, b) in enumerate(zip(flats, buckets))]
 
 
-def zeropp(comm: Comm, config: Config) -> tuple[Gathers, Qgz | None]:
-    """Stage 3's gathers and gradient reduction, with the ZeRO++ parts the config switches on.
-
-    hpZ and qgZ need the node topology (a collective over the default group); qwZ alone does not.
-    """
-    zero = config.zero_optimization
-    block, compiled = zero.zeropp_block_size, zero.zeropp_compile_quantizers
-    # Only what travels is quantized: with one rank nothing does, and qwZ would only round the weights.
-    weights = BlockCodec(8, block, compiled=compiled) if zero.zero_quantized_weights and comm.world_size > 1 else None
-    if zero.zero_hpz_partition_size == 1 and not zero.zero_quantized_gradients:
-        return Gathers(comm, weights), None
-    hops = Hops.create(comm, build_topology(comm.group, zero.ranks_per_node))
-    node = hops.node if zero.zero_hpz_partition_size > 1 else None
-    qgz = None
-    if zero.zero_quantized_gradients:
-        qgz = Qgz(hops, BlockCodec(zero.zeropp_gradient_bits, block, zero.gradient_hadamard, compiled))
-    return Gathers(comm, weights, node), qgz
-
-
-def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, gathers: Gathers,
-                 qgz: Qgz | None, precision: Precision, materialize: Materializer | None,
+def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, comm: Comm, codecs: Wire,
+                 precision: Precision, materialize: Materializer | None,
                  offload: Callable[[int], bool], built: Callable[[Unit], None] | None = None,
                  ) -> tuple[list[Unit], GatherSchedule]:
     """Stage 3: plan the units, then flatten, broadcast and shard them one by one (`built(unit)` after each)."""
-    zero, comm = config.zero_optimization, gathers.comm
+    zero, gathers = config.zero_optimization, Gathers(comm, codecs.weights, codecs.node)
     plans = plan_units(model, unit_modules(model, zero.stage3_wrap_classes, zero.stage3_auto_wrap_min_params))
     units = build_units(plans, groups, comm, zero.stage3_param_persistence_threshold, materialize, precision,
-                        config.gradient_accumulation_steps, zero.reduce_scatter, qgz, offload,
+                        config.gradient_accumulation_steps, zero.reduce_scatter, codecs.gradients, offload,
                         own_master=zero.offload_param.device != "none", built=built)
     if materialize:  # modules that hold buffers but no parameters
         materialize([m for m in model.modules() if any(b.is_meta for b in m.buffers(recurse=False))], [])

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from zeroshard.comm import Comm, PendingGroup, Qgz, broadcast
+from zeroshard.comm import Comm, CompressedReduction, PendingGroup, broadcast
 from zeroshard.core.bucket import FP32, Bucket, StageSwitches
 from zeroshard.core.faults import agreed
 from zeroshard.core.flat import FlatParams
@@ -160,7 +160,8 @@ class Unit:
 def build_units(
     plans: list[UnitPlan], groups: list[list[nn.Parameter]], comm: Comm, persistence_threshold: int,
     materialize: Materializer | None = None, precision: Precision = FP32, accumulation: int = 1,
-    use_reduce_scatter: bool = True, qgz: Qgz | None = None, offload: Callable[[int], bool] = lambda numel: False,
+    use_reduce_scatter: bool = True, compressed: CompressedReduction | None = None,
+    offload: Callable[[int], bool] = lambda numel: False,
     own_master: bool = False, built: Callable[[Unit], None] | None = None,
 ) -> list[Unit]:
     """Flatten each planned unit's parameters, start them from rank 0's values, and shard them.
@@ -168,8 +169,8 @@ def build_units(
     Units are built one after another, so at most one unit's full buffer
     exists beside the model's original parameters; for a model on the meta
     device, `materialize` initialises each unit in its buffer, so no rank
-    ever holds more than one unit of the full model. `qgz`: ZeRO++'s gradient
-    reduction for the sharded buckets (persistent ones reduce plainly). `offload(numel)`: whether a
+    ever holds more than one unit of the full model. `compressed`: the quantized
+    gradient reduction for the sharded buckets (persistent ones, small, reduce exactly). `offload(numel)`: whether a
     bucket's master and optimizer state go to the host (`Bucket`'s `offload`); `own_master`: the
     parameter shards are offloaded, so no master may share their storage. `built(unit)` runs after each
     unit is made, before the next (offload moves its shards out of memory there).
@@ -183,14 +184,15 @@ def build_units(
         if materialize:
             materialize(plan.owners, plan.params)
         units.append(_shard_parts(plan.name, plan.module, parts, comm, precision, accumulation, use_reduce_scatter,
-                                  qgz, offload, own_master))
+                                  compressed, offload, own_master))
         if built is not None:
             built(units[-1])
     return units
 
 
 def _shard_parts(name: str, module: nn.Module, parts, comm: Comm, precision: Precision, accumulation: int,
-                 use_reduce_scatter: bool, qgz: Qgz | None, offload: Callable[[int], bool], own_master: bool) -> Unit:
+                 use_reduce_scatter: bool, compressed: CompressedReduction | None, offload: Callable[[int], bool],
+                 own_master: bool) -> Unit:
     """Broadcast rank 0's values of each flat buffer, then keep only what this rank holds.
 
     In the model's dtype: fp32 masters start from the model's own values, and
@@ -209,6 +211,6 @@ def _shard_parts(name: str, module: nn.Module, parts, comm: Comm, precision: Pre
             switches = StageSwitches.for_stage(2 if persistent else 3)
             kind = "persistent parameters" if persistent else "param group"
             buckets.append(Bucket(flat, switches, use_reduce_scatter, g, f"unit '{name}', {kind} {g}", precision,
-                                  accumulation, None if persistent else qgz, offload(flat.numel),
-                                  own_master and not persistent))
+                                  accumulation, None if persistent else compressed, offload=offload(flat.numel),
+                                  own_master=own_master and not persistent))
     return Unit(name, module, buckets, frozen)
