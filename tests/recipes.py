@@ -46,6 +46,9 @@ class Case:
     ratio: float = 1.0  # offload_optimizer's ratio
     delayed: int | None = None  # offload_optimizer.delayed_update on, with this many warm-up steps
     sub_group: int | None = None  # zero_optimization.sub_group_size; None: the default (one sub-group here)
+    codec: str = "none"  # communication_compression.gradients.codec
+    feedback: bool = True  # communication_compression.gradients.error_feedback (with a codec)
+    weights_codec: str = "none"  # communication_compression.parameters.codec
 
     def config(self) -> dict:
         precision = {} if self.dtype == "fp32" else {self.dtype: {"enabled": True}}
@@ -61,7 +64,15 @@ class Case:
                 "stage3_wrap_classes": ["Block"] if self.wrap else [],
                 "stage3_param_persistence_threshold": self.persistence,
             } if self.stage == 3 else {}) | self.offload_config(),
-        }
+        } | self.compression_config()
+
+    def compression_config(self) -> dict:
+        blocks = {}
+        if self.codec != "none":
+            blocks["gradients"] = {"codec": self.codec} | ({} if self.feedback else {"error_feedback": False})
+        if self.weights_codec != "none":
+            blocks["parameters"] = {"codec": self.weights_codec}
+        return {"communication_compression": blocks} if blocks else {}
 
     def offload_config(self) -> dict:
         blocks = {} if self.sub_group is None else {"sub_group_size": self.sub_group}

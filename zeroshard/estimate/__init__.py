@@ -30,6 +30,7 @@ from zeroshard.estimate.offload import (
     pool_totals,
     ratio_numel,
 )
+from zeroshard.estimate.compression import compressed_reduction_bytes, error_feedback_bytes
 from zeroshard.estimate.summary import summarize
 from zeroshard.estimate.zeropp import (
     FROZEN,
@@ -58,7 +59,9 @@ __all__ = [
     "ZeroPP",
     "by_scope",
     "comm_bytes_per_step",
+    "compressed_reduction_bytes",
     "cross_node_bytes",
+    "error_feedback_bytes",
     "fault_check_bytes",
     "hpz_secondary_bytes",
     "largest_model",
