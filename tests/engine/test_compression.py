@@ -1,0 +1,118 @@
+"""communication_compression in the engine, at stages 0-3 on 2 ranks (and stage 2 on 4).
+
+References: the same run without compression (losses, the memory formula of
+tests/core/test_memory.py), the estimate's bytes (estimate/compression.py,
+estimate/zeropp.py) for what comm_stats() records, and the tensor storage
+the process holds for what memory_stats() reports. The convergence of
+longer runs is measured in benchmarks/compression_convergence.py.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from tests.core.test_memory import measure
+from tests.distributed import run_ranks
+from tests.recipes import Case, run_zeroshard
+from zeroshard.config import Config, ConfigError
+from zeroshard.estimate import compressed_reduction_bytes, error_feedback_bytes, qwz_all_gather_bytes
+
+STEPS = 6
+TRAINED = [Case(stage=s, optimizer="adamw1", codec=c, weights_codec=w)
+           for s in (0, 1, 2, 3) for c, w in (("none", "none"), ("int8", "none"), ("int4", "int8" if s else "none"))]
+BITS = {"int8": 8, "int4": 4}
+
+
+def _train(rank, world, device):
+    out = []
+    for case in TRAINED:
+        engine, losses = run_zeroshard(rank, world, device, case, STEPS)
+        stats = engine.comm_stats()
+        sizes = [(b.flat.padded_numel, b.compressed is not None, b.gathers_after_step) for b in engine.buckets]
+        params = torch.cat([p.detach().reshape(-1).float() for p in engine.module.parameters()])
+        out.append((losses, {op: s.bytes for op, s in stats.items()}, sizes, engine.memory_stats()["compression"],
+                    params, engine.units != []))
+    return out
+
+
+def _memory(rank, world, device):
+    return [measure(rank, world, device, Case(stage=2, optimizer="adamw", codec=codec))[1:]
+            for codec in ("none", "int8")]
+
+
+@functools.lru_cache(maxsize=None)
+def trained():
+    return run_ranks(_train, 2)
+
+
+@pytest.mark.parametrize("index", range(len(TRAINED)))
+def test_training_follows_the_uncompressed_run(index):
+    case = TRAINED[index]
+    plain = TRAINED.index(Case(stage=case.stage, optimizer="adamw1"))
+    for rank_result in trained():
+        losses, ref = rank_result[index][0], rank_result[plain][0]
+        tolerance = {"none": 0.0, "int8": 0.01, "int4": 0.03}[case.codec]
+        assert max(abs(a - b) / b for a, b in zip(losses, ref)) <= tolerance, (case, losses, ref)
+    if case.codec != "none":  # it did compress: not the exact run's numbers
+        assert trained()[0][index][0] != trained()[0][plain][0]
+    # every rank computes with the same parameters, dequantized alike when they travel quantized
+    assert torch.equal(trained()[0][index][4], trained()[1][index][4])
+
+
+@pytest.mark.parametrize("index", range(len(TRAINED)))
+def test_bytes_equal_the_estimate(index):
+    case = TRAINED[index]
+    sent, sizes, feedback, stage3 = trained()[0][index][1], trained()[0][index][2], trained()[0][index][3], \
+        trained()[0][index][5]
+    if case.codec == "none":
+        return
+    bits = BITS[case.codec]
+    reduced = {"reduce_scatter": 0, "all_gather": 0}
+    memory, exact_reduced = 0, 0
+    for numel, compressed, gathers in sizes:
+        if compressed:
+            for op, b in compressed_reduction_bytes(numel, 2, bits, 128, case.stage == 0).items():
+                reduced[op] += b
+            memory += error_feedback_bytes(numel, 2, case.stage == 0)
+        else:  # stage 3's persistent buckets reduce exactly
+            exact_reduced += 4 * numel
+    assert sent["reduce_scatter"] == STEPS * (reduced["reduce_scatter"] + exact_reduced)
+    assert sent["all_reduce"] == 0
+    assert feedback == memory > 0
+    if case.stage in (1, 2):  # the gather after the step: quantized with the parameters' codec, or exact
+        weights = sum(qwz_all_gather_bytes(numel, 2, BITS[case.weights_codec], 128)
+                      if case.weights_codec != "none" else 4 * numel for numel, _, _ in sizes)
+        assert sent["all_gather"] == STEPS * weights
+    elif case.stage == 0:
+        assert sent["all_gather"] == STEPS * reduced["all_gather"]
+    # int8 sends at most 0.27x, int4 0.14x of fp32's bytes, scales included
+    fp32 = 4 * sum(numel for numel, compressed, _ in sizes if compressed)
+    assert reduced["reduce_scatter"] <= {8: 0.27, 4: 0.14}[bits] * fp32
+    assert stage3 == (case.stage == 3)
+
+
+def test_stage2_memory_is_the_formula_plus_the_declared_feedback():
+    for rank_result in run_ranks(_memory, 2):
+        (padded, units, _, plain, held_plain), (padded2, _, _, fed, held) = rank_result
+        assert padded == padded2
+        assert {k: v for k, v in fed.items() if k not in ("compression", "staging")} == \
+            {k: v for k, v in plain.items() if k not in ("compression", "staging")}
+        assert plain["compression"] == 0 and fed["compression"] == 4 * padded  # one fp32 element per element sent
+        assert held == sum(fed.values()) and held_plain == sum(plain.values())
+
+
+@pytest.mark.parametrize("compression,zero,message", [
+    ({"gradients": {"codec": "powersgd"}}, {"stage": 2}, "PowerSGD needs every rank to hold each matrix's whole"),
+    ({"gradients": {"codec": "int8"}}, {"stage": 2, "reduce_scatter": False}, "replaces the reduce-scatter"),
+    ({"parameters": {"codec": "int8"}}, {"stage": 0}, "stage 0 gathers no parameters"),
+    ({"gradients": {"codec": "int8"}}, {"stage": 3, "zero_quantized_gradients": True}, "keep one"),
+    ({"gradients": {"codec": "int8", "rank": 2}}, {"stage": 1}, "rank: not a setting of codec 'int8'"),
+    ({"gradients": {"codec": "powersgd", "block_size": 64}}, {"stage": 1}, "block_size: not a setting"),
+    ({"gradients": {"codec": "int4", "block_size": 100}}, {"stage": 1}, "power-of-two block_size"),
+    ({"parameters": {"block_size": 64}}, {"stage": 1}, "set while codec is 'none'"),
+    ({"gradients": {"codec": "int2"}}, {"stage": 1}, "Input should be 'none', 'int8'"),
+])
+def test_impossible_settings_are_named(compression, zero, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        Config.load({"communication_compression": compression, "zero_optimization": zero})
