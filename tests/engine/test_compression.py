@@ -31,7 +31,8 @@ def _train(rank, world, device):
         stats = engine.comm_stats()
         sizes = [(b.flat.padded_numel, b.compressed is not None, b.gathers_after_step) for b in engine.buckets]
         params = torch.cat([p.detach().reshape(-1).float() for p in engine.module.parameters()])
-        out.append((losses, {op: s.bytes for op, s in stats.items()}, sizes, engine.memory_stats()["compression"],
+        out.append((losses, {op: (s.bytes, s.uncompressed) for op, s in stats.items()}, sizes,
+                    engine.memory_stats()["compression"],
                     params, engine.units != []))
     return out
 
@@ -63,9 +64,11 @@ def test_training_follows_the_uncompressed_run(index):
 @pytest.mark.parametrize("index", range(len(TRAINED)))
 def test_bytes_equal_the_estimate(index):
     case = TRAINED[index]
-    sent, sizes, feedback, stage3 = trained()[0][index][1], trained()[0][index][2], trained()[0][index][3], \
+    recorded, sizes, feedback, stage3 = trained()[0][index][1], trained()[0][index][2], trained()[0][index][3], \
         trained()[0][index][5]
+    sent = {op: b for op, (b, _) in recorded.items()}
     if case.codec == "none":
+        assert all(b == exact for b, exact in recorded.values())  # ratio 1
         return
     bits = BITS[case.codec]
     reduced = {"reduce_scatter": 0, "all_gather": 0}
@@ -89,6 +92,8 @@ def test_bytes_equal_the_estimate(index):
     # int8 sends at most 0.27x, int4 0.14x of fp32's bytes, scales included
     fp32 = 4 * sum(numel for numel, compressed, _ in sizes if compressed)
     assert reduced["reduce_scatter"] <= {8: 0.27, 4: 0.14}[bits] * fp32
+    # comm_stats()'s uncompressed bytes: the exact reduce-scatter's (fp32 buffers: 4 bytes an element)
+    assert recorded["reduce_scatter"][1] == STEPS * 4 * sum(numel for numel, _, _ in sizes)
     assert stage3 == (case.stage == 3)
 
 

@@ -234,8 +234,8 @@ def divergence(comm: Comm, when: str) -> CollectiveError:
 
 
 def _launch(comm: Comm, op: str, nbytes: int, algorithm: str, call, async_op: bool, what: str = "",
-            pollable: bool = True) -> Pending:
-    comm.recorder.record(op, nbytes, algorithm, comm.scope)
+            pollable: bool = True, uncompressed: int | None = None) -> Pending:
+    comm.recorder.record(op, nbytes, algorithm, comm.scope, uncompressed)
     label = f"{op} of {nbytes} bytes" + (f" for {what}" if what else "")
     number = comm.trace.note(label)
     start = time.perf_counter()
@@ -297,27 +297,31 @@ def reduce_scatter(
     return pending
 
 
-def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True, what: str = "", encoding: str = "") -> Pending:
+def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True, what: str = "", encoding: str = "",
+               uncompressed: int | None = None) -> Pending:
     """Fill every chunk of `full` (1-D, N equal chunks) from its rank, in place.
 
     On entry this rank's chunk holds its shard. Logical bytes: `full`.
-    `encoding` names what the chunks hold when they are encoded (qwZ's
-    quantized bytes); it is added to the recorded algorithm.
+    `encoding` names what the chunks hold when they are encoded (quantized
+    bytes); it is added to the recorded algorithm, and `uncompressed` is the
+    exact gather's bytes.
     """
     n, rank = comm.world_size, comm.rank
     nbytes = _nbytes(full)
     if n == 1:
-        return _launch(comm, "all_gather", nbytes, _named("local", encoding), _nothing, async_op, what)
+        return _launch(comm, "all_gather", nbytes, _named("local", encoding), _nothing, async_op, what,
+                       uncompressed=uncompressed)
     chunk = full.numel() // n
     if comm.algorithms.all_gather == "native":
         own = full[rank * chunk : (rank + 1) * chunk]
         call = partial(dist.all_gather_single, full, own, group=comm.group, async_op=True)
-        return _launch(comm, "all_gather", nbytes, _named("native", encoding), call, async_op, what)
+        return _launch(comm, "all_gather", nbytes, _named("native", encoding), call, async_op, what,
+                       uncompressed=uncompressed)
 
     own, chunks = full[rank * chunk : (rank + 1) * chunk], full.view(n, chunk)
     exchange = partial(_tagged_exchange, comm, lambda peer: own, lambda peer: chunks[peer])
     return _launch(comm, "all_gather", nbytes, _named("send_recv", encoding), exchange, async_op, what,
-                   pollable=False)
+                   pollable=False, uncompressed=uncompressed)
 
 
 def _tagged_exchange(comm: Comm, to: Callable[[int], torch.Tensor], into: Callable[[int], torch.Tensor]) -> list:

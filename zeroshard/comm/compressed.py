@@ -89,7 +89,8 @@ class CompressedReduction:
             gathered = torch.empty(n, message_bytes(size, self.codec), dtype=torch.uint8, device=full.device)
             error = None if feedback is None else feedback.gathered
             gathered[self.comm.rank] = encode_rows(mean.view(1, size), self.codec, error)[0]
-            pending = all_gather(self.comm, gathered.view(-1), what=what, encoding=encoding(self.codec))
+            pending = all_gather(self.comm, gathered.view(-1), what=what, encoding=encoding(self.codec),
+                                 uncompressed=full.numel() * full.element_size())
             return pending.then(lambda: full.view(n, size).copy_(decode_rows(gathered, size, self.codec,
                                                                              full.dtype)))
 

@@ -142,27 +142,31 @@ def qgz_reduce_scatter(hops: Hops, shard: torch.Tensor, full: torch.Tensor, code
     def finish(total: torch.Tensor) -> None:  # (S,) fp32, the sum over all N ranks; never `full` itself
         shard.copy_(total / n)
 
-    def second(partials: torch.Tensor) -> Pending | None:  # (K, S) fp32: this node's sums of my index's chunks
+    # The exact reduce-scatter's bytes, for the ratio: hop 1's (or the first hop's), not hop 2's too.
+    exact = full.numel() * full.element_size()
+
+    def second(partials: torch.Tensor, uncompressed: int = 0) -> Pending | None:  # (K, S) fp32: this node's sums
         if k == 1:
             finish(partials[0])
             return None
-        pending, received = _hop(hops.cross_node, partials, codec, what, "qgZ hop 2", errors[1])
+        pending, received = _hop(hops.cross_node, partials, codec, what, "qgZ hop 2", errors[1], uncompressed)
         return pending.then(lambda: finish(decode_rows(received, size, codec).sum(0)))
 
     def node_sums() -> torch.Tensor:  # hop 1 landed: (D senders, K chunks, S) summed over the senders
         return decode_rows(received, size, codec).view(d, k, size).sum(0)
 
     if d == 1:  # no hop 1: hop 2 starts now, from this rank's own chunks
-        result = HopsPending(second(by_peer.float()), None)
+        result = HopsPending(second(by_peer.float(), exact), None)
     else:
-        pending, received = _hop(hops.node, by_peer, codec, what, "qgZ hop 1" if k > 1 else "", errors[0])
+        pending, received = _hop(hops.node, by_peer, codec, what, "qgZ hop 1" if k > 1 else "", errors[0], exact)
         result = HopsPending(pending, lambda: second(node_sums()))
     if not async_op:
         result.wait()
     return result
 
 
-def _hop(comm: Comm, rows: torch.Tensor, codec: BlockCodec, what: str, hop: str, error: torch.Tensor | None):
+def _hop(comm: Comm, rows: torch.Tensor, codec: BlockCodec, what: str, hop: str, error: torch.Tensor | None,
+         uncompressed: int):
     """Launch the all-to-all of `rows` (W x m rows of `size` values, m for each of the W ranks) as quantized
     messages (`error`: their error feedback); returns its pending and the buffer that receives W x m encoded
     rows, by sender. `hop`: its name in the record ("" for the one hop of a flat reduce-scatter)."""
@@ -171,4 +175,5 @@ def _hop(comm: Comm, rows: torch.Tensor, codec: BlockCodec, what: str, hop: str,
     call = partial(dist.all_to_all_single, received, sent, group=comm.group, async_op=True)
     algorithm = _named("all_to_all+sum", encoding(codec)) + (f", {hop}" if hop else "")
     label = f"{what} ({hop})" if hop else what
-    return _launch(comm, "reduce_scatter", sent.numel(), algorithm, call, True, label), received
+    return _launch(comm, "reduce_scatter", sent.numel(), algorithm, call, True, label,
+                   uncompressed=uncompressed), received

@@ -40,7 +40,8 @@ def qwz_all_gather(comm: Comm, full: torch.Tensor, shard: torch.Tensor, codec: B
     row = message_bytes(size, codec)
     gathered = torch.empty(n, row, dtype=torch.uint8, device=full.device)
     gathered[comm.rank] = encode_rows(shard.reshape(1, size), codec)[0]
-    pending = all_gather(comm, gathered.view(-1), async_op=True, what=what, encoding=encoding(codec))
+    pending = all_gather(comm, gathered.view(-1), async_op=True, what=what, encoding=encoding(codec),
+                         uncompressed=full.numel() * full.element_size())
     pending.then(lambda: full.view(n, size).copy_(decode_rows(gathered, size, codec, full.dtype)))
     if not async_op:
         pending.wait()

@@ -3,7 +3,11 @@
 Bytes are logical, in the nccl-tests sense of "size": the full buffer of the
 collective (the input of all-reduce and reduce-scatter, the output of
 all-gather and broadcast, the input of all-to-all), whatever algorithm ran it.
-A quantized collective (ZeRO++) counts what it sends: payload and scales.
+A quantized collective (ZeRO++, communication_compression) counts what it
+sends: payload and scales; its `uncompressed` bytes are what the exact
+collective of the same buffer would have counted, so `ratio` is the
+compression an op got (1.0 for exact ops; a qgZ hop across nodes adds bytes,
+not uncompressed ones: it has no exact counterpart).
 
 Bytes are also split by scope when the comm knows where its group lies
 (`Comm.scope`): "node" for a group inside one node, "cross_node" for one
@@ -34,9 +38,16 @@ class OpStats:
     seconds: float = 0.0  # time this rank spent blocked in the call or waiting on it
     algorithms: set[str] = field(default_factory=set)  # how the backend ran it
     by_scope: dict[Scope, int] = field(default_factory=dict)  # the bytes of calls whose scope is known, by scope
+    uncompressed: int = 0  # what the same calls would have counted exact (= bytes when none is quantized)
+
+    @property
+    def ratio(self) -> float:
+        """Bytes sent over what the exact calls would have sent (1.0: nothing compressed, or no call)."""
+        return self.bytes / self.uncompressed if self.uncompressed else 1.0
 
     def copy(self) -> "OpStats":
-        return OpStats(self.calls, self.bytes, self.seconds, set(self.algorithms), dict(self.by_scope))
+        return OpStats(self.calls, self.bytes, self.seconds, set(self.algorithms), dict(self.by_scope),
+                       self.uncompressed)
 
 
 class CommRecorder:
@@ -45,11 +56,14 @@ class CommRecorder:
     def __init__(self) -> None:
         self._stats = {op: OpStats() for op in OPS}
 
-    def record(self, op: str, nbytes: int, algorithm: str, scope: Scope | None = None) -> None:
-        """One call of `op`: `nbytes` logical bytes, run by `algorithm`, over a group of `scope` (None: unknown)."""
+    def record(self, op: str, nbytes: int, algorithm: str, scope: Scope | None = None,
+               uncompressed: int | None = None) -> None:
+        """One call of `op`: `nbytes` logical bytes, run by `algorithm`, over a group of `scope` (None: unknown);
+        `uncompressed`: a quantized call's exact counterpart's bytes (None: an exact call, `nbytes`)."""
         stats = self._stats[op]
         stats.calls += 1
         stats.bytes += nbytes
+        stats.uncompressed += nbytes if uncompressed is None else uncompressed
         stats.algorithms.add(algorithm)
         if scope is not None:
             stats.by_scope[scope] = stats.by_scope.get(scope, 0) + nbytes
