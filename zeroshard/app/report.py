@@ -15,6 +15,7 @@ from rich.text import Text
 import zeroshard
 from zeroshard import estimate
 from zeroshard.app.model_count import stage3_flats
+from zeroshard.app.train_compress import reduction_formula
 from zeroshard.app.train_offload import offloaded, pool_formula
 from zeroshard.estimate.offload import POOLS
 from zeroshard.estimate.zeropp import ZeroPP, hpz_secondary_bytes, stage3_comm_bytes
@@ -41,7 +42,7 @@ def formulas(psi: int, world: int, args: argparse.Namespace, engine: zeroshard.E
         accumulation=args.accumulation, reduce_bytes=engine.precision.reduce_dtype.itemsize)
     if _zeropp(engine.config).on:  # quantized and node-local collectives: the exact formula of each unit
         comm |= {op: sum(scopes.values()) for op, scopes in stage3_scopes(engine, args).items()}
-    return memory, comm
+    return memory, comm | reduction_formula(engine, args.accumulation)
 
 
 def offload_pools(engine: zeroshard.Engine, args: argparse.Namespace) -> dict:
@@ -198,6 +199,10 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
            "fault_check": "8N per step and per gather of a unit on disk"}
     if _zeropp(engine.config).on:
         how |= {"reduce_scatter": "ZeRO++: by scope below", "all_gather": "ZeRO++: by scope below"}
+    codec = engine.config.communication_compression.gradients.codec
+    if reduction_formula(engine, args.accumulation):
+        how |= {"reduce_scatter": f"{codec}: N x ⌈S/block⌉ blocks + scales"}
+        how |= {"all_gather": f"{codec}: the all-reduce's gather"} if args.stage == 0 else {}
     formula = formula | {"step_check": estimate.step_check_bytes(world),
                          "fault_check": estimate.fault_check_bytes(world, _fault_checks(engine, args))}
     # all_gather's "object" is the setup's agreement check (0 bytes), not a way to move tensors.

@@ -44,6 +44,7 @@ from zeroshard.app.models import GPT, PRESETS
 from zeroshard.app.report import print_report, report_figures
 from zeroshard.app.restart import BatchError, completed, keep_global_batch, resume, resume_source, save
 from zeroshard.app.run_log import StepLog, write_report
+from zeroshard.app.train_compress import add_compress, compress_keys
 from zeroshard.app.train_offload import add_offload, make_default_nvme_path, offload_keys, remove_default_nvme_path
 from zeroshard.app.train_mesh import MeshUsageError, on_mesh, resolve_defaults, train_on_mesh
 
@@ -105,6 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dtype(parser, None, "training dtype: bf16 or fp16 train 16-bit parameters with fp32 master weights "
                             "(fp16 with dynamic loss scaling) (default: fp32, or the config's)")
     add_offload(parser)  # --offload, --offload-params, --nvme-path: app/train_offload.py
+    add_compress(parser)  # --compress: app/train_compress.py
     add_mesh(parser)  # --tp, --pp, --micro-batches: a run on a mesh is app/train_mesh.py's
 
 
@@ -156,6 +158,7 @@ def engine_config(args: argparse.Namespace) -> zeroshard.Config:
             raw.setdefault(dtype, {})["enabled"] = args.dtype == dtype
     raw["zero_optimization"] |= _zeropp_keys(args)
     offload_keys(args, raw["zero_optimization"], args.config)
+    compress_keys(args, raw)
     config = zeroshard.Config.load(raw)
     args.stage, args.reduce_scatter = config.stage, config.zero_optimization.reduce_scatter
     args.micro_batch = config.train_micro_batch_size_per_gpu

@@ -307,21 +307,18 @@ def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True, what: str 
     exact gather's bytes.
     """
     n, rank = comm.world_size, comm.rank
-    nbytes = _nbytes(full)
+    launch = partial(_launch, comm, "all_gather", _nbytes(full), async_op=async_op, what=what,
+                     uncompressed=uncompressed)
     if n == 1:
-        return _launch(comm, "all_gather", nbytes, _named("local", encoding), _nothing, async_op, what,
-                       uncompressed=uncompressed)
+        return launch(_named("local", encoding), _nothing)
     chunk = full.numel() // n
+    own = full[rank * chunk : (rank + 1) * chunk]
     if comm.algorithms.all_gather == "native":
-        own = full[rank * chunk : (rank + 1) * chunk]
-        call = partial(dist.all_gather_single, full, own, group=comm.group, async_op=True)
-        return _launch(comm, "all_gather", nbytes, _named("native", encoding), call, async_op, what,
-                       uncompressed=uncompressed)
-
-    own, chunks = full[rank * chunk : (rank + 1) * chunk], full.view(n, chunk)
+        return launch(_named("native", encoding), partial(dist.all_gather_single, full, own, group=comm.group,
+                                                          async_op=True))
+    chunks = full.view(n, chunk)
     exchange = partial(_tagged_exchange, comm, lambda peer: own, lambda peer: chunks[peer])
-    return _launch(comm, "all_gather", nbytes, _named("send_recv", encoding), exchange, async_op, what,
-                   pollable=False, uncompressed=uncompressed)
+    return launch(_named("send_recv", encoding), exchange, pollable=False)
 
 
 def _tagged_exchange(comm: Comm, to: Callable[[int], torch.Tensor], into: Callable[[int], torch.Tensor]) -> list:

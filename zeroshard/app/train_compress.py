@@ -1,0 +1,58 @@
+"""`zeroshard train --compress`: the demo's gradients on the wire through a codec, and their bytes' formula."""
+
+from __future__ import annotations
+
+import argparse
+
+import zeroshard
+from zeroshard import estimate
+from zeroshard.config.compression import CODECS
+
+# The flag's names: fp8 is e4m3 (more mantissa, the range gradients scaled per block need).
+_NAMES = {"fp8": "fp8_e4m3"}
+CHOICES = ("none", "int8", "int4", "fp8", "fp8_e5m2", "powersgd")
+
+
+def add_compress(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compress", choices=CHOICES, default=None,
+                        help="gradient reductions through a codec (communication_compression.gradients.codec): "
+                             "int8, int4 (with its Hadamard rotation), fp8 (e4m3) or fp8_e5m2 at any stage, with "
+                             "error feedback; powersgd (rank 4) at stages 0-1; docs/compression.md (default: none, "
+                             "or the config's)")
+
+
+def compress_keys(args: argparse.Namespace, raw: dict) -> None:
+    """Set the config's gradient codec from --compress (its other keys, from --config, stay)."""
+    if args.compress is None:
+        return
+    block = raw.setdefault("communication_compression", {})
+    gradients = {"codec": _NAMES.get(args.compress, args.compress)}
+    if args.compress != "none":
+        old = block.get("gradients") or {}
+        gradients = old | gradients if old.get("codec") == gradients["codec"] else gradients
+    block["gradients"] = gradients
+
+
+def reduction_formula(engine: zeroshard.Engine, accumulation: int) -> dict[str, int]:
+    """Logical bytes per optimizer step of the gradient reductions, when a quantizing codec compresses them:
+    estimate.compressed_reduction_bytes over the buckets (stage 0: reduce-scatter and gather of the
+    all-reduce; stages 2-3 reduce every micro-step), exact buckets (stage 3's persistent ones) at their
+    own size. Empty without such a codec."""
+    grads = engine.config.communication_compression.gradients
+    if grads.codec not in CODECS:
+        return {}
+    world, stage = engine.comm.world_size, engine.config.stage
+    per_node = engine.config.zero_optimization.ranks_per_node if grads.hierarchical else None
+    bits = {"int4": 4}.get(grads.codec, 8)
+    reductions = accumulation if stage >= 2 else 1
+    out = {"reduce_scatter": 0, "all_gather": 0}
+    for bucket in engine.buckets:
+        numel = bucket.flat.padded_numel
+        if bucket.compressed is None:
+            out["reduce_scatter"] += reductions * numel * engine.precision.reduce_dtype.itemsize
+            continue
+        for op, nbytes in estimate.compressed_reduction_bytes(numel, world, bits, grads.block_size, stage == 0,
+                                                              per_node).items():
+            out[op] += reductions * nbytes
+    return {"all_reduce": 0, "reduce_scatter": out["reduce_scatter"]} | (
+        {"all_gather": out["all_gather"]} if stage == 0 else {})
