@@ -166,14 +166,16 @@ def zeropp(comm: Comm, config: Config) -> tuple[Gathers, Qgz | None]:
     zero = config.zero_optimization
     block, compiled = zero.zeropp_block_size, zero.zeropp_compile_quantizers
     # Only what travels is quantized: with one rank nothing does, and qwZ would only round the weights.
-    weights = BlockCodec(8, block, compiled=compiled) if zero.zero_quantized_weights and comm.world_size > 1 else None
+    weights = None
+    if zero.zero_quantized_weights and comm.world_size > 1:
+        weights = BlockCodec("int8", block, compiled=compiled)
     if zero.zero_hpz_partition_size == 1 and not zero.zero_quantized_gradients:
         return Gathers(comm, weights), None
     hops = Hops.create(comm, build_topology(comm.group, zero.ranks_per_node))
     node = hops.node if zero.zero_hpz_partition_size > 1 else None
     qgz = None
     if zero.zero_quantized_gradients:
-        qgz = Qgz(hops, BlockCodec(zero.zeropp_gradient_bits, block, zero.gradient_hadamard, compiled))
+        qgz = Qgz(hops, BlockCodec(zero.gradient_format, block, zero.gradient_hadamard, compiled))
     return Gathers(comm, weights, node), qgz
 
 
