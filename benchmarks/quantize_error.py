@@ -1,6 +1,9 @@
-"""Relative error per shard of ZeRO++'s two-hop quantized gradient reduce-scatter (qgZ), simulated in one process.
+"""Relative error per shard of each codec in ZeRO++'s two-hop quantized gradient reduce-scatter (qgZ), in one process.
 
     python benchmarks/quantize_error.py [--ranks 16] [--ranks-per-node 8] [--shard 16384] [--seeds 3]
+
+The codecs (comm/quantize.py): int8, int4, fp8_e4m3 and fp8_e5m2, each
+with and without the Hadamard rotation ("+hadamard").
 
 N ranks' gradients are drawn as tensors, independent per rank and element:
 Gaussian, or Student-t with 3 degrees of freedom for heavy tails. With no
@@ -14,12 +17,13 @@ multiple of every block size, so blocks never straddle two messages, and
 quantizing each rank's whole gradient at once gives the same blocks as
 quantizing message by message.
 
-Printed, in markdown, for each quantizer and block size: the relative error
+Printed, in markdown, for each codec and block size: the relative error
 per shard, ||mean_q - mean|| / ||mean|| over each rank's shard against the
 fp64 mean (the mean over shards and seeds, and the worst); the worst shard's
 error as a share of the bound derived from the block scales (`two_hop_mean`);
-the bytes a message puts on the wire per element, scales included, as a
-fraction of bf16 (M = 2 bytes per element): the cross-node volume of a hop.
+the bytes a message puts on the wire per element, scales included, and that
+as a fraction of bf16 (M = 2 bytes per element) and of fp32: the volume of
+a hop.
 """
 
 from __future__ import annotations
@@ -31,14 +35,10 @@ import time
 
 import torch
 
-from zeroshard.comm.quantize import BlockCodec, dequantize, message_bytes, quantize
+from zeroshard.comm.quantize import HADAMARD, BlockCodec, dequantize, message_bytes, quantize
+from zeroshard.dtypes import WIRE_FORMATS
 
-CODECS = {
-    "int8": lambda block: BlockCodec(8, block),
-    "int4": lambda block: BlockCodec(4, block),
-    "int4+hadamard": lambda block: BlockCodec(4, block, hadamard=True),
-    "int8+hadamard": lambda block: BlockCodec(8, block, hadamard=True),
-}
+CODECS = [f + rotation for f in WIRE_FORMATS for rotation in ("", HADAMARD)]  # names for BlockCodec.named
 DISTRIBUTIONS = ("gaussian", "student-t3")
 
 
@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ranks-per-node", type=int, default=8, help="D; N / D nodes")
     p.add_argument("--shard", type=int, default=16384, help="elements per rank's shard (a multiple of each block)")
     p.add_argument("--blocks", type=int, nargs="+", default=[32, 64, 128, 256, 2048], help="block sizes")
-    p.add_argument("--codecs", nargs="+", choices=sorted(CODECS), default=["int8", "int4", "int4+hadamard"])
+    p.add_argument("--codecs", nargs="+", choices=CODECS, default=CODECS)
     p.add_argument("--distributions", nargs="+", choices=DISTRIBUTIONS, default=list(DISTRIBUTIONS))
     p.add_argument("--seeds", type=int, default=3)
     args = p.parse_args()
@@ -78,7 +78,8 @@ def over_the_wire(messages: torch.Tensor, codec: BlockCodec) -> tuple[torch.Tens
 
 def two_hop_mean(grads: torch.Tensor, ranks_per_node: int, codec: BlockCodec) -> tuple[torch.Tensor, torch.Tensor]:
     """qgZ's result for every shard at once (hop 1 inside nodes, fp32 sums, hop 2 across nodes, / N), and
-    its error bound per block: half a scale for each quantization that fed it, / N.
+    its error bound per block: half a scale times the codec's level gap (1 for int8 and int4) for each
+    quantization that fed it, / N.
 
     The bound holds per element, or with the rotation per element of the rotated block; H is orthonormal,
     so either way a block's error has an L2 norm of at most sqrt(block_size) times it.
@@ -87,7 +88,7 @@ def two_hop_mean(grads: torch.Tensor, ranks_per_node: int, codec: BlockCodec) ->
     received, hop1_scales = over_the_wire(grads, codec)
     node_sums = received.view(ranks // ranks_per_node, ranks_per_node, numel).sum(1)
     arrived, hop2_scales = over_the_wire(node_sums, codec)
-    return arrived.sum(0) / ranks, (hop1_scales.sum(0) + hop2_scales.sum(0)) / (2 * ranks)
+    return arrived.sum(0) / ranks, (hop1_scales.sum(0) + hop2_scales.sum(0)) * codec.level_gap / (2 * ranks)
 
 
 def shard_errors(grads: torch.Tensor, ranks_per_node: int, codec: BlockCodec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +103,7 @@ def shard_errors(grads: torch.Tensor, ranks_per_node: int, codec: BlockCodec) ->
 
 
 def measure(args: argparse.Namespace) -> dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]]:
-    """(relative errors, shares of the bound) of every shard and seed, by (distribution, quantizer, block)."""
+    """(relative errors, shares of the bound) of every shard and seed, by (distribution, codec, block)."""
     numel = args.ranks * args.shard
     found: dict[tuple[str, str, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for distribution in args.distributions:
@@ -110,13 +111,13 @@ def measure(args: argparse.Namespace) -> dict[tuple[str, str, int], tuple[torch.
             grads = gradients(distribution, args.ranks, numel, seed)
             for name in args.codecs:
                 for block in args.blocks:
-                    errors = shard_errors(grads, args.ranks_per_node, CODECS[name](block))
+                    errors = shard_errors(grads, args.ranks_per_node, BlockCodec.named(name, block))
                     found.setdefault((distribution, name, block), []).append(errors)
     return {key: (torch.cat([e for e, _ in runs]), torch.cat([b for _, b in runs])) for key, runs in found.items()}
 
 
 def error_table(args: argparse.Namespace, errors: dict, cell) -> list[str]:
-    lines = ["| gradients | quantizer | " + " | ".join(f"block {b}" for b in args.blocks) + " |",
+    lines = ["| gradients | codec | " + " | ".join(f"block {b}" for b in args.blocks) + " |",
              "|---|---|" + "---:|" * len(args.blocks)]
     for distribution in args.distributions:
         for name in args.codecs:
@@ -126,12 +127,14 @@ def error_table(args: argparse.Namespace, errors: dict, cell) -> list[str]:
 
 
 def bytes_table(args: argparse.Namespace) -> list[str]:
-    """Wire bytes per element of one shard-sized message, and that as a fraction of bf16's 2 bytes (M)."""
-    lines = ["| quantizer | " + " | ".join(f"block {b}" for b in args.blocks) + " |",
+    """Wire bytes per element of one shard-sized message, and that as a fraction of bf16's 2 bytes (M) and of
+    fp32's 4, by format (the rotation sends no more)."""
+    lines = ["| format | " + " | ".join(f"block {b}" for b in args.blocks) + " |",
              "|---|" + "---:|" * len(args.blocks)]
-    for name in args.codecs:
-        per_element = [message_bytes(args.shard, CODECS[name](b)) / args.shard for b in args.blocks]
-        lines.append(f"| {name} | " + " | ".join(f"{v:.4f} B = {v / 2:.4f} M" for v in per_element) + " |")
+    for fmt in dict.fromkeys(BlockCodec.named(name).format for name in args.codecs):
+        per_element = [message_bytes(args.shard, BlockCodec(fmt, b)) / args.shard for b in args.blocks]
+        cells = [f"{v:.4f} B = {v / 2:.4f} M = {v / 4:.4f} fp32" for v in per_element]
+        lines.append(f"| {fmt} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -28,8 +28,8 @@ from zeroshard.comm import Comm, CommRecorder, Hops, all_gather, qgz_reduce_scat
 from zeroshard.comm.quantize import BlockCodec
 from zeroshard.comm.topology import build_topology
 
-CODECS = {"int8/128": BlockCodec(8, 128), "int4/128": BlockCodec(4, 128),
-          "int4/128+hadamard": BlockCodec(4, 128, hadamard=True)}
+CODECS = {"int8/128": BlockCodec("int8", 128), "int4/128": BlockCodec("int4", 128),
+          "int4/128+hadamard": BlockCodec("int4", 128, hadamard=True)}
 
 
 def gradients(distribution: str, numel: int, rank: int) -> torch.Tensor:

@@ -28,11 +28,12 @@ from tests.distributed import run_ranks
 from zeroshard.comm import Comm, CommRecorder, CompressedReduction, Hops
 from zeroshard.comm.topology import build_topology
 from zeroshard.estimate import compressed_reduction_bytes, error_feedback_bytes
+from zeroshard.dtypes import WIRE_BITS
 from zeroshard.engine.wire import named_codec
 
 STEPS = 50
 SHARD = 1009  # elements per rank's chunk: a prime, so the last block of each chunk is partial
-CODECS = ("int8", "int4")  # int4 with its default rotation
+CODECS = ("int8", "int4", "fp8_e4m3")  # int4 with its default rotation
 OPS = ("all_reduce", "reduce_scatter")
 
 
@@ -134,7 +135,7 @@ def _left(held: list[dict], layout: str, owner: int) -> torch.Tensor:
 @pytest.mark.parametrize("world,layout,codec,op", CASES)
 def test_bytes_and_feedback_memory_equal_the_estimate(world, layout, codec, op):
     per_node = None if layout == "flat" else 2
-    bits = 8 if codec == "int8" else 4
+    bits = WIRE_BITS[codec]
     numel = world * SHARD
     expected = compressed_reduction_bytes(numel, world, bits, 128, op == "all_reduce", per_node)
     for rank_result in results(world):

@@ -29,10 +29,11 @@ from zeroshard.estimate import qgz_reduce_scatter_bytes, qwz_all_gather_bytes
 WORLD = 4
 LAYOUTS = (2, 4, 1)  # ranks per node: 2 nodes x 2, 1 node x 4, 4 nodes x 1
 SIZES = (1, 7, 1009, 2048, 10007)  # 1-D: one element, odd, prime, whole blocks in every shard, a larger prime
-CODECS = {"int8": BlockCodec(8, 64), "int4": BlockCodec(4, 64), "int4+hadamard": BlockCodec(4, 64, hadamard=True)}
+CODECS = {name: BlockCodec.named(name, 64) for name in ("int8", "int4", "int4+hadamard", "fp8_e4m3")}
 DISTRIBUTIONS = ("gaussian", "student-t3")
 QWZ_SIZES = (1, 7, 1009)  # elements per shard
-QWZ_CODECS = {"int8": BlockCodec(8, 128), "int8+hadamard": BlockCodec(8, 64, hadamard=True)}
+QWZ_CODECS = {"int8": BlockCodec("int8", 128), "int8+hadamard": BlockCodec("int8", 64, hadamard=True),
+              "fp8_e4m3": BlockCodec("fp8_e4m3", 128)}
 QWZ_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 U32 = 2.0 ** -24  # fp32 unit roundoff
 
@@ -156,7 +157,7 @@ def _over_the_wire(rows: torch.Tensor, codec: BlockCodec) -> tuple[torch.Tensor,
 
 
 def block_bounds(grads: torch.Tensor, ranks_per_node: int, codec: BlockCodec) -> torch.Tensor:
-    """(owner, blocks): the bound of comm/qgz.py per block of each shard of the mean, (sum s1 + sum s2) / 2N.
+    """(owner, blocks): the bound of comm/qgz.py per block of each shard of the mean, g (sum s1 + sum s2) / 2N.
 
     `grads`: (senders, owners, S) fp32, every rank's padded gradient by shard.
     """
@@ -171,7 +172,7 @@ def block_bounds(grads: torch.Tensor, ranks_per_node: int, codec: BlockCodec) ->
     if nodes > 1:  # hop 2: each node's partial sums quantized
         scales.append(_over_the_wire(partials, codec)[1])
     scales = torch.cat(scales)
-    return scales.sum(0) / (2 * n)
+    return scales.sum(0) * codec.level_gap / (2 * n)
 
 
 def _check_qgz(case: dict, grads: torch.Tensor, ranks_per_node: int, codec: BlockCodec) -> dict:

@@ -16,12 +16,13 @@ from tests.core.test_memory import measure
 from tests.distributed import run_ranks
 from tests.recipes import Case, run_zeroshard
 from zeroshard.config import Config, ConfigError
+from zeroshard.dtypes import WIRE_BITS as BITS
 from zeroshard.estimate import compressed_reduction_bytes, error_feedback_bytes, qwz_all_gather_bytes
 
 STEPS = 6
 TRAINED = [Case(stage=s, optimizer="adamw1", codec=c, weights_codec=w)
            for s in (0, 1, 2, 3) for c, w in (("none", "none"), ("int8", "none"), ("int4", "int8" if s else "none"))]
-BITS = {"int8": 8, "int4": 4}
+TRAINED += [Case(stage=s, optimizer="adamw1", codec="fp8_e4m3", weights_codec="fp8_e4m3") for s in (1, 2)]
 
 
 def _train(rank, world, device):
@@ -53,7 +54,7 @@ def test_training_follows_the_uncompressed_run(index):
     plain = TRAINED.index(Case(stage=case.stage, optimizer="adamw1"))
     for rank_result in trained():
         losses, ref = rank_result[index][0], rank_result[plain][0]
-        tolerance = {"none": 0.0, "int8": 0.01, "int4": 0.03}[case.codec]
+        tolerance = {"none": 0.0, "int8": 0.01, "fp8_e4m3": 0.01, "int4": 0.03}[case.codec]
         assert max(abs(a - b) / b for a, b in zip(losses, ref)) <= tolerance, (case, losses, ref)
     if case.codec != "none":  # it did compress: not the exact run's numbers
         assert trained()[0][index][0] != trained()[0][plain][0]
@@ -91,7 +92,7 @@ def test_bytes_equal_the_estimate(index):
         assert sent["all_gather"] == STEPS * reduced["all_gather"]
     # int8 sends at most 0.27x, int4 0.14x of fp32's bytes, scales included
     fp32 = 4 * sum(numel for numel, compressed, _ in sizes if compressed)
-    assert reduced["reduce_scatter"] <= {8: 0.27, 4: 0.14}[bits] * fp32
+    assert reduced["reduce_scatter"] <= {8: 0.27, 4: 0.14}[bits] * fp32  # int8 and fp8: 8 bits
     # comm_stats()'s uncompressed bytes: the exact reduce-scatter's (fp32 buffers: 4 bytes an element)
     assert recorded["reduce_scatter"][1] == STEPS * 4 * sum(numel for numel, _, _ in sizes)
     assert stage3 == (case.stage == 3)

@@ -124,7 +124,7 @@ def _forward_weights(device, world: int, rank: int, dtype: str):
 
 
 def test_qwz_forward_weights_are_dequantized_shards_and_masters_stay_exact():
-    codec = BlockCodec(8, 128)
+    codec = BlockCodec("int8", 128)
     dtypes = ["fp32", "bf16", "fp16"]
     for out in (by_dtype[dtype] for by_dtype in run_ranks(_forward_weights_by_dtype, 2, dtypes) for dtype in dtypes):
         expected = torch.cat([dequantize(quantize(s, codec), s.dtype) for s in out["shards"]])

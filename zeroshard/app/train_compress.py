@@ -7,6 +7,7 @@ import argparse
 import zeroshard
 from zeroshard import estimate
 from zeroshard.config.compression import CODECS
+from zeroshard.dtypes import WIRE_BITS
 
 # The flag's names: fp8 is e4m3 (more mantissa, the range gradients scaled per block need).
 _NAMES = {"fp8": "fp8_e4m3"}
@@ -43,7 +44,7 @@ def reduction_formula(engine: zeroshard.Engine, accumulation: int) -> dict[str, 
         return {}
     world, stage = engine.comm.world_size, engine.config.stage
     per_node = engine.config.zero_optimization.ranks_per_node if grads.hierarchical else None
-    bits = {"int4": 4}.get(grads.codec, 8)
+    bits = WIRE_BITS[grads.codec]
     reductions = accumulation if stage >= 2 else 1
     out = {"reduce_scatter": 0, "all_gather": 0}
     for bucket in engine.buckets:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zeroshard.comm.quantize import SCALE_DTYPE, BlockCodec, Quantized, dequantize, quantize
+from zeroshard.comm.quantize import HADAMARD, SCALE_DTYPE, BlockCodec, Quantized, dequantize, quantize
 
 
 def encode_rows(rows: torch.Tensor, codec: BlockCodec, error: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,12 +51,11 @@ def decode_rows(encoded: torch.Tensor, length: int, codec: BlockCodec,
     split = blocks * SCALE_DTYPE.itemsize
     scales = encoded[:, :split].contiguous().view(SCALE_DTYPE).reshape(-1)
     payload = encoded[:, split:].contiguous().view(m * blocks, codec.payload_bytes_per_block)
-    if codec.bits == 8:
-        payload = payload.view(torch.int8)
+    payload = payload.view(codec.payload_dtype)
     values = dequantize(Quantized(payload, scales, m * blocks * codec.block_size, codec), dtype)
     return values.view(m, blocks * codec.block_size)[:, :length]
 
 
 def encoding(codec: BlockCodec) -> str:
-    """How a codec's messages are named in the recorded algorithm, e.g. "int4/128+hadamard"."""
-    return f"int{codec.bits}/{codec.block_size}" + ("+hadamard" if codec.hadamard else "")
+    """How a codec's messages are named in the recorded algorithm, e.g. "int4/128+hadamard", "fp8_e4m3/128"."""
+    return f"{codec.format}/{codec.block_size}" + (HADAMARD if codec.hadamard else "")

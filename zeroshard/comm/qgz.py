@@ -17,12 +17,12 @@ divided by N: the exact mean of every element, for every numel, with no
 fallback. A hop over one rank (D = 1 or K = 1) sends nothing and is skipped.
 
 Error bound (asserted in tests/comm/test_zeropp_collectives.py). Each
-quantization is off by at most s/2 per element (s: its block's scale), and
-the mean adds N quantized messages in hop 1 and K in hop 2, then divides by
-N. So for each block of a shard, with s1_j the block's scale in sender j's
-hop-1 message and s2_k in node k's hop-2 message (no s1 when D = 1, no s2
-when K = 1):
-    |error_i| <= (sum_j s1_j + sum_k s2_k) / (2N) for every element i;
+quantization is off by at most s*g/2 per element (s: its block's scale; g:
+the codec's `level_gap`, 1 for int8 and int4), and the mean adds N
+quantized messages in hop 1 and K in hop 2, then divides by N. So for each
+block of a shard, with s1_j the block's scale in sender j's hop-1 message
+and s2_k in node k's hop-2 message (no s1 when D = 1, no s2 when K = 1):
+    |error_i| <= g * (sum_j s1_j + sum_k s2_k) / (2N) for every element i;
 with the Hadamard rotation the same holds in the rotated basis, hence for
 the block's error in L2 with a factor sqrt(block_size). Messages are whole
 shards padded on their own, so the blocks of both hops are the shard's.

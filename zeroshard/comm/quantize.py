@@ -1,20 +1,29 @@
-"""Block quantization for the wire (ZeRO++ qwZ and qgZ): symmetric int8 or int4, an fp32 scale per block.
+"""Block codecs for the wire: int8, int4 (two a byte), fp8 e4m3 or e5m2, each with an fp32 scale per block.
 
 A tensor is flattened and cut into blocks of `block_size` elements, the last
-block padded with zeros. Each block b gets the scale s_b = max|x| / qmax
-(qmax = 127 for int8, 7 for int4) and its values q = round(x / s_b), so
-dequantizing, q * s_b, is off by at most s_b / 2 per element: the ZeRO++
-paper's block-based quantization. A block of zeros has scale 0 and
-dequantizes to zeros exactly; a block holding inf or nan gets a non-finite
-scale, so it dequantizes to non-finite values and the overflow check after
-the reduction still sees it.
+block padded with zeros. Each block b gets the scale s_b = max|x| / qmax and
+travels as the values x / s_b in the codec's format (`BlockCodec.format`):
+
+- "int8", "int4": symmetric integers, q = round(x / s_b) with qmax = 127 or
+  7 (int4 packed two a byte), so dequantizing, q * s_b, is off by at most
+  s_b / 2 per element: the ZeRO++ paper's block-based quantization;
+- "fp8_e4m3", "fp8_e5m2": torch's float8_e4m3fn / float8_e5m2 cast of
+  x / s_b, qmax the format's largest finite value (448, 57344), sent as its
+  bytes (uint8), so an element is off by at most s_b times half a unit in
+  the last place of its scaled value: relative 2^-4 (e4m3) or 2^-3 (e5m2)
+  for normal values, an absolute floor of half the smallest subnormal below.
+
+A block of zeros has scale 0 and dequantizes to zeros exactly; a block
+holding inf or nan gets a non-finite scale, so it dequantizes to non-finite
+values and the overflow check after the reduction still sees it.
 
 With `hadamard`, each block is rotated by the orthonormal Walsh-Hadamard
 matrix H before quantizing and rotated back after dequantizing (H is its own
 inverse). The rotation spreads an outlier over the whole block, so the scale
 follows the block's norm rather than its largest element: heavy-tailed
 gradients lose much less at int4. The error bound then holds in the rotated
-basis: the error of a block has an L2 norm of at most s_b * sqrt(block_size) / 2.
+basis: at int8 or int4 the error of a block has an L2 norm of at most
+s_b * sqrt(block_size) / 2.
 
 All reductions happen in fp32; only what travels is quantized. Every
 function is vectorized over blocks (the only Python loop is over the
@@ -30,44 +39,87 @@ that compiles for a few seconds (`benchmarks/zeropp_collectives.py`).
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
+from zeroshard.dtypes import FP8_DTYPES, WIRE_BITS, WIRE_FORMATS, WireFormat
 from zeroshard.errors import ZeroshardError
 from zeroshard.estimate.zeropp import quantized_bytes
 
 SCALE_DTYPE = torch.float32
+HADAMARD = "+hadamard"  # a codec's name with the rotation: "int4+hadamard"
 
 
 class CodecError(ZeroshardError, ValueError):
-    """A quantizer setting or input that cannot be used (bits, block size, dtype)."""
+    """A codec setting or input that cannot be used (format, block size, dtype)."""
 
 
 @dataclass(frozen=True)
 class BlockCodec:
-    """How a message is quantized: `bits` (8 or 4) per value, one scale per `block_size` elements."""
+    """How a message travels: each value in `format`, one fp32 scale per `block_size` elements."""
 
-    bits: int = 8
+    format: WireFormat = "int8"  # "int8", "int4" (two values a byte), "fp8_e4m3" or "fp8_e5m2"
     block_size: int = 256  # elements per block (and per scale)
     hadamard: bool = False  # rotate each block before quantizing; needs a power-of-two block size
     compiled: bool = False  # run the arithmetic as torch.compile's kernels (same values as eager; see _kernel)
 
     def __post_init__(self) -> None:
-        if self.bits not in (8, 4):
-            raise CodecError(f"quantization bits must be 8 or 4, not {self.bits!r}")
+        if self.format not in WIRE_FORMATS:
+            raise CodecError(f"a codec's format is one of {', '.join(WIRE_FORMATS)}, not {self.format!r}")
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise CodecError(f"the quantization block size must be a positive integer, not {self.block_size!r}")
-        if self.bits == 4 and self.block_size % 2:
+        if self.format == "int4" and self.block_size % 2:
             raise CodecError(f"int4 packs two values a byte, so its block size must be even, not {self.block_size}")
         if self.hadamard and self.block_size & (self.block_size - 1):
             raise CodecError(f"the Hadamard rotation needs a power-of-two block size, not {self.block_size}; "
                              "use 32, 64, 128, ... or turn the rotation off")
 
+    @classmethod
+    def named(cls, name: str, block_size: int = 256, hadamard: bool = False, compiled: bool = False) -> BlockCodec:
+        """The codec `name` gives: a format, rotated if it ends in "+hadamard" ("int4+hadamard") or if `hadamard`."""
+        fmt, plus, rest = name.partition("+")
+        if plus and rest != HADAMARD[1:]:
+            raise CodecError(f"a codec's name is a format ({', '.join(WIRE_FORMATS)}), optionally followed by "
+                             f"'{HADAMARD}', not {name!r}")
+        return cls(fmt, block_size, hadamard or bool(plus), compiled)
+
     @property
-    def qmax(self) -> int:
-        """The largest quantized magnitude: 127 (int8) or 7 (int4); symmetric, so -qmax..qmax."""
-        return 2 ** (self.bits - 1) - 1
+    def name(self) -> str:
+        """The name `named` reads back: the format, and "+hadamard" when rotated."""
+        return self.format + (HADAMARD if self.hadamard else "")
+
+    @property
+    def bits(self) -> int:
+        """Bits a value on the wire: 8, or 4 for int4."""
+        return WIRE_BITS[self.format]
+
+    @property
+    def fp8(self) -> torch.dtype | None:
+        """torch's float8 dtype of an fp8 format; None for the integer ones."""
+        return FP8_DTYPES.get(self.format)
+
+    @property
+    def qmax(self) -> float:
+        """The largest scaled magnitude, max|x| / scale: 127 (int8), 7 (int4), the fp8 format's largest
+        finite value (448 for e4m3, 57344 for e5m2). The integers are symmetric, -qmax..qmax."""
+        return torch.finfo(self.fp8).max if self.fp8 else 2 ** (self.bits - 1) - 1
+
+    @property
+    def level_gap(self) -> float:
+        """The widest gap between adjacent scaled levels: 1 for the integers, for fp8 the spacing of its
+        top binade (32 for e4m3, 8192 for e5m2). Every format rounds an element to within
+        scale * level_gap / 2, the bound on a block's elements that needs only its scale."""
+        if self.fp8 is None:
+            return 1.0
+        info = torch.finfo(self.fp8)
+        return 2.0 ** math.floor(math.log2(info.max)) * info.eps
+
+    @property
+    def payload_dtype(self) -> torch.dtype:
+        """The payload's dtype: int8 for int8, uint8 bytes for int4 (two values each) and fp8 (its bits)."""
+        return torch.int8 if self.format == "int8" else torch.uint8
 
     def blocks(self, numel: int) -> int:
         """Blocks (and scales) of a message of `numel` elements: the last one padded."""
@@ -82,7 +134,8 @@ class BlockCodec:
 class Quantized:
     """A quantized message: what travels is `payload` and `scales`."""
 
-    payload: torch.Tensor  # (blocks, block_size) int8; int4: (blocks, block_size // 2) uint8, two values a byte
+    # (blocks, block_size) int8 values, or uint8 fp8 bits; int4: (blocks, block_size // 2) uint8, two values a byte
+    payload: torch.Tensor
     scales: torch.Tensor  # (blocks,) fp32: block b's values are payload[b] * scales[b]
     numel: int  # elements of the message before padding
     codec: BlockCodec
@@ -102,18 +155,20 @@ def quantize(x: torch.Tensor, codec: BlockCodec) -> Quantized:
     if not x.is_floating_point():
         raise CodecError(f"only floating-point tensors are quantized, not {x.dtype}")
     kernel = _kernel(_quantize_blocks, codec.compiled)
-    payload, scales = kernel(_padded_blocks(x, codec), codec.qmax, codec.hadamard, codec.bits == 4)
+    payload, scales = kernel(_padded_blocks(x, codec), codec.qmax, codec.fp8, codec.hadamard, codec.format == "int4")
     return Quantized(payload, scales, x.numel(), codec)
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The message's `numel` values as a 1-D tensor of `dtype`, computed in fp32 and cast once at the end."""
-    blocks = _kernel(_dequantize_blocks, q.codec.compiled)(q.payload, q.scales, q.codec.hadamard, q.codec.bits == 4,
-                                                           dtype)
+    codec = q.codec
+    blocks = _kernel(_dequantize_blocks, codec.compiled)(q.payload, q.scales, codec.fp8, codec.hadamard,
+                                                         codec.format == "int4", dtype)
     return blocks.reshape(-1)[: q.numel]
 
 
-def _quantize_blocks(blocks: torch.Tensor, qmax: int, rotate: bool, pack: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_blocks(blocks: torch.Tensor, qmax: float, fp8: torch.dtype | None, rotate: bool,
+                     pack: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(payload, fp32 scales) of (rows, block) values of any float dtype: the arithmetic of `quantize`."""
     blocks = blocks.to(SCALE_DTYPE)
     if rotate:
@@ -121,14 +176,20 @@ def _quantize_blocks(blocks: torch.Tensor, qmax: int, rotate: bool, pack: bool) 
     scales = blocks.abs().amax(dim=1) / qmax
     # A zero block divides by 1 instead of its scale 0, so its values are 0, not nan.
     divisors = torch.where(scales == 0, torch.ones_like(scales), scales)
-    values = torch.round(blocks / divisors[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    scaled = blocks / divisors[:, None]
+    if fp8 is not None:  # torch's own rounding to nearest; |scaled| <= qmax, the format's largest finite value
+        return scaled.to(fp8).view(torch.uint8), scales
+    values = torch.round(scaled).clamp_(-qmax, qmax).to(torch.int8)
     return (pack_int4(values) if pack else values), scales
 
 
-def _dequantize_blocks(payload: torch.Tensor, scales: torch.Tensor, rotate: bool, unpack: bool,
-                       dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_blocks(payload: torch.Tensor, scales: torch.Tensor, fp8: torch.dtype | None, rotate: bool,
+                       unpack: bool, dtype: torch.dtype) -> torch.Tensor:
     """(rows, block) values of `dtype` from a payload and its scales: the arithmetic of `dequantize`."""
-    values = unpack_int4(payload) if unpack else payload
+    if fp8 is not None:
+        values = payload.view(fp8)
+    else:
+        values = unpack_int4(payload) if unpack else payload
     blocks = values.to(SCALE_DTYPE) * scales[:, None]
     if rotate:
         blocks = hadamard(blocks)

@@ -25,8 +25,9 @@ from pydantic_core import PydanticCustomError
 from zeroshard.config.offload import section as _section
 from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
 from zeroshard.config.values import NonNegativeInt, PositiveInt, StrictBool
+from zeroshard.dtypes import WIRE_FORMATS
 
-CODECS = ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
+CODECS = WIRE_FORMATS  # int8, int4, fp8_e4m3, fp8_e5m2
 Codec = Literal["none", "int8", "int4", "fp8_e4m3", "fp8_e5m2"]
 _POWERSGD_KEYS = ("rank", "start_step", "warm_start")
 _CODEC_KEYS = ("block_size", "hadamard", "hierarchical")  # error_feedback serves both kinds

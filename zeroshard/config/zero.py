@@ -22,6 +22,7 @@ from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
 from zeroshard.config.values import NonNegativeInt, PositiveInt, StrictBool
 from zeroshard.config.values import invalid as _invalid
 from zeroshard.config.values import positive_int as _positive_int
+from zeroshard.dtypes import WireFormat
 
 _SUPPORTED_STAGES = (0, 1, 2, 3)
 ZEROPP_KEYS = ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
@@ -173,6 +174,11 @@ class ZeroConfig(BaseModel):
         if unused:
             raise PydanticCustomError("zeroshard", "{keys} changed from its default, but the part of ZeRO++ it configures is off: "
                                       "switch that part on or remove the key", {"keys": "; ".join(unused)})
+
+    @property
+    def gradient_format(self) -> WireFormat:
+        """qgZ's codec format (comm/quantize.py) for zeropp_gradient_bits: "int8" or "int4"."""
+        return "int8" if self.zeropp_gradient_bits == 8 else "int4"
 
     @property
     def gradient_hadamard(self) -> bool:

@@ -16,9 +16,6 @@ from zeroshard.comm.topology import build_topology
 from zeroshard.config import Config
 from zeroshard.config.compression import CODECS
 
-_BITS = {"int8": 8, "int4": 4}
-
-
 @dataclass(frozen=True)
 class Wire:
     """The codecs of one engine's data-parallel traffic (None: exact)."""
@@ -40,7 +37,7 @@ def wire(comm: Comm, config: Config) -> Wire:
             if hierarchical or zero.zero_hpz_partition_size > 1 else None)
     gradients = None
     if zero.zero_quantized_gradients:
-        codec = BlockCodec(zero.zeropp_gradient_bits, zero.zeropp_block_size, zero.gradient_hadamard,
+        codec = BlockCodec(zero.gradient_format, zero.zeropp_block_size, zero.gradient_hadamard,
                            zero.zeropp_compile_quantizers)
         gradients = CompressedReduction(comm, hops, codec, error_feedback=False)
     elif grads.codec in CODECS:
@@ -49,7 +46,7 @@ def wire(comm: Comm, config: Config) -> Wire:
                                         grads.error_feedback)
     weights = None
     if zero.zero_quantized_weights:
-        weights = BlockCodec(8, zero.zeropp_block_size, compiled=zero.zeropp_compile_quantizers)
+        weights = BlockCodec("int8", zero.zeropp_block_size, compiled=zero.zeropp_compile_quantizers)
     elif compression.parameters.codec != "none":
         params = compression.parameters
         weights = named_codec(params.codec, params.block_size, params.rotate)
@@ -58,4 +55,4 @@ def wire(comm: Comm, config: Config) -> Wire:
 
 def named_codec(name: str, block_size: int, hadamard: bool) -> BlockCodec:
     """The codec of a config's name ("int8", "int4", "fp8_e4m3", "fp8_e5m2")."""
-    return BlockCodec(_BITS[name], block_size, hadamard)
+    return BlockCodec(name, block_size, hadamard)
