@@ -8,11 +8,13 @@ longer runs is measured in benchmarks/compression_convergence.py.
 """
 
 import functools
+import math
 
 import pytest
 import torch
 
 from tests.core.test_memory import measure
+from tests.core.test_precision import _fp16_run
 from tests.distributed import run_ranks
 from tests.recipes import Case, run_zeroshard
 from zeroshard.config import Config, ConfigError
@@ -35,6 +37,16 @@ def _train(rank, world, device):
         out.append((losses, {op: (s.bytes, s.uncompressed) for op, s in stats.items()}, sizes,
                     engine.memory_stats()["compression"],
                     params, engine.units != []))
+    return out
+
+
+def _overflow(rank, world, device):
+    """fp16 with int8 gradients at stages 0 and 2: rank 1's loss is inf at step 2, so every rank skips it."""
+    out = {}
+    for stage in (0, 2):
+        case = Case(stage=stage, dtype="fp16", optimizer="adamw1", codec="int8")
+        _, history, error = _fp16_run(rank, world, device, case, 5, poisoned=(2,))
+        out[stage] = (history, error)
     return out
 
 
@@ -106,6 +118,16 @@ def test_stage2_memory_is_the_formula_plus_the_declared_feedback():
             {k: v for k, v in plain.items() if k not in ("compression", "staging")}
         assert plain["compression"] == 0 and fed["compression"] == 4 * padded  # one fp32 element per element sent
         assert held == sum(fed.values()) and held_plain == sum(plain.values())
+
+
+def test_a_non_finite_step_is_skipped_everywhere_and_leaves_no_residual():
+    for rank_result in run_ranks(_overflow, 2):
+        for stage, (history, error) in rank_result.items():
+            assert error is None
+            skipped = [h[1] for h in history]  # skipped steps after each step
+            assert skipped == [0, 0, 1, 1, 1], (stage, history)
+            # a residual of the inf step left in the feedback would make every later norm non-finite
+            assert all(math.isfinite(h[3]) for i, h in enumerate(history) if i != 2), (stage, history)
 
 
 @pytest.mark.parametrize("compression,zero,message", [
