@@ -55,7 +55,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--model", default="demo")
     parser.add_argument("--only", nargs="*", default=None, help="run names to run (default: all)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/compression_convergence"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compression_convergence")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     curves, results = {}, {}
