@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from zeroshard.config.blocks import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, OptimizerBlock, SchedulerBlock
+from zeroshard.config.activation import ActivationCheckpointingConfig
 from zeroshard.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from zeroshard.config.schema import Bf16Config, CheckpointConfig, Config, Fp16Config, NonFiniteConfig, ZeroConfig
 
@@ -55,7 +56,8 @@ def reference() -> str:
              table("aio", AioConfig, "aio."),
              table("bf16", Bf16Config, "bf16."), table("fp16", Fp16Config, "fp16."),
              table("non_finite", NonFiniteConfig, "non_finite."),
-             table("checkpoint", CheckpointConfig, "checkpoint.")]
+             table("checkpoint", CheckpointConfig, "checkpoint."),
+             table("activation_checkpointing", ActivationCheckpointingConfig, "activation_checkpointing.")]
     seen: set[type[BaseModel]] = set()
     for block, block_model, registry in (("optimizer", OptimizerBlock, OPTIMIZER_PARAMS),
                                          ("scheduler", SchedulerBlock, SCHEDULER_PARAMS)):

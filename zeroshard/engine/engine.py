@@ -57,6 +57,7 @@ from zeroshard.engine.state import EngineStateError, TrainingState
 from zeroshard.engine.validate import check_mesh_config
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload import OffloadError
+from zeroshard.parallel.activation_checkpointing import ActivationCheckpointing, running_forward
 from zeroshard.parallel.mesh import Mesh
 
 log = logging.getLogger(__name__)
@@ -102,9 +103,14 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.offload = parts.offload  # where masters, optimizer state and stage 3's shards live
         self.delayed = delayed_update(config, self.offload.tiers, self.buckets)  # the CPU step in the background
         self.activations = ActivationMeter(self._owned_tensors, self._device)  # what each training forward saves
+        # zeroshard.deepspeed.checkpointing.checkpoint in this engine's forward: the config's block, over tp
+        self.checkpointing = ActivationCheckpointing(config.activation_checkpointing,
+                                                     self.cross.tp_comm() if self.cross else None)
         if self.comm.rank == 0:
             log.info("zeroshard stage %d on %d ranks: %d buckets, %d elements", config.stage,
                      self.comm.world_size, len(self.buckets), sum(b.flat.numel for b in self.buckets))
+            for key, why in self.checkpointing.no_effect(self._device):
+                log.info("activation_checkpointing.%s has no effect here: %s", key, why)
 
     def _owned_tensors(self) -> list[torch.Tensor]:
         """The tensors whose storages hold the model itself: parameters, buffers and the flat buffers."""
@@ -133,7 +139,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         resume, self.state = self.state, TrainingState.FORWARD
         try:
             broadcast_buffers(self.comm, self.module)
-            with self.activations.measure((args, kwargs)):
+            with running_forward(self.checkpointing), self.activations.measure((args, kwargs)):
                 return self.module(*args, **kwargs)
         except CollectiveError as exc:  # a stage-3 gather failed: ranks are out of step
             self.fail(f"a collective failed in forward ({exc})")
