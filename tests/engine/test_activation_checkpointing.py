@@ -98,11 +98,11 @@ def _mesh_ranks(rank, world, device, tp_cases, pp_cases):
 
 
 PA = {"partition_activations": True}
-TP_CASES = [MeshCase(Case(stage=s), checkpointing="deepspeed", activation_checkpointing=PA) for s in range(4)] + [
-    MeshCase(Case(stage=1), checkpointing="deepspeed",
-             activation_checkpointing=PA | {"contiguous_memory_optimization": True, "number_checkpoints": 4}),
-    MeshCase(Case(stage=3), checkpointing="deepspeed")]  # whole checkpoints, for the bytes
-PP_CASES = [MeshCase(Case(stage=s), micro_batches=2, checkpointing="deepspeed") for s in (1, 3)]
+CONTIGUOUS = {"contiguous_memory_optimization": True, "number_checkpoints": 4}  # 4 blocks: the slots all used
+TP_CASES = [MeshCase(Case(stage=s), checkpointing="deepspeed",
+                     activation_checkpointing=PA | (CONTIGUOUS if s == 1 else {})) for s in range(4)] + [
+    MeshCase(Case(stage=0), checkpointing="deepspeed")]  # whole checkpoints, for the bytes
+PP_CASES = [MeshCase(Case(stage=3), micro_batches=2, checkpointing="deepspeed")]
 
 
 def test_dp2_tp2_partitioned_checkpoints_and_pp2_dp2_match_one_process():

@@ -82,8 +82,9 @@ def checkpoint(function: Callable, *args: Any) -> Any:
     `checkpoint`, over torch.utils.checkpoint with use_reentrant=False)."""
     forward = running()
     if _configured:
-        engine_tp = forward.checkpointing.tp if forward is not None else None
-        checkpointing = ActivationCheckpointing(_configured["settings"], engine_tp if engine_tp is not None else _configured["tp"])
+        engine_tp = forward.checkpointing.tp if forward is not None else None  # the engine's mesh first
+        checkpointing = ActivationCheckpointing(_configured["settings"],
+                                                engine_tp if engine_tp is not None else _configured["tp"])
     else:
         checkpointing = forward.checkpointing if forward is not None else ActivationCheckpointing()
     buffers = forward.buffers(checkpointing.settings) if forward is not None else _configured.get("buffers")
