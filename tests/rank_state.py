@@ -39,7 +39,8 @@ THREAD_JOIN_S = 2.0  # how long a case's own threads get to end once the case is
 
 # zeroshard's module-level state, by module: the names that a case fills and the next must find empty.
 # tests/test_distributed.py checks that every module-level container zeroshard mutates is here or in KEPT.
-RESET = {"zeroshard.comm.collectives": ("_created",), "zeroshard.offload.memory": ("_warned",)}
+RESET = {"zeroshard.comm.collectives": ("_created",), "zeroshard.offload.memory": ("_warned",),
+         "zeroshard.deepspeed.checkpointing": ("_configured", "_TRACKER")}
 KEPT = {  # (module, name): why it may outlive a case
     ("zeroshard.comm.collectives", "_gloo_exit_drain_registered"):
         "it pairs with the atexit registration it guards, which lasts as long as the process",

@@ -70,6 +70,9 @@ DEFAULTS = {
     "non_finite": {"action": "skip", "max_consecutive_skips": 10},
     "aio": {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
             "overlap_events": True, "use_gds": False},
+    "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                 "contiguous_memory_optimization": False, "number_checkpoints": None,
+                                 "synchronize_checkpoint_boundary": False, "profile": False},
 }
 
 

@@ -210,7 +210,7 @@ def test_memory_is_2_2_12_bytes_per_parameter(world):
         assert stats["master"] == 4 * states, case
         assert stats["optimizer"] == 8 * states + 4 * units, case
         if held is not None:
-            assert held == sum(stats.values()), f"{case}: held {held} vs reported {stats}"
+            assert held == stats.held(), f"{case}: held {held} vs reported {stats}"
 
 
 def test_bf16_reduction_sends_half_the_bytes_of_fp32():

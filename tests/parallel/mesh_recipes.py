@@ -31,11 +31,13 @@ class MeshCase:
     micro_batches: int = 1  # per step and dp rank: the pipeline's micro-batches (pp > 1)
     schedule: str = "Schedule1F1B"
     per_micro_batch: bool = False  # reduce-scatter after each micro-batch (stages 2-3)
+    checkpointing: str = ""  # GPTConfig.checkpointing of each block ("deepspeed": the config's block applies)
+    activation_checkpointing: dict | None = None  # the config's activation_checkpointing block
 
 
-def make_gpt() -> GPT:
+def make_gpt(checkpointing: str = "") -> GPT:
     torch.manual_seed(0)
-    return GPT(CFG)
+    return GPT(replace(CFG, checkpointing=checkpointing))
 
 
 def rows_per_rank(mc: MeshCase) -> int:
@@ -64,10 +66,12 @@ class Run:
 
 
 def make_engine(mesh, device, mc: MeshCase):
-    part = GPTStage(make_gpt(), mesh.rank("pp"), mesh.pp).to(device)
+    part = GPTStage(make_gpt(mc.checkpointing), mesh.rank("pp"), mesh.pp).to(device)
     parallelize_gpt(part, mesh)
-    engine = zeroshard.initialize(part, make_optimizer(mc.case.optimizer, part), config=mc.case.config(),
-                                  mesh=mesh, tied=part.tied())
+    config = mc.case.config() | ({"activation_checkpointing": mc.activation_checkpointing}
+                                 if mc.activation_checkpointing else {})
+    engine = zeroshard.initialize(part, make_optimizer(mc.case.optimizer, part), config=config, mesh=mesh,
+                                  tied=part.tied())
     step_fn = _pipeline_step(engine, mc) if mesh.pp > 1 else _plain_step(engine, mc)
     return engine, part, step_fn
 

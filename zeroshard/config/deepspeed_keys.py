@@ -207,10 +207,7 @@ RULES: dict[str, Rule] = {
     "comet": error(_MONITOR, _disabled, DISABLED),
     "csv_monitor": error(_MONITOR, _disabled, DISABLED),
     "eigenvalue": error("eigenvalue computation is not part of zeroshard: remove the section", _disabled, DISABLED),
-    # ---- activation checkpointing, data, training methods ----
-    "activation_checkpointing": no_effect(
-        "only deepspeed.checkpointing reads it; use model.gradient_checkpointing_enable() or "
-        "torch.utils.checkpoint, which work with zeroshard"),
+    # ---- data, training methods ----
     "data_efficiency": error("DeepSpeed's data efficiency library is not part of zeroshard: remove the section",
                              _disabled, DISABLED),
     "curriculum_learning": error("curriculum learning is not part of zeroshard: order your data yourself, and "

@@ -15,6 +15,7 @@ from pydantic_core import PydanticUndefined
 
 from zeroshard.config.blocks import OPTIMIZER_PARAMS, SCHEDULER_PARAMS, OptimizerBlock, SchedulerBlock
 from zeroshard.config.compression import GradientCompression, ParameterCompression
+from zeroshard.config.activation import ActivationCheckpointingConfig
 from zeroshard.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from zeroshard.config.schema import Bf16Config, CheckpointConfig, Config, Fp16Config, NonFiniteConfig, ZeroConfig
 
@@ -60,7 +61,8 @@ def reference() -> str:
              table("communication_compression.parameters", ParameterCompression,
                    "communication_compression.parameters."),
              table("non_finite", NonFiniteConfig, "non_finite."),
-             table("checkpoint", CheckpointConfig, "checkpoint.")]
+             table("checkpoint", CheckpointConfig, "checkpoint."),
+             table("activation_checkpointing", ActivationCheckpointingConfig, "activation_checkpointing.")]
     seen: set[type[BaseModel]] = set()
     for block, block_model, registry in (("optimizer", OptimizerBlock, OPTIMIZER_PARAMS),
                                          ("scheduler", SchedulerBlock, SCHEDULER_PARAMS)):

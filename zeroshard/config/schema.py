@@ -28,6 +28,7 @@ from typing import Annotated, Any, Callable, Literal
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from zeroshard.config.activation import ActivationCheckpointingConfig
 from zeroshard.config.auto import ConfigFacts, resolve_autos
 from zeroshard.config.blocks import OptimizerBlock, SchedulerBlock, parse_block
 from zeroshard.config.compression import CompressionConfig, compression_problems
@@ -38,22 +39,24 @@ from zeroshard.config.offload import section as _section_or_null
 from zeroshard.config.offload_merge import OffloadArg, merge_offload_argument, merge_other_names
 from zeroshard.config.report import LoadReport
 from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
-from zeroshard.config.values import NonNegativeInt, PositiveInt, StrictBool, any_case_choice, finite_number
+from zeroshard.config.values import (
+    NonNegativeInt,
+    PositiveInt,
+    StrictBool,
+    any_case_choice,
+    finite_number,
+    optional_positive_int,
+)
 from zeroshard.config.values import describe as _describe
 from zeroshard.config.values import invalid as _invalid
 from zeroshard.config.values import non_negative_float as _non_negative_float
-from zeroshard.config.values import positive_int as _positive_int
 from zeroshard.config.zero import ZeroConfig
 from zeroshard.dtypes import TRAINING_DTYPES, TrainingDtype
 
-__all__ = ["AioConfig", "Bf16Config", "CheckpointConfig", "Config", "ConfigError", "ConfigFacts", "ConfigWarning",
-           "Fp16Config", "NonFiniteConfig", "ZeroConfig"]
+__all__ = ["ActivationCheckpointingConfig", "AioConfig", "Bf16Config", "CheckpointConfig", "Config", "ConfigError",
+           "ConfigFacts", "ConfigWarning", "Fp16Config", "NonFiniteConfig", "ZeroConfig"]
 
 # ---- value checks: each raises "<requirement>; got <value as JSON>[ <note>]" ----
-
-def _optional_positive_int(value: Any) -> int | None:
-    return None if value is None else _positive_int(value)
-
 
 # torch.distributed adds a timeout to the clock in 64-bit nanoseconds: from about 7.5e9 s on it
 # overflows (with 8e9 s the store's connect times out at once; 5e9 s still works), and Python's
@@ -187,11 +190,11 @@ class Config(BaseModel):
     model_config = _FROZEN_STRICT
 
     train_micro_batch_size_per_gpu: Annotated[
-        int | None, BeforeValidator(_optional_positive_int)] = Field(None, description=(
+        int | None, BeforeValidator(optional_positive_int)] = Field(None, description=(
             "Samples per rank per forward/backward (micro-batch); null = not set. "
             "DeepSpeed: train_micro_batch_size_per_gpu."))
     train_batch_size: Annotated[
-        int | None, BeforeValidator(_optional_positive_int)] = Field(None, description=(
+        int | None, BeforeValidator(optional_positive_int)] = Field(None, description=(
             "Samples per optimizer step over all ranks = micro-batch x accumulation steps x ranks: "
             "checked, or used to derive the one of the three left out; null = not set. "
             "DeepSpeed: train_batch_size."))
@@ -261,6 +264,11 @@ class Config(BaseModel):
         default_factory=AioConfig,
         description="Disk reads and writes of offload to \"nvme\" (see AioConfig); read only then. null = the "
                     "defaults. DeepSpeed: aio.")
+    activation_checkpointing: Annotated[ActivationCheckpointingConfig, BeforeValidator(_section(
+        ActivationCheckpointingConfig, '{"partition_activations": true}'))] = Field(
+        default_factory=ActivationCheckpointingConfig,
+        description="How zeroshard.deepspeed.checkpointing.checkpoint keeps the checkpointed inputs (see "
+                    "ActivationCheckpointingConfig). DeepSpeed: activation_checkpointing.")
 
     @model_validator(mode="after")
     def _one_precision(self) -> Config:

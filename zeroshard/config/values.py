@@ -71,6 +71,11 @@ def positive_int(value: Any) -> int:
                    " (a float is accepted only when it is a whole number, such as 5e8)")
 
 
+def optional_positive_int(value: Any) -> int | None:
+    """null, or what `positive_int` accepts."""
+    return None if value is None else positive_int(value)
+
+
 def non_negative_int(value: Any) -> int:
     """An int >= 0, or a whole float such as DeepSpeed's 1e5."""
     return integer(value, 0, "must be an integer >= 0")

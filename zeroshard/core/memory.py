@@ -9,6 +9,12 @@ secondary shards (held from a unit's first gather after a step until the
 next step) count under `hpz_secondary`, 0 without hpZ. The state of a
 compressed gradient reduction (its error feedback, comm/compressed.py)
 counts under `compression`, 0 without one.
+
+Beside the model states held now, each pool reports `activations`, the bytes
+autograd saved in the last training forward (`activation_meter.py`), and
+`peak`, the step's peak: what is held now plus the largest forward's
+activations of the accumulation window. `MemoryStats.held()` sums the kinds
+held now, without those two.
 """
 
 from __future__ import annotations
@@ -25,9 +31,17 @@ from zeroshard.core.optimizer_tiers import OptimizerTiers, Tier
 from zeroshard.core.staging import StagingPool
 
 
+# Not held now: the last forward's saved bytes (freed by its backward) and the step's peak.
+NOT_HELD = ("activations", "peak")
+
+
 class MemoryStats(dict):
-    """Bytes per kind of model state. Reading the old key `buffers` still gives `staging`, with a
-    DeprecationWarning, for one release; it is not a key of its own, so summing the values stays right."""
+    """Bytes per kind of model state, and `activations` and `peak`. Reading the old key `buffers` still
+    gives `staging`, with a DeprecationWarning, for one release; it is not a key of its own."""
+
+    def held(self) -> int:
+        """Bytes held now: every kind but `activations` and `peak`."""
+        return sum(n for kind, n in self.items() if kind not in NOT_HELD)
 
     def __missing__(self, key: str) -> int:
         if key == "buffers":
@@ -103,6 +117,14 @@ def _state_of(optimizer: torch.optim.Optimizer, buckets: list[Bucket], tier: lis
     masters = {id(b.master): t for b, t in zip(buckets, tier)}
     return [v for p, state in optimizer.state.items() if masters.get(id(p), Tier.DEVICE) in where
             for v in state.values() if torch.is_tensor(v)]
+
+
+def with_activations(by_pool: dict[str, MemoryStats], last: dict[str, int],
+                     window_peak: dict[str, int]) -> dict[str, MemoryStats]:
+    """Each pool with `activations` (the last forward's saved bytes in it) and `peak` (held now + the
+    largest forward's of the window)."""
+    return {pool: MemoryStats(stats, activations=last.get(pool, 0), peak=stats.held() + window_peak.get(pool, 0))
+            for pool, stats in by_pool.items()}
 
 
 def total(by_pool: dict[str, MemoryStats]) -> MemoryStats:

@@ -3,12 +3,13 @@
 `initialize` takes DeepSpeed's arguments and returns its 4-tuple (engine,
 optimizer, dataloader, lr_scheduler); the engine answers DeepSpeed's methods
 (`engine/deepspeed_api.py`). `init_distributed` and `add_config_arguments`
-serve the launch; `zero.Init` and `zero.GatheredParameters` serve stage 3.
+serve the launch; `zero.Init` and `zero.GatheredParameters` serve stage 3;
+`checkpointing` is DeepSpeed's activation checkpointing API.
 A DeepSpeed name not provided here raises `MissingAPIError`, saying what to
 do instead; docs/migrate-from-deepspeed.md has the whole table.
 """
 
-from zeroshard.deepspeed import zero
+from zeroshard.deepspeed import checkpointing, zero
 from zeroshard.deepspeed.initialize import initialize
 from zeroshard.deepspeed.launch import add_config_arguments, init_distributed
 from zeroshard.deepspeed.unsupported import (
@@ -19,8 +20,8 @@ from zeroshard.deepspeed.unsupported import (
 )
 from zeroshard.engine import Engine as DeepSpeedEngine
 
-__all__ = ["DeepSpeedEngine", "MissingAPIError", "UnsupportedError", "add_config_arguments", "init_distributed",
-           "initialize", "zero"]
+__all__ = ["DeepSpeedEngine", "MissingAPIError", "UnsupportedError", "add_config_arguments", "checkpointing",
+           "init_distributed", "initialize", "zero"]
 
 
 def __getattr__(name: str):

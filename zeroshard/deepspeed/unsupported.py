@@ -12,8 +12,6 @@ MIGRATE = "docs/migrate-from-deepspeed.md"
 
 # DeepSpeed's module-level names that zeroshard.deepspeed does not provide -> what to do instead.
 NOT_PROVIDED = {
-    "checkpointing": "activation checkpointing helpers are not provided: use torch.utils.checkpoint.checkpoint "
-                     "in the model (stage 3 gathers again for the recomputation)",
     "pipe": "DeepSpeed's pipeline engine is not provided; zeroshard's pipeline parallelism is torch's pipelining "
             "on a mesh: split the model with torch.distributed.pipelining and pass mesh= (docs/parallel.md)",
     "PipelineModule": "DeepSpeed's pipeline engine is not provided; zeroshard's pipeline parallelism is torch's "

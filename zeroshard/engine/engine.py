@@ -37,12 +37,12 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zeroshard.checkpoint.async_save import AsyncSave
-from zeroshard.comm import CollectiveError, OpStats, wait_all
+from zeroshard.comm import CollectiveError, wait_all
 from zeroshard.comm.entry import enter
 from zeroshard.config import Config
 from zeroshard.core.grad_norm import NonFiniteError, NonFiniteSkips, StepCheck, check_step, clip_coefficient
 from zeroshard.core.local import local
-from zeroshard.core.memory import model_state_bytes, total
+from zeroshard.core.activation_meter import ActivationMeter
 from zeroshard.core.precision import LossScaler, cast_inputs
 from zeroshard.core.reducer import GradientError
 from zeroshard.engine.build import broadcast_buffers, build
@@ -52,18 +52,19 @@ from zeroshard.engine.delayed_update import DelayedUpdateMethods, delayed_update
 from zeroshard.engine.deepspeed_api import DeepSpeedMethods
 from zeroshard.engine.export import ExportMethods
 from zeroshard.engine.grad_sync import GradSyncMethods
+from zeroshard.engine.reports import ReportMethods
 from zeroshard.engine.state import EngineStateError, TrainingState
 from zeroshard.engine.validate import check_mesh_config
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload import OffloadError
+from zeroshard.parallel.activation_checkpointing import ActivationCheckpointing, running_forward
 from zeroshard.parallel.mesh import Mesh
-from zeroshard.stage3.gathered import full_state_dict
 
 log = logging.getLogger(__name__)
 
 
 class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods, CompileMethods,
-             DelayedUpdateMethods):
+             DelayedUpdateMethods, ReportMethods):
     """The training loop's handle: `loss = engine(*batch)`, `engine.backward(loss)`, `engine.step()`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
@@ -101,9 +102,20 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.buckets, self.units, self.schedule = parts.buckets, parts.units, parts.schedule
         self.offload = parts.offload  # where masters, optimizer state and stage 3's shards live
         self.delayed = delayed_update(config, self.offload.tiers, self.buckets)  # the CPU step in the background
+        self.activations = ActivationMeter(self._owned_tensors, self._device)  # what each training forward saves
+        # zeroshard.deepspeed.checkpointing.checkpoint in this engine's forward: the config's block, over tp
+        self.checkpointing = ActivationCheckpointing(config.activation_checkpointing,
+                                                     self.cross.tp_comm() if self.cross else None)
         if self.comm.rank == 0:
             log.info("zeroshard stage %d on %d ranks: %d buckets, %d elements", config.stage,
                      self.comm.world_size, len(self.buckets), sum(b.flat.numel for b in self.buckets))
+            for key, why in self.checkpointing.no_effect(self._device):
+                log.info("activation_checkpointing.%s has no effect here: %s", key, why)
+
+    def _owned_tensors(self) -> list[torch.Tensor]:
+        """The tensors whose storages hold the model itself: parameters, buffers and the flat buffers."""
+        flats = [b.flat for b in self.buckets] + self.frozen_flats()
+        return [*self.module.parameters(), *self.module.buffers(), *(f.data for f in flats)]
 
     def _on_grad(self, target: int, param: int) -> None:
         if not self._sync:  # gradients stay on .grad for reduce_gradients()
@@ -127,7 +139,8 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         resume, self.state = self.state, TrainingState.FORWARD
         try:
             broadcast_buffers(self.comm, self.module)
-            return self.module(*args, **kwargs)
+            with running_forward(self.checkpointing), self.activations.measure((args, kwargs)):
+                return self.module(*args, **kwargs)
         except CollectiveError as exc:  # a stage-3 gather failed: ranks are out of step
             self.fail(f"a collective failed in forward ({exc})")
             raise
@@ -301,6 +314,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
 
     def _end_step(self, overflow: bool) -> None:
         self._end_window()
+        self.activations.end_window()
         for bucket in self.buckets:
             bucket.zero_grad(self.pool)
         if self.schedule is not None:  # hpZ's secondary shards live for one step, applied or skipped
@@ -350,50 +364,3 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         if self.schedule is not None:  # hpZ's secondary shards are stale after a step or a load
             self.schedule.drop_secondaries()
         wait_all([bucket.gather_params(self.comm) for bucket in self.buckets if bucket.gathers_after_step])
-
-    # -- reports ------------------------------------------------------------
-
-    def comm_stats(self, dim: str = "dp") -> dict[str, OpStats]:
-        """Per logical collective: calls, bytes (logical full buffer), blocked seconds, algorithms.
-
-        `dim`: ZeRO's data-parallel traffic ("dp"); on a mesh also "tp" (partial gradients summed), "pp"
-        (ties across stages) and "mesh" (the step check over every rank)."""
-        if dim == "dp":
-            return self.comm.recorder.snapshot()
-        if self.cross is None or dim not in self.cross.recorders:
-            raise ValueError(f"comm_stats({dim!r}): this engine records "
-                             f"{['dp'] + (list(self.cross.recorders) if self.cross else [])}")
-        return self.cross.recorders[dim].snapshot()
-
-    def memory_stats(self, pool: str | None = None) -> dict[str, int]:
-        """Bytes of model states this rank holds: params, grads, master, optimizer, staging, hpz_secondary,
-        compression.
-
-        `pool`: "device", "host" or "disk" (offload), each by the same kinds; None: all pools together.
-        A delayed update in flight is waited for first (its optimizer state is being made)."""
-        self._wait_update()
-        by_pool = model_state_bytes(self.module, self.buckets, self.optimizer, self.pool, self.frozen_flats(),
-                                    self.offload.tiers, self.offload.param_tier, self.offload.buffers())
-        if pool is None:
-            return total(by_pool)
-        if pool not in by_pool:
-            raise ValueError(f"memory_stats(pool={pool!r}): the pools are {', '.join(map(repr, by_pool))}")
-        return by_pool[pool]
-
-    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The complete model state dict (full tensors, copies): on every rank, or on rank 0 only.
-
-        At stage 3 every rank must call it: the units are gathered one at a time (called on some
-        ranks only, they raise `CollectiveError` within `rank_check_timeout`). Below stage 3 it runs
-        no collective and any rank may call it alone.
-        """
-        keep = not rank0_only or self.comm.rank == 0
-        if self.schedule is None:
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()} if keep else {}
-        self._check_usable()
-        self._enter("full_state_dict", CollectiveError)
-        try:
-            return full_state_dict(self.module, self.schedule, keep)
-        except CollectiveError as exc:
-            self.fail(f"a gather failed in full_state_dict ({exc})")
-            raise

@@ -80,6 +80,10 @@ class CrossParallel:
             self._ranges[key] = _counted_ranges(flat, [self._counts[id(p)] for p in flat.params])
         return [shard[lo:hi] for lo, hi in self._ranges[key]]
 
+    def tp_comm(self) -> Comm:
+        """The comm over this rank's `tp` group, recorded as comm_stats("tp") (partitioned activation checkpoints)."""
+        return self._tp_comm(self.mesh.group("tp"))
+
     def _tp_comm(self, group: dist.ProcessGroup) -> Comm:
         key = id(group)
         if key not in self._tp_comms:

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zeroshard.app.models.gpt import GPT
+from zeroshard.app.models.gpt import GPT, run_blocks
 
 TIE = "embedding"
 
@@ -52,8 +52,7 @@ class GPTStage(nn.Module):
         """Token ids on the first stage, activations on the others; logits from the last."""
         if self.first:
             x = self.wte(x) + self.wpe(torch.arange(x.shape[1], device=x.device))
-        for block in self.blocks:
-            x = block(x)
+        x = run_blocks(self.blocks, x, self.cfg.checkpointing if self.training else "")
         return self.head(self.ln_f(x)) if self.last else x
 
     def tied(self) -> dict[str, str]:
