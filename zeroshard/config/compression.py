@@ -90,7 +90,8 @@ class GradientCompression(_CodecFields):
     def _keys_of_the_codec(self) -> "GradientCompression":
         fields = type(self).model_fields
         changed = [key for key in _POWERSGD_KEYS + _CODEC_KEYS + ("error_feedback",) if getattr(self, key) != fields[key].default]
-        wrong = [key for key in changed if (key in _POWERSGD_KEYS) != (self.codec == "powersgd")]
+        wrong = [key for key in changed if key != "error_feedback"
+                 and (key in _POWERSGD_KEYS) != (self.codec == "powersgd")]
         if self.codec == "none":
             wrong = changed
         if wrong:

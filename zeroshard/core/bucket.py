@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.comm import Comm, Pending, Qgz, all_gather, all_reduce, reduce_scatter
+from zeroshard.comm.powersgd import PowerSgd
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import is_dtensor, local_grad
 from zeroshard.core.precision import Precision
@@ -117,6 +118,7 @@ class Bucket:
         self._staged = [False] * len(flat.params)  # stage 2: slots of `staging` holding this micro-step
         self._accumulated = False  # stage 2: grad_shard already holds part of this window
         self.on_disk: GradOnDisk | None = None  # stages 2-3, the master on disk: grad_shard too (`swap_grads`)
+        self.powersgd: PowerSgd | None = None  # stages 0-1: the low-rank reduction and its state (set by the build)
 
     def _init_master(self) -> torch.Tensor:
         """What the optimizer updates: in fp32 the parameters' own storage, no copy; else an fp32 copy."""
@@ -191,6 +193,8 @@ class Bucket:
         if self.switches.shard_grads:
             return self._reduce_staged(comm, pool, scale)
         buffer = self._reduce_input()
+        if self.powersgd is not None:  # the mean of the whole buffer, in place; stage 1 then reads its shard
+            return self.powersgd.reduce(comm, buffer, self.name).then(lambda: buffer.mul_(scale * comm.world_size))
         before, after = self.precision.reduce_factors(comm.world_size, scale)
         if before != 1.0:
             buffer.mul_(before)

@@ -6,7 +6,9 @@ At stage 3 `params` is the persistent shards plus whatever is gathered now.
 With 16-bit parameters the fp32 master is a storage of its own, and the fp32
 sum of several micro-steps' gradients counts under `grads`. ZeRO++'s hpZ
 secondary shards (held from a unit's first gather after a step until the
-next step) count under `hpz_secondary`, 0 without hpZ.
+next step) count under `hpz_secondary`, 0 without hpZ. PowerSGD's state
+(stages 0-1: each bucket's P, Q and error feedback, comm/powersgd.py)
+counts under `compression`, 0 without it.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def model_state_bytes(
         master=_storage_bytes([b.master for b, t in zip(buckets, tier) if t is Tier.DEVICE], seen),
         optimizer=_storage_bytes(_state_of(optimizer, buckets, tier, {Tier.DEVICE}), seen),
         staging=_storage_bytes(pool.tensors(), seen),
-        hpz_secondary=_storage_bytes([f.secondary for f in flats], seen))
+        hpz_secondary=_storage_bytes([f.secondary for f in flats], seen),
+        compression=_storage_bytes([t for b in buckets if b.powersgd is not None for t in b.powersgd.tensors()], seen))
     # The offload buffers first: a disk sub-group in memory (in flight, or kept between steps) points into
     # them, and counts as staging, not again as host master or optimizer state.
     host_staging = _storage_bytes(offload_buffers, seen)
@@ -85,11 +88,12 @@ def model_state_bytes(
         # A disk master's scalar state (Adam's step) stays in host memory.
         optimizer=_storage_bytes(_state_of(optimizer, buckets, tier, {Tier.HOST, Tier.DISK}), seen),
         staging=host_staging,
-        hpz_secondary=0)
+        hpz_secondary=0, compression=0)
     on_disk = tiers.disk_bytes() if tiers else {"master": 0, "optimizer": 0, "grads": 0}
     disk = MemoryStats(params=sum(f.shard_swap.nbytes for f in flats if f.shard_swap is not None),
                        grads=on_disk["grads"],
-                       master=on_disk["master"], optimizer=on_disk["optimizer"], staging=0, hpz_secondary=0)
+                       master=on_disk["master"], optimizer=on_disk["optimizer"], staging=0, hpz_secondary=0,
+                       compression=0)
     return {"device": device, "host": host, "disk": disk}
 
 

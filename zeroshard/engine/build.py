@@ -17,9 +17,10 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zeroshard.comm import Comm, CommRecorder, Hops, Qgz, all_gather_object, broadcast, ensure_process_group
+from zeroshard.comm.powersgd import PowerSgd, QSeeds
 from zeroshard.comm.quantize import BlockCodec
 from zeroshard.comm.topology import build_topology, declared_scope
-from zeroshard.config import Config
+from zeroshard.config import Config, ConfigError
 from zeroshard.core.bucket import Bucket, StageSwitches
 from zeroshard.core.bucketing import bucket_params
 from zeroshard.core.faults import agreed
@@ -153,9 +154,26 @@ def _build_buckets(model: nn.Module, groups: list[list[nn.Parameter]], config: C
     buckets = bucket_params(model, groups, min(zero.reduce_bucket_size, zero.allgather_bucket_size))
     flats = [FlatParams(b.params, comm.world_size, comm.rank) for b in buckets]
     broadcast_from_rank0(comm, model, flats)  # in the model's dtype: masters start from these values
-    return [Bucket(flat, switches, zero.reduce_scatter, b.group, f"bucket {i}", precision,
-                   config.gradient_accumulation_steps, offload=offload(flat.numel))
-            for i, (flat, b) in enumerate(zip(flats, buckets))]
+    built = [Bucket(flat, switches, zero.reduce_scatter, b.group, f"bucket {i}", precision,
+                    config.gradient_accumulation_steps, offload=offload(flat.numel))
+             for i, (flat, b) in enumerate(zip(flats, buckets))]
+    _low_rank(config, precision, built)
+    return built
+
+
+def _low_rank(config: Config, precision: Precision, buckets: list[Bucket]) -> None:
+    """PowerSGD's state for each bucket (stages 0-1; the config refuses it at 2-3), one seed sequence for all."""
+    settings = config.communication_compression.gradients
+    if settings.codec != "powersgd":
+        return
+    if precision.param_dtype == torch.float16:
+        raise ConfigError("communication_compression.gradients.codec \"powersgd\" cannot run with fp16.enabled: "
+                          "its error feedback carries each step's loss-scaled gradients into the next, whose loss "
+                          "scale may differ, so what it adds back would be off by their ratio. Train in bf16 "
+                          "(\"bf16\": {\"enabled\": true}) or fp32 with powersgd, or use another codec")
+    seeds = QSeeds()
+    for bucket in buckets:
+        bucket.powersgd = PowerSgd(bucket.flat.shapes, settings, seeds, bucket.flat.device)
 
 
 def zeropp(comm: Comm, config: Config) -> tuple[Gathers, Qgz | None]:

@@ -366,7 +366,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         return self.cross.recorders[dim].snapshot()
 
     def memory_stats(self, pool: str | None = None) -> dict[str, int]:
-        """Bytes of model states this rank holds: params, grads, master, optimizer, staging, hpz_secondary.
+        """Bytes of model states this rank holds: params, grads, master, optimizer, staging, hpz_secondary, compression.
 
         `pool`: "device", "host" or "disk" (offload), each by the same kinds; None: all pools together.
         A delayed update in flight is waited for first (its optimizer state is being made)."""

