@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.recipes import make_model, micro_batch, Case
+from tests.recipes import Case, flat_weights, make_model, make_optimizer, micro_batch
 
 SHAPES = [(24, 40), (40,), (6, 4, 10), (24, 40), (3, 3), (16, 8), (5,), (48, 50)]
 SPLIT = 48 * 50  # reduce_bucket_size: (48, 50) in a bucket of its own, the other 2342 elements in a second
@@ -197,12 +197,117 @@ def _check_parity(results, world: int) -> None:
             assert run["skip"] == {"skipped": 1, "kept": True, "finite": True}, where
 
 
-def _each_rank(rank, world, device):
-    return {"parity": _parity(rank, world, device)}
+GPT_LOW_RANK = {"rank": 2, "start_step": 1}
+
+
+def _gpt_engine(rank, world, device, stage: int, dtype: str = "fp32", group=None):
+    import zeroshard
+
+    case = Case(stage=stage, dtype=dtype)
+    config = case.config() | {"communication_compression": {"gradients": {"codec": "powersgd"} | GPT_LOW_RANK}}
+    model = make_model(device=device)
+    return zeroshard.initialize(model, make_optimizer(case.optimizer, model), config, group=group), case
+
+
+def _gpt_step(engine, case, step: int, rank: int, world: int, device) -> None:
+    x, y = (t.to(device) for t in micro_batch(step, case, world, rank, 0))
+    engine.backward(engine(x, y))
+    engine.step()
+
+
+def _memory(rank, world, device) -> list:
+    """After a step: memory_stats()['compression'] and the formula, and every kind against the storage held."""
+    from tests.core.test_memory import held_storage_bytes
+    from zeroshard import estimate
+
+    out = []
+    for stage, dtype in ((0, "fp32"), (1, "fp32"), (1, "bf16")):
+        baseline = held_storage_bytes()
+        engine, case = _gpt_engine(rank, world, device, stage, dtype)
+        for step in range(2):  # the second compresses
+            _gpt_step(engine, case, step, rank, world, device)
+        stats = engine.memory_stats()
+        held = held_storage_bytes() - baseline if device.type == "cpu" else None
+        formula = sum(estimate.powersgd_state_bytes([tuple(s) for s in b.flat.shapes], GPT_LOW_RANK["rank"])
+                      for b in engine.buckets)
+        out.append((stage, dtype, dict(stats), held, formula))
+        del engine
+    return out
+
+
+def _resume(rank, world, device, stage: int, path: str) -> dict:
+    """Six steps straight, against three, a save, a load into a fresh engine and three more: the same bits."""
+    straight, case = _gpt_engine(rank, world, device, stage)
+    for step in range(6):
+        if step == 3:
+            straight.save_checkpoint(path, tag=f"stage{stage}")
+        _gpt_step(straight, case, step, rank, world, device)
+    resumed, _ = _gpt_engine(rank, world, device, stage)
+    resumed.load_checkpoint(path, tag=f"stage{stage}")
+    for step in range(3, 6):
+        _gpt_step(resumed, case, step, rank, world, device)
+    same_state = all(torch.equal(a, b) for x, y in zip(straight.buckets, resumed.buckets)
+                     for a, b in zip(x.powersgd.state_dict().values(), y.powersgd.state_dict().values()))
+    return {"weights": torch.equal(flat_weights(straight.module), flat_weights(resumed.module)),
+            "state": same_state, "draws": [e.buckets[0].powersgd.seeds.draws for e in (straight, resumed)],
+            "buckets": len(straight.buckets)}
+
+
+def _dropped_on_other_world(rank, world, device, path: str) -> dict | None:
+    """Rank 0 alone (a group of 1) loads the checkpoint of `world` ranks: the state is dropped, said in the log."""
+    import torch.distributed as dist
+
+    group = dist.new_group([0])  # every rank takes part in making it
+    if rank != 0:
+        return None
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("zeroshard.checkpoint.rank_state")
+    logger.addHandler(handler)
+    try:
+        engine, _ = _gpt_engine(rank, 1, device, 1, group=group)
+        engine.load_checkpoint(path, tag="stage1")
+    finally:
+        logger.removeHandler(handler)
+    lows = [b.powersgd for b in engine.buckets]
+    return {"lines": lines, "reset": all(low.step == 3 and not low.q_valid and not low.error.any() for low in lows)}
+
+
+def _each_rank(rank, world, device, path):
+    memory = _memory(rank, world, device)
+    resume = {stage: _resume(rank, world, device, stage, path) for stage in (0, 1)}
+    dropped = _dropped_on_other_world(rank, world, device, path) if world == 2 else None
+    return {"memory": memory, "parity": _parity(rank, world, device), "resume": resume, "dropped": dropped}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_powersgd(world):
-    results = run_ranks(_each_rank, world)
-    for rank_result in results:
-        _check_parity(rank_result["parity"], world)
+def test_powersgd(world, tmp_path):
+    results = run_ranks(_each_rank, world, str(tmp_path))
+    for rank, result in enumerate(results):
+        _check_parity(result["parity"], world)
+        for stage, dtype, stats, held, formula in result["memory"]:
+            assert stats["compression"] == formula > 0, (stage, dtype)
+            if held is not None:
+                assert held == sum(stats.values()), f"stage {stage} {dtype}: held {held} vs reported {stats}"
+        for stage, resume in result["resume"].items():
+            # Warm start: one random start a bucket, the seeds restored to stand after them.
+            assert resume == {"weights": True, "state": True, "draws": [resume["buckets"]] * 2,
+                              "buckets": resume["buckets"]}, (rank, stage)
+    if world == 2:
+        dropped = results[0]["dropped"]
+        assert dropped["reset"], dropped
+        assert dropped["lines"] == ["PowerSGD's state in the checkpoint is not used: it was written by 2 ranks and "
+                                    "this job has 1, while each rank's error feedback and Q are its own and cannot be "
+                                    "split or merged. Each bucket starts over at step 3 (no error feedback yet, a new "
+                                    "random Q)"]
+
+
+def test_stages_2_and_3_refuse_powersgd():
+    from zeroshard.config import Config
+
+    for stage in (2, 3):
+        with pytest.raises(ValueError, match=f"PowerSGD needs every rank to hold each matrix's whole gradient, which "
+                                             f"stage {stage} never does"):
+            Config.model_validate({"zero_optimization": {"stage": stage},
+                                   "communication_compression": {"gradients": {"codec": "powersgd"}}})

@@ -125,6 +125,20 @@ class PowerSgd:
         """What this bucket keeps between steps (memory_stats()['compression'])."""
         return [t for t in (self.p, self.q, self.error) if t is not None]
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps, 1-D: `q`, `error` (with error feedback), `counters` (int64: step, draws,
+        q_valid). P is made anew at every step."""
+        state = {"q": self.q, "counters": torch.tensor([self.step, self.draws, int(self.q_valid)])}
+        return state | ({"error": self.error} if self.error is not None else {})
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take a `state_dict()` of a bucket like this one (the seeds are restored apart: `QSeeds.restore`)."""
+        self.q.copy_(state["q"])
+        if self.error is not None:
+            self.error.copy_(state["error"])
+        self.step, self.draws, q_valid = (int(v) for v in state["counters"].tolist())
+        self.q_valid = bool(q_valid)
+
     def reset(self, step: int) -> None:
         """Start over at reduction `step`: no error, Q drawn afresh (a checkpoint's state could not be used)."""
         if self.error is not None:
