@@ -1,22 +1,27 @@
-"""PowerSGD at stages 0-1 (comm/powersgd.py) against torch's own `powerSGD_hook` on DDP, its bytes, state and memory.
+"""PowerSGD at stages 0-1 (comm/powersgd.py) against torch's own `powerSGD_hook`, its bytes, state and memory.
 
 One spawn per world size runs every check of that world:
 
 - parity: each rank's gradients chosen per step (a model whose loss is
-  sum(p * g), so p's gradient is g exactly), reduced by DDP with torch's
-  hook and by zeroshard at stages 0 and 1, equal to the bit over the
-  warm-up and the compressed steps, for rank 4 (QR) with error feedback and
-  warm start, and rank 1 (Gram-Schmidt) with neither; two buckets, so the
-  seeds are drawn across buckets in order;
+  sum(p * g), so p's gradient is g exactly), reduced by torch's hook and by
+  zeroshard at stages 0 and 1, equal to the bit over the warm-up and the
+  compressed steps: on DDP (one bucket) for rank 4 (QR) with error feedback
+  and warm start, and rank 2 (Gram-Schmidt) with neither; and the hook
+  called bucket by bucket on zeroshard's two buckets, so that the seeds are
+  drawn across buckets in order (DDP's own buckets' hooks overlap on gloo
+  and their collectives interleave differently on each rank: torch's own
+  multi-bucket runs abort there). The one exception is bounded: DDP's first
+  step over 4 ranks (see `_first_step_bound`);
 - bytes: comm_stats()'s all-reduce bytes equal 4 x the elements torch's
   PowerSGDState counts as sent, and `estimate.powersgd_bytes`;
 - an inf gradient on one rank: the step is skipped and the state (error, Q)
-  is left as it was;
+  of the bucket it reached is left as it was;
 - resume: a save at step k and a load into a fresh engine continue the
   uninterrupted run bit for bit (weights and PowerSGD state); a load on
   another number of ranks drops the state, logged;
 - memory: memory_stats()['compression'] equals `estimate.powersgd_state_bytes`
-  and, with every other kind, the tensor storage this process holds.
+  and, with every other kind, the tensor storage this process holds;
+- fp16 is refused at initialize, stages 2-3 by the config, with the reason.
 """
 
 from __future__ import annotations
@@ -274,11 +279,22 @@ def _dropped_on_other_world(rank, world, device, path: str) -> dict | None:
     return {"lines": lines, "reset": all(low.step == 3 and not low.q_valid and not low.error.any() for low in lows)}
 
 
+def _fp16_refused(rank, world, device) -> str:
+    from zeroshard.config import ConfigError
+
+    try:
+        _gpt_engine(rank, world, device, 1, "fp16")
+    except ConfigError as error:
+        return str(error)
+    return "no error"
+
+
 def _each_rank(rank, world, device, path):
     memory = _memory(rank, world, device)
     resume = {stage: _resume(rank, world, device, stage, path) for stage in (0, 1)}
     dropped = _dropped_on_other_world(rank, world, device, path) if world == 2 else None
-    return {"memory": memory, "parity": _parity(rank, world, device), "resume": resume, "dropped": dropped}
+    return {"memory": memory, "parity": _parity(rank, world, device), "resume": resume, "dropped": dropped,
+            "fp16": _fp16_refused(rank, world, device)}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -294,6 +310,8 @@ def test_powersgd(world, tmp_path):
             # Warm start: one random start a bucket, the seeds restored to stand after them.
             assert resume == {"weights": True, "state": True, "draws": [resume["buckets"]] * 2,
                               "buckets": resume["buckets"]}, (rank, stage)
+        assert result["fp16"].startswith("communication_compression.gradients.codec \"powersgd\" cannot run with "
+                                         "fp16.enabled: its error feedback carries each step's loss-scaled"), result
     if world == 2:
         dropped = results[0]["dropped"]
         assert dropped["reset"], dropped
