@@ -40,8 +40,9 @@ STEPS, START = 6, 2
 WARM = {"rank": 4, "error_feedback": True, "warm_start": True}  # QR
 COLD = {"rank": 2, "error_feedback": False, "warm_start": False}  # Gram-Schmidt
 TWO_BUCKETS = [[7], [6, 5, 4, 3, 2, 1, 0]]  # zeroshard's buckets (backward order) at reduce_bucket_size SPLIT
-# (settings, the reference's buckets (None: DDP's one), zeroshard's reduce_bucket_size)
-CASES = [(WARM, None, 10**7), (COLD, None, 10**7), (WARM, TWO_BUCKETS, SPLIT)]
+# (settings, the reference's buckets (None: DDP's one), zeroshard's reduce_bucket_size, dtype, accumulation)
+CASES = [(WARM, None, 10**7, "fp32", 1), (COLD, None, 10**7, "fp32", 1), (WARM, TWO_BUCKETS, SPLIT, "fp32", 1),
+         (WARM, TWO_BUCKETS, SPLIT, "bf16", 2)]
 
 
 class Given(torch.nn.Module):
@@ -55,9 +56,19 @@ class Given(torch.nn.Module):
         return sum((p * g).sum() for p, g in zip(self.ps, grads))
 
 
-def _grads(rank: int, step: int, device) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
+def _grads(rank: int, micro: int, device) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * micro + rank)
     return [torch.randn(s, generator=g).to(device) for s in SHAPES]
+
+
+def _window(rank: int, step: int, device, dtype: str, accumulation: int) -> list[torch.Tensor]:
+    """A rank's gradients of one step as zeroshard reduces them, in fp32 for torch's hook: each micro-step's
+    in `dtype`, summed in fp32 and rounded once to `dtype` (the reduce dtype)."""
+    from zeroshard.dtypes import DTYPES
+
+    micro = [_grads(rank, step * accumulation + m, device) for m in range(accumulation)]
+    wide = DTYPES[dtype]
+    return [sum(g[i].to(wide).float() for g in micro).to(wide).float() for i in range(len(SHAPES))]
 
 
 class _Bucket:
@@ -82,8 +93,10 @@ class _Bucket:
         return self._views
 
 
-def _reference(device, settings: dict, buckets: list[list[int]] | None) -> tuple[list[list[torch.Tensor]], int]:
-    """Torch's hook: each step's reduced gradients, and the elements it counts as sent when compressing.
+def _reference(device, settings: dict, buckets: list[list[int]] | None, dtype: str, accumulation: int
+               ) -> tuple[list[list[torch.Tensor]], int]:
+    """Torch's hook: each step's reduced gradients (fp32, / accumulation), and the elements it counts as sent
+    when compressing.
 
     `buckets` None: on DDP itself, one bucket (DDP's buckets' hooks run concurrently on gloo, and their
     collectives then interleave differently on each rank). Else the hook called bucket by bucket, each
@@ -101,7 +114,7 @@ def _reference(device, settings: dict, buckets: list[list[int]] | None) -> tuple
         ddp.register_comm_hook(state, powerSGD_hook)
     out = []
     for step in range(STEPS):
-        grads = _grads(dist.get_rank(), step, device)
+        grads = _window(dist.get_rank(), step, device, dtype, accumulation)
         if buckets is None:
             ddp(*grads).backward()
             out.append([p.grad.detach().clone() for p in model.ps])
@@ -112,34 +125,40 @@ def _reference(device, settings: dict, buckets: list[list[int]] | None) -> tuple
             bucket = _Bucket(index, len(buckets), [grads[i] for i in members])
             powerSGD_hook(state, bucket).wait()
             for i, view in zip(members, bucket.gradients()):
-                reduced[i] = view.clone()
+                reduced[i] = view / accumulation
         out.append(reduced)
     return out, state.total_numel_after_compression
 
 
-def _config(stage: int, settings: dict, bucket: int) -> dict:
-    return {"train_micro_batch_size_per_gpu": 1,
+def _config(stage: int, settings: dict, bucket: int, dtype: str, accumulation: int) -> dict:
+    return ({} if dtype == "fp32" else {dtype: {"enabled": True}}) | {
+            "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
             "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
             "communication_compression": {"gradients": {"codec": "powersgd", "start_step": START} | settings}}
 
 
-def _zeroshard_run(rank, device, stage: int, settings: dict, bucket: int) -> dict:
+def _zeroshard_run(rank, device, stage: int, settings: dict, bucket: int, dtype: str, accumulation: int) -> dict:
     import zeroshard
     from zeroshard import estimate
 
     model = Given().to(device)
-    engine = zeroshard.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), _config(stage, settings, bucket))
+    engine = zeroshard.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  _config(stage, settings, bucket, dtype, accumulation))
     index = {id(p): i for i, p in enumerate(model.ps)}
     grads, sent = [], []
     for step in range(STEPS):
         before = engine.comm_stats()["all_reduce"].bytes
-        engine.backward(engine(*_grads(rank, step, device)))
+        for micro in range(accumulation):
+            if micro:
+                engine.step()  # inside the window: no step yet
+            engine.backward(engine(*_grads(rank, step * accumulation + micro, device)))
         grads.append([p.grad.detach().clone() for p in model.ps])
         sent.append(engine.comm_stats()["all_reduce"].bytes - before)
         engine.step()
     shapes = [[tuple(s) for s in b.flat.shapes] for b in engine.buckets]
     formula = sum(estimate.powersgd_bytes(s, settings["rank"]) for s in shapes)
-    return {"grads": grads, "sent": sent, "formula": formula, "numel": sum(b.flat.numel for b in engine.buckets),
+    return {"grads": grads, "sent": sent, "formula": formula,  # the warm-up: every element, in the reduce dtype
+            "warm_up": sum(b.flat.numel * b.flat.data.element_size() for b in engine.buckets),
             "buckets": [[index[id(p)] for p in b.params] for b in engine.buckets],
             "skip": _skipped_step_keeps_state(engine, model, rank, device)}
 
@@ -151,53 +170,60 @@ def _skipped_step_keeps_state(engine, model, rank, device) -> dict:
     low = bucket.powersgd
     carried = [low.error] + ([low.q] if low.settings.warm_start else [])  # P, and Q when drawn, are made anew
     before = [t.clone() for t in carried if t is not None]
-    grads = _grads(rank, STEPS, device)
-    if rank == 0:
-        grads[-1][0, 0] = float("inf")
-    engine.backward(engine(*grads))
-    engine.step()
+    for micro in range(engine.config.gradient_accumulation_steps):
+        grads = _grads(rank, 1000 + micro, device)
+        if rank == 0:
+            grads[-1][0, 0] = float("inf")
+        engine.backward(engine(*grads))
+        engine.step()
     kept = all(torch.equal(a, b) for a, b in zip(before, [t for t in carried if t is not None]))
-    engine.backward(engine(*_grads(rank, STEPS + 1, device)))
-    finite = all(bool(torch.isfinite(p.grad).all()) for p in model.ps)
-    engine.step()
+    for micro in range(engine.config.gradient_accumulation_steps):
+        engine.backward(engine(*_grads(rank, 2000 + micro, device)))
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in model.ps)
+        engine.step()
     return {"skipped": engine.skipped_steps, "kept": kept, "finite": finite}
 
 
 def _parity(rank, world, device):
     out = []
-    for settings, buckets, size in CASES:
-        reference, counted = _reference(device, settings, buckets)
-        runs = {stage: _zeroshard_run(rank, device, stage, settings, size) for stage in (0, 1)}
-        out.append((settings, buckets, reference, counted, runs))
+    for settings, buckets, size, dtype, accumulation in CASES:
+        reference, counted = _reference(device, settings, buckets, dtype, accumulation)
+        runs = {stage: _zeroshard_run(rank, device, stage, settings, size, dtype, accumulation) for stage in (0, 1)}
+        out.append((settings, buckets, dtype, accumulation, reference, counted, runs))
     return out
 
 
-def _first_step_bound(world: int, step: int, i: int) -> torch.Tensor:
-    """How far two exact means of tensor i may lie apart at DDP's first step over more than 2 ranks.
+def _bound(world: int, step: int, i: int, dtype: str, accumulation: int) -> torch.Tensor:
+    """How far zeroshard's exact mean of tensor i may lie from torch's where the two sum in another order.
 
     DDP reduces its first step's bucket in the parameters' registration order (it rebuilds it in backward
-    order, zeroshard's, after that step), so gloo's ring sums an element in another order of the N ranks.
-    Each of the N - 1 additions of a sum is off by at most u x (the sum of |g| so far) <= u x sum_r |g_r|,
-    u = 2^-24; two such sums, each divided by N exactly (N a power of two), differ by at most
-    2 (N - 1) u sum_r |g_r| / N."""
-    total = sum(_grads(rank, step, "cpu")[i].abs() for rank in range(world))
-    return 2 * (world - 1) * 2.0**-24 * total / world
+    order, zeroshard's, after that step), so over more than 2 ranks gloo's ring sums an element in another
+    order; and a 16-bit warm-up sums in the reduce dtype where torch's hook (on fp32) sums in fp32. Each of
+    the N - 1 additions of x_r / N (divided exactly: N a power of two) is off by at most u x the sum of |x_r|
+    / N so far, u = 2^-24 (fp32) or 2^-8 (bf16); the two means differ by at most
+    (N - 1) / N x (u_zeroshard + u_torch) x S, S = sum_r |x_r| / accumulation."""
+    total = sum(_window(rank, step, "cpu", dtype, accumulation)[i].abs() for rank in range(world)) / accumulation
+    u = {"fp32": 2.0**-24, "bf16": 2.0**-8}[dtype]
+    return (world - 1) / world * (u + 2.0**-24) * total
 
 
 def _check_parity(results, world: int) -> None:
-    for settings, buckets, reference, counted, runs in results:
+    for settings, buckets, dtype, accumulation, reference, counted, runs in results:
         for stage, run in runs.items():
-            where = f"{settings}, {'DDP' if buckets is None else 'two buckets'}, stage {stage}, {world} ranks"
+            where = (f"{settings}, {'DDP' if buckets is None else 'two buckets'}, {dtype}, accumulation "
+                     f"{accumulation}, stage {stage}, {world} ranks")
             assert run["buckets"] == (buckets or [list(range(len(SHAPES)))[::-1]]), where
             for step, (ours, theirs) in enumerate(zip(run["grads"], reference)):
                 for i, (a, b) in enumerate(zip(ours, theirs)):
                     a, b = a.cpu(), b.cpu()
-                    if step == 0 and buckets is None and world > 2:
-                        assert (a - b).abs().le(_first_step_bound(world, step, i)).all(), f"{where}, tensor {i}"
-                    else:
+                    if step < START and (dtype != "fp32" or (step == 0 and buckets is None and world > 2)):
+                        bound = _bound(world, step, i, dtype, accumulation)
+                        assert (a.float() - b).abs().le(bound).all(), f"{where}, step {step}, tensor {i}"
+                    else:  # torch's fp32 result, rounded once to the reduce dtype
+                        b = b.to(a.dtype)
                         assert torch.equal(a, b), f"{where}, step {step}, tensor {SHAPES[i]}: {(a - b).abs().max()}"
-            # Warm-up: the exact all-reduce of every element in fp32; then what torch counts, 4 bytes each.
-            assert run["sent"][:START] == [4 * run["numel"]] * START, where
+            # The warm-up sends every element in the reduce dtype; then what torch counts, 4 bytes each.
+            assert run["sent"][:START] == [run["warm_up"]] * START, where
             assert sum(run["sent"][START:]) == 4 * counted == (STEPS - START) * run["formula"], where
             assert run["skip"] == {"skipped": 1, "kept": True, "finite": True}, where
 
