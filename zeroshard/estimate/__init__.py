@@ -31,7 +31,7 @@ from zeroshard.estimate.offload import (
     pool_totals,
     ratio_numel,
 )
-from zeroshard.estimate.powersgd import low_rank_plan, powersgd_bytes, powersgd_sizes, powersgd_state_bytes
+from zeroshard.estimate.powersgd import LowRank, low_rank_plan, powersgd_bytes, powersgd_sizes, powersgd_state_bytes
 from zeroshard.estimate.summary import summarize
 from zeroshard.estimate.zeropp import (
     FROZEN,
@@ -55,6 +55,7 @@ __all__ = [
     "SHARDED",
     "STAGES",
     "Flat",
+    "LowRank",
     "Offload",
     "UnboundedError",
     "ZeroPP",
