@@ -246,24 +246,22 @@ def _gpt_step(engine, case, step: int, rank: int, world: int, device) -> None:
     engine.step()
 
 
-def _memory(rank, world, device) -> list:
-    """After a step: memory_stats()['compression'] and the formula, and every kind against the storage held."""
+def _memory(rank, world, device) -> dict:
+    """After two steps (the second compresses) of two engines, stage 0 in fp32 and stage 1 in bf16: each one's
+    memory_stats()['compression'] and its formula, and all their kinds against the storage held."""
     from tests.core.test_memory import held_storage_bytes
     from zeroshard import estimate
 
-    out = []
-    for stage, dtype in ((0, "fp32"), (1, "fp32"), (1, "bf16")):
-        baseline = held_storage_bytes()
-        engine, case = _gpt_engine(rank, world, device, stage, dtype)
-        for step in range(2):  # the second compresses
+    baseline = held_storage_bytes()
+    engines = [_gpt_engine(rank, world, device, stage, dtype) for stage, dtype in ((0, "fp32"), (1, "bf16"))]
+    for engine, case in engines:
+        for step in range(2):
             _gpt_step(engine, case, step, rank, world, device)
-        stats = engine.memory_stats()
-        held = held_storage_bytes() - baseline if device.type == "cpu" else None
-        formula = sum(estimate.powersgd_state_bytes([tuple(s) for s in b.flat.shapes], GPT_LOW_RANK["rank"])
-                      for b in engine.buckets)
-        out.append((stage, dtype, dict(stats), held, formula))
-        del engine
-    return out
+    stats = [dict(engine.memory_stats()) for engine, _ in engines]
+    held = held_storage_bytes() - baseline if device.type == "cpu" else None
+    formulas = [sum(estimate.powersgd_state_bytes([tuple(s) for s in b.flat.shapes], GPT_LOW_RANK["rank"])
+                    for b in engine.buckets) for engine, _ in engines]
+    return {"stats": stats, "formulas": formulas, "held": held}
 
 
 def _resume(rank, world, device, stage: int, path: str) -> dict:
@@ -328,10 +326,11 @@ def test_powersgd(world, tmp_path):
     results = run_ranks(_each_rank, world, str(tmp_path))
     for rank, result in enumerate(results):
         _check_parity(result["parity"], world)
-        for stage, dtype, stats, held, formula in result["memory"]:
-            assert stats["compression"] == formula > 0, (stage, dtype)
-            if held is not None:
-                assert held == sum(stats.values()), f"stage {stage} {dtype}: held {held} vs reported {stats}"
+        memory = result["memory"]
+        for stats, formula in zip(memory["stats"], memory["formulas"]):
+            assert stats["compression"] == formula > 0, memory
+        if memory["held"] is not None:
+            assert memory["held"] == sum(sum(stats.values()) for stats in memory["stats"]), memory
         for stage, resume in result["resume"].items():
             # Warm start: one random start a bucket, the seeds restored to stand after them.
             assert resume == {"weights": True, "state": True, "draws": [resume["buckets"]] * 2,
