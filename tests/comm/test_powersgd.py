@@ -19,8 +19,9 @@ One spawn per world size runs every check of that world:
 - resume: a save at step k and a load into a fresh engine continue the
   uninterrupted run bit for bit (weights and PowerSGD state); a load on
   another number of ranks drops the state, logged;
-- memory: memory_stats()['compression'] equals `estimate.powersgd_state_bytes`
-  and, with every other kind, the tensor storage this process holds;
+- memory: memory_stats()['compression'] equals `estimate.powersgd_state_bytes`,
+  the other kinds keep stage 0's formula, and all of them add up to the
+  tensor storage this process holds (stage 0 in fp32, stage 1 in bf16);
 - fp16 is refused at initialize, stages 2-3 by the config, with the reason.
 """
 
@@ -261,7 +262,8 @@ def _memory(rank, world, device) -> dict:
     held = held_storage_bytes() - baseline if device.type == "cpu" else None
     formulas = [sum(estimate.powersgd_state_bytes([tuple(s) for s in b.flat.shapes], GPT_LOW_RANK["rank"])
                     for b in engine.buckets) for engine, _ in engines]
-    return {"stats": stats, "formulas": formulas, "held": held}
+    padded = sum(b.flat.padded_numel for b in engines[0][0].buckets)
+    return {"stats": stats, "formulas": formulas, "held": held, "padded": padded, "buckets": len(engines[0][0].buckets)}
 
 
 def _resume(rank, world, device, stage: int, path: str) -> dict:
@@ -329,6 +331,10 @@ def test_powersgd(world, tmp_path):
         memory = result["memory"]
         for stats, formula in zip(memory["stats"], memory["formulas"]):
             assert stats["compression"] == formula > 0, memory
+        padded, buckets = memory["padded"], memory["buckets"]  # stage 0 in fp32 keeps its formula, AdamW's
+        assert {k: v for k, v in memory["stats"][0].items() if k != "compression"} == {
+            "params": 4 * padded, "grads": 4 * padded, "master": 0, "optimizer": 8 * padded + 4 * buckets,
+            "staging": 0, "hpz_secondary": 0}, memory
         if memory["held"] is not None:
             assert memory["held"] == sum(sum(stats.values()) for stats in memory["stats"]), memory
         for stage, resume in result["resume"].items():
