@@ -40,6 +40,7 @@ from zeroshard.checkpoint.files import (
 from zeroshard.checkpoint.holdings import Holdings, Trained
 from zeroshard.checkpoint.pieces import PieceReader
 from zeroshard.checkpoint.protocol import Counters, Trainer
+from zeroshard.checkpoint.rank_state import restore_rank_state
 from zeroshard.checkpoint.turns import master_state
 from zeroshard.checkpoint.verify import (
     checksum_problems,
@@ -173,10 +174,13 @@ def _apply_everywhere(trainer: Trainer, held: Holdings, plan: _Plan, parts: _Par
 
 
 def _apply(trainer: Trainer, held: Holdings, plan: _Plan, parts: _Parts) -> None:
-    """Install what `_prepare` read and checked: the values, the optimizer state, counters, scheduler."""
+    """Install what `_prepare` read and checked: the values, the optimizer state (PowerSGD's with it),
+    counters, scheduler."""
     _load_values(trainer, held, plan)
     if plan.optimizer is not None:
         trainer.optimizer.load_state_dict(_optimizer_state(trainer.optimizer, held, plan.optimizer))
+        restore_rank_state(trainer.buckets, trainer.comm, plan.manifest, plan.reader.handles,
+                           plan.state["global_steps"])
     if parts.counters:
         _load_counters(trainer, plan.state)
     if parts.scheduler and trainer.lr_scheduler is not None and plan.state["lr_scheduler"] is not None:

@@ -49,6 +49,7 @@ from zeroshard.checkpoint.files import (
 )
 from zeroshard.checkpoint.holdings import Holdings, Span
 from zeroshard.checkpoint.model_config import hf_config
+from zeroshard.checkpoint.rank_state import rank_state
 from zeroshard.checkpoint.protocol import Trainer
 from zeroshard.checkpoint.turns import Surveyed, Turns, own_tensors, survey
 from zeroshard.checkpoint.writer import bytes_entry, write_streamed
@@ -253,7 +254,7 @@ class _Window:
 def windows_of(trainer: Trainer, held: Holdings, surveyed: list[Surveyed]
              ) -> tuple[dict[str, _Window], dict[str, list]]:
     """This rank's tensors (its shard of masters, optimizer state and frozen flats; rank 0 adds the
-    replicated) and the runs of parameters each holds. CPU tensors are written as they are, no copy."""
+    replicated; its own PowerSGD state, `rank_state.py`) and the runs of parameters each holds. CPU tensors are written as they are, no copy."""
     windows: dict[str, _Window] = {}
     runs: dict[str, list] = {}
 
@@ -274,6 +275,8 @@ def windows_of(trainer: Trainer, held: Holdings, surveyed: list[Surveyed]
                    for kind, named in (("param", held.whole), ("buffer", held.buffers)) for name, tensor in named]
     for kind, window, span, tensor in always:
         add(kind, window, span, tensor.dtype, tensor.numel(), -1, lambda tensor=tensor: tensor.detach().reshape(-1))
+    for key, tensor in rank_state(trainer.buckets).items():  # this rank's own, no parameter's pieces: no runs
+        windows[key] = _Window(tensor.dtype, tensor.numel(), -1, lambda tensor=tensor: tensor)
     return windows, runs
 
 

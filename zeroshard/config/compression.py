@@ -72,17 +72,20 @@ class GradientCompression(_CodecFields):
     # one step leaves out is sent with the next, so the applied updates track the exact ones.
     error_feedback: StrictBool = Field(True, description=(
         "Add what each quantized message left out to the next one (per rank, 4 bytes per padded gradient "
-        "element it sends, counted in memory_stats() as error_feedback and saved in checkpoints). "
-        "DeepSpeed: none (zeroshard only)."))
+        "element it sends, counted in memory_stats() as error_feedback and saved in checkpoints). With powersgd: "
+        "each rank's own error over its buckets, 4 bytes per gradient element, counted in memory_stats() as "
+        "compression and saved in checkpoints. DeepSpeed: none (zeroshard only)."))
     hierarchical: StrictBool = Field(False, description=(
         "Reduce in two hops, inside each node then across nodes (ZeRO++'s qgZ topology; nodes from "
         "zero_optimization.zeropp_ranks_per_node or LOCAL_WORLD_SIZE). DeepSpeed: none (zeroshard only)."))
     rank: PositiveInt = Field(4, description=(
-        "PowerSGD: the rank of each matrix's approximation. DeepSpeed: none (torch's PowerSGDState."
-        "matrix_approximation_rank)."))
+        "PowerSGD: the rank r of each matrix's approximation. A tensor, viewed as a matrix (its first "
+        "dimension n, the product of the others m), is sent as (n + m) x min(n, m, r) fp32 values when that "
+        "at least halves its n x m, as torch's hook decides; the others (biases, norms) are all-reduced exactly. "
+        "DeepSpeed: none (torch's PowerSGDState.matrix_approximation_rank)."))
     start_step: NonNegativeInt = Field(10, description=(
-        "PowerSGD: optimizer steps reduced exactly before compression starts (its warm-up). DeepSpeed: none "
-        "(torch's PowerSGDState.start_powerSGD_iter)."))
+        "PowerSGD: optimizer steps whose gradients are all-reduced exactly before compression starts (its "
+        "warm-up; 0: compress from the first step). DeepSpeed: none (torch's PowerSGDState.start_powerSGD_iter)."))
     warm_start: StrictBool = Field(True, description=(
         "PowerSGD: start each step's power iteration from the last step's Q. DeepSpeed: none (torch's "
         "PowerSGDState.warm_start)."))
@@ -91,7 +94,8 @@ class GradientCompression(_CodecFields):
     def _keys_of_the_codec(self) -> "GradientCompression":
         fields = type(self).model_fields
         changed = [key for key in _POWERSGD_KEYS + _CODEC_KEYS + ("error_feedback",) if getattr(self, key) != fields[key].default]
-        wrong = [key for key in changed if (key in _POWERSGD_KEYS) != (self.codec == "powersgd")]
+        wrong = [key for key in changed if key != "error_feedback"
+                 and (key in _POWERSGD_KEYS) != (self.codec == "powersgd")]
         if self.codec == "none":
             wrong = changed
         if wrong:

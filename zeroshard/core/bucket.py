@@ -27,6 +27,7 @@ import torch
 
 from zeroshard.comm import BlockCodec, Comm, CompressedReduction, Pending, all_gather, all_reduce, qwz_all_gather
 from zeroshard.comm import reduce_scatter
+from zeroshard.comm.powersgd import PowerSgd
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import is_dtensor, local_grad
 from zeroshard.core.precision import Precision
@@ -122,6 +123,7 @@ class Bucket:
         self.feedback = None if compressed is None else compressed.feedback_for(
             flat.padded_numel, all_reduce=not switches.shard_optimizer, device=flat.device)
         self.on_disk: GradOnDisk | None = None  # stages 2-3, the master on disk: grad_shard too (`swap_grads`)
+        self.powersgd: PowerSgd | None = None  # stages 0-1: the low-rank reduction and its state (set by the build)
 
     def _init_master(self) -> torch.Tensor:
         """What the optimizer updates: in fp32 the parameters' own storage, no copy; else an fp32 copy."""
@@ -196,6 +198,8 @@ class Bucket:
         if self.switches.shard_grads:
             return self._reduce_staged(comm, pool, scale)
         buffer = self._reduce_input()
+        if self.powersgd is not None:  # the mean of the whole buffer, in place; stage 1 then reads its shard
+            return self.powersgd.reduce(comm, buffer, self.name).then(lambda: buffer.mul_(scale * comm.world_size))
         if self.compressed is not None:
             return self._reduce_compressed(buffer, scale * comm.world_size)
         before, after = self.precision.reduce_factors(comm.world_size, scale)

@@ -7,8 +7,9 @@ With 16-bit parameters the fp32 master is a storage of its own, and the fp32
 sum of several micro-steps' gradients counts under `grads`. ZeRO++'s hpZ
 secondary shards (held from a unit's first gather after a step until the
 next step) count under `hpz_secondary`, 0 without hpZ. The state of a
-compressed gradient reduction (its error feedback, comm/compressed.py)
-counts under `compression`, 0 without one.
+compressed gradient reduction (a codec's error feedback, comm/compressed.py;
+PowerSGD's P, Q and error feedback, comm/powersgd.py) counts under
+`compression`, 0 without one.
 
 Beside the model states held now, each pool reports `activations`, the bytes
 autograd saved in the last training forward (`activation_meter.py`), and
@@ -90,7 +91,9 @@ def model_state_bytes(
         optimizer=_storage_bytes(_state_of(optimizer, buckets, tier, {Tier.DEVICE}), seen),
         staging=_storage_bytes(pool.tensors(), seen),
         hpz_secondary=_storage_bytes([f.secondary for f in flats], seen),
-        compression=_storage_bytes([t for b in buckets if b.feedback for t in b.feedback.tensors().values()], seen))
+        compression=_storage_bytes([t for b in buckets if b.feedback for t in b.feedback.tensors().values()]
+                                   + [t for b in buckets if b.powersgd is not None for t in b.powersgd.tensors()],
+                                   seen))
     # The offload buffers first: a disk sub-group in memory (in flight, or kept between steps) points into
     # them, and counts as staging, not again as host master or optimizer state.
     host_staging = _storage_bytes(offload_buffers, seen)

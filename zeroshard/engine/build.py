@@ -18,7 +18,8 @@ import torch.nn as nn
 
 from zeroshard.comm import Comm, CommRecorder, all_gather_object, broadcast, ensure_process_group
 from zeroshard.comm.topology import declared_scope
-from zeroshard.config import Config
+from zeroshard.comm.powersgd import PowerSgd, QSeeds
+from zeroshard.config import Config, ConfigError
 from zeroshard.core.bucket import Bucket, StageSwitches
 from zeroshard.core.bucketing import bucket_params
 from zeroshard.core.faults import agreed
@@ -155,10 +156,27 @@ def _build_buckets(model: nn.Module, groups: list[list[nn.Parameter]], config: C
     broadcast_from_rank0(comm, model, flats)  # in the model's dtype: masters start from these values
     # Quantized gathers after the step dequantize into the parameters: the master must be a copy of its own.
     weights = codecs.weights if switches.shard_optimizer else None
-    return [Bucket(flat, switches, zero.reduce_scatter, b.group, f"bucket {i}", precision,
-                   config.gradient_accumulation_steps, codecs.gradients, weights, offload=offload(flat.numel),
-                   own_master=weights is not None)
-            for i, (flat, b) in enumerate(zip(flats, buckets))]
+    built = [Bucket(flat, switches, zero.reduce_scatter, b.group, f"bucket {i}", precision,
+                    config.gradient_accumulation_steps, codecs.gradients, weights, offload=offload(flat.numel),
+                    own_master=weights is not None)
+             for i, (flat, b) in enumerate(zip(flats, buckets))]
+    _low_rank(config, precision, built)
+    return built
+
+
+def _low_rank(config: Config, precision: Precision, buckets: list[Bucket]) -> None:
+    """PowerSGD's state for each bucket (stages 0-1; the config refuses it at 2-3), one seed sequence for all."""
+    settings = config.communication_compression.gradients
+    if settings.codec != "powersgd":
+        return
+    if precision.param_dtype == torch.float16:
+        raise ConfigError("communication_compression.gradients.codec \"powersgd\" cannot run with fp16.enabled: "
+                          "its error feedback carries each step's loss-scaled gradients into the next, whose loss "
+                          "scale may differ, so what it adds back would be off by their ratio. Train in bf16 "
+                          "(\"bf16\": {\"enabled\": true}) or fp32 with powersgd, or use another codec")
+    seeds = QSeeds()
+    for bucket in buckets:
+        bucket.powersgd = PowerSgd(bucket.flat.shapes, settings, seeds, bucket.flat.device)
 
 
 def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, comm: Comm, codecs: Wire,

@@ -2,7 +2,8 @@
 
 `summarize(numel, gpus)` returns what `zeroshard estimate --json` prints;
 `offload_pool_bytes` is the memory of ZeRO-Offload and ZeRO-Infinity in three
-pools (device, host, disk). It knows no model class: callers (the CLI, the
+pools (device, host, disk); `powersgd_bytes` and `powersgd_state_bytes` are
+PowerSGD's bytes sent and kept per bucket. It knows no model class: callers (the CLI, the
 demo) count a model and hand the counts in.
 """
 
@@ -31,6 +32,7 @@ from zeroshard.estimate.offload import (
     ratio_numel,
 )
 from zeroshard.estimate.compression import compressed_reduction_bytes, error_feedback_bytes
+from zeroshard.estimate.powersgd import LowRank, low_rank_plan, powersgd_bytes, powersgd_sizes, powersgd_state_bytes
 from zeroshard.estimate.summary import summarize
 from zeroshard.estimate.zeropp import (
     FROZEN,
@@ -54,6 +56,7 @@ __all__ = [
     "SHARDED",
     "STAGES",
     "Flat",
+    "LowRank",
     "Offload",
     "UnboundedError",
     "ZeroPP",
@@ -66,11 +69,15 @@ __all__ = [
     "hpz_secondary_bytes",
     "largest_model",
     "largest_model_offload",
+    "low_rank_plan",
     "memory_per_gpu",
     "model_state_bytes",
     "offload_pool_bytes",
     "offload_summary",
     "pool_totals",
+    "powersgd_bytes",
+    "powersgd_sizes",
+    "powersgd_state_bytes",
     "precision_bytes",
     "qgz_reduce_scatter_bytes",
     "quantized_bytes",
