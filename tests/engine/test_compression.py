@@ -16,7 +16,7 @@ import torch
 from tests.core.test_memory import measure
 from tests.core.test_precision import _fp16_run
 from tests.distributed import run_ranks
-from tests.recipes import Case, run_zeroshard
+from tests.recipes import Case, loss_of, make_model, make_optimizer, micro_batch, run_zeroshard
 from zeroshard.config import Config, ConfigError
 from zeroshard.dtypes import WIRE_BITS as BITS
 from zeroshard.estimate import compressed_reduction_bytes, error_feedback_bytes, qwz_all_gather_bytes
@@ -47,6 +47,35 @@ def _overflow(rank, world, device):
         case = Case(stage=stage, dtype="fp16", optimizer="adamw1", codec="int8")
         _, history, error = _fp16_run(rank, world, device, case, 5, poisoned=(2,))
         out[stage] = (history, error)
+    return out
+
+
+def _resume(rank, world, device, path: str):
+    """Six steps straight, against three, a save, a load into a fresh engine and three more: the same bits, the
+    error feedback included (stage 0's gather residual, stage 2's reduce-scatter ones)."""
+    import zeroshard
+
+    out = {}
+    for case in (Case(stage=0, optimizer="adamw1", codec="int4"), Case(stage=2, optimizer="adamw1", codec="int8")):
+        engines = []
+        for resumed in (False, True):
+            model = make_model(device=device)
+            engine = zeroshard.initialize(model, make_optimizer("adamw1", model), case.config())
+            if resumed:
+                engine.load_checkpoint(path, tag=f"stage{case.stage}")
+            for step in range(3 if resumed else 0, 6):
+                if step == 3 and not resumed:
+                    engine.save_checkpoint(path, tag=f"stage{case.stage}")
+                x, y = (t.to(device) for t in micro_batch(step, case, world, rank, 0))
+                engine.backward(loss_of(engine, x, y))
+                engine.step()
+            engines.append(engine)
+        straight, again = engines
+        out[case.stage] = (all(torch.equal(a, b) for a, b in zip(straight.module.parameters(),
+                                                                 again.module.parameters())),
+                           [torch.equal(a, b) for x, y in zip(straight.buckets, again.buckets)
+                            for a, b in zip(x.feedback.state_dict().values(), y.feedback.state_dict().values())],
+                           straight.buckets[0].feedback.nbytes)
     return out
 
 
@@ -128,6 +157,12 @@ def test_a_non_finite_step_is_skipped_everywhere_and_leaves_no_residual():
             assert skipped == [0, 0, 1, 1, 1], (stage, history)
             # a residual of the inf step left in the feedback would make every later norm non-finite
             assert all(math.isfinite(h[3]) for i, h in enumerate(history) if i != 2), (stage, history)
+
+
+def test_a_resume_continues_bit_for_bit(tmp_path):
+    for rank_result in run_ranks(_resume, 2, str(tmp_path)):
+        for stage, (weights, feedback, held) in rank_result.items():
+            assert weights and feedback and all(feedback) and held > 0, (stage, weights, feedback)
 
 
 @pytest.mark.parametrize("compression,zero,message", [

@@ -23,9 +23,9 @@ buffer, `optim.<key>` an optimizer state tensor (`optim.exp_avg`). The
 file's metadata entry `runs` says which elements of which parameters each
 tensor holds: `[name, start, at, numel]`, the parameter's flattened
 elements [start, start + numel) at [at, at + numel) of the tensor; its
-entry `save_id` names the save it belongs to. A rank's own state (PowerSGD's,
-`rank_state.py`) is no parameter's pieces: its tensors (`powersgd.q:@bucket0`)
-have no runs. Runs are cut by the writing
+entry `save_id` names the save it belongs to. A rank's own state (a codec's
+error feedback, PowerSGD's: `rank_state.py`) is no parameter's pieces: its
+tensors (`feedback.hop1:@bucket0`, `powersgd.q:@bucket0`) have no runs. Runs are cut by the writing
 job's shards and read back by the reading job's, so a checkpoint reloads on
 any world size and any stage. A tag directory is written under a temporary
 name and renamed when complete, so a tag either exists whole or not at all.

@@ -54,6 +54,19 @@ class ErrorFeedback:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps: each message's residuals, 1-D."""
+        return {name: t.reshape(-1) for name, t in self.tensors().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, t in self.tensors().items():
+            t.reshape(-1).copy_(state[name])
+
+    def reset(self, step: int) -> None:
+        """Start over with nothing left out (a checkpoint's residuals that cannot be this job's)."""
+        for t in self.tensors().values():
+            t.zero_()
+
 
 @dataclass(frozen=True)
 class CompressedReduction:
