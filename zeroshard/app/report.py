@@ -203,6 +203,7 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
     if reduction_formula(engine, args.accumulation):
         how |= {"reduce_scatter": f"{codec}: N x ⌈S/block⌉ blocks + scales"}
         how |= {"all_gather": f"{codec}: the all-reduce's gather"} if args.stage == 0 else {}
+        how |= {"all_reduce": "PowerSGD: P, Q, exact part per bucket"} if codec == "powersgd" else {}
     formula = formula | {"step_check": estimate.step_check_bytes(world),
                          "fault_check": estimate.fault_check_bytes(world, _fault_checks(engine, args))}
     # all_gather's "object" is the setup's agreement check (0 bytes), not a way to move tensors.

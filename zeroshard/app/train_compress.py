@@ -35,11 +35,13 @@ def compress_keys(args: argparse.Namespace, raw: dict) -> None:
 
 
 def reduction_formula(engine: zeroshard.Engine, accumulation: int) -> dict[str, int]:
-    """Logical bytes per optimizer step of the gradient reductions, when a quantizing codec compresses them:
+    """Logical bytes per optimizer step of the gradient reductions, when a codec compresses them:
     estimate.compressed_reduction_bytes over the buckets (stage 0: reduce-scatter and gather of the
     all-reduce; stages 2-3 reduce every micro-step), exact buckets (stage 3's persistent ones) at their
-    own size. Empty without such a codec."""
+    own size; PowerSGD's all-reduces (stages 0-1). Empty without a codec."""
     grads = engine.config.communication_compression.gradients
+    if grads.codec == "powersgd":
+        return {"all_reduce": sum(_low_rank_bytes(b, engine, grads.rank) for b in engine.buckets), "reduce_scatter": 0}
     if grads.codec not in CODECS:
         return {}
     world, stage = engine.comm.world_size, engine.config.stage
@@ -57,3 +59,12 @@ def reduction_formula(engine: zeroshard.Engine, accumulation: int) -> dict[str, 
             out[op] += reductions * nbytes
     return {"all_reduce": 0, "reduce_scatter": out["reduce_scatter"]} | (
         {"all_gather": out["all_gather"]} if stage == 0 else {})
+
+
+def _low_rank_bytes(bucket, engine: zeroshard.Engine, rank: int) -> int:
+    """One bucket's PowerSGD all-reduces in its last step: exact in the warm-up (the reduce dtype), else P, Q and
+    the exact part (estimate.powersgd_bytes)."""
+    low = bucket.powersgd
+    if low.step <= low.settings.start_step:
+        return low.numel * engine.precision.reduce_dtype.itemsize
+    return estimate.powersgd_bytes([tuple(s) for s in bucket.flat.shapes], rank)
