@@ -17,6 +17,7 @@ from zeroshard import estimate
 from zeroshard.app.model_count import stage3_flats
 from zeroshard.app.train_compress import reduction_formula
 from zeroshard.app.train_offload import offloaded, pool_formula
+from zeroshard.dtypes import WIRE_BITS
 from zeroshard.estimate.offload import POOLS
 from zeroshard.estimate.zeropp import ZeroPP, hpz_secondary_bytes, stage3_comm_bytes
 
@@ -51,7 +52,10 @@ def offload_pools(engine: zeroshard.Engine, args: argparse.Namespace) -> dict:
 
 
 def _zeropp(config: zeroshard.Config) -> ZeroPP:
-    zero = config.zero_optimization
+    """Stage 3's quantized parts: ZeRO++'s keys, or communication_compression's parameter codec as qwZ."""
+    zero, params = config.zero_optimization, config.communication_compression.parameters
+    if params.codec != "none" and config.stage == 3:
+        return ZeroPP(True, zero.zero_hpz_partition_size > 1, False, params.block_size, weight_bits=WIRE_BITS[params.codec])
     return ZeroPP(zero.zero_quantized_weights, zero.zero_hpz_partition_size > 1, zero.zero_quantized_gradients,
                   zero.zeropp_block_size, zero.zeropp_gradient_bits)
 
@@ -204,6 +208,9 @@ def _comm_table(formula: dict[str, int], world: int, engine: zeroshard.Engine, a
         how |= {"reduce_scatter": f"{codec}: N x ⌈S/block⌉ blocks + scales"}
         how |= {"all_gather": f"{codec}: the all-reduce's gather"} if args.stage == 0 else {}
         how |= {"all_reduce": "PowerSGD: P, Q, exact part per bucket"} if codec == "powersgd" else {}
+    weights = engine.config.communication_compression.parameters.codec
+    if weights != "none" and args.stage in (1, 2):
+        how |= {"all_gather": f"{weights}: the gather after the step"}
     formula = formula | {"step_check": estimate.step_check_bytes(world),
                          "fault_check": estimate.fault_check_bytes(world, _fault_checks(engine, args))}
     # all_gather's "object" is the setup's agreement check (0 bytes), not a way to move tensors.

@@ -38,7 +38,22 @@ def reduction_formula(engine: zeroshard.Engine, accumulation: int) -> dict[str, 
     """Logical bytes per optimizer step of the gradient reductions, when a codec compresses them:
     estimate.compressed_reduction_bytes over the buckets (stage 0: reduce-scatter and gather of the
     all-reduce; stages 2-3 reduce every micro-step), exact buckets (stage 3's persistent ones) at their
-    own size; PowerSGD's all-reduces (stages 0-1). Empty without a codec."""
+    own size; PowerSGD's all-reduces (stages 0-1); and stages 1-2's gathers after the step through the
+    parameters' codec. Empty without a codec."""
+    return _gradients(engine, accumulation) | _gathers_after_the_step(engine)
+
+
+def _gathers_after_the_step(engine: zeroshard.Engine) -> dict[str, int]:
+    """Stages 1-2's all-gather of the updated shards through the parameters' codec (qwZ's bytes per bucket)."""
+    params = engine.config.communication_compression.parameters
+    if params.codec == "none" or engine.config.stage not in (1, 2):
+        return {}
+    return {"all_gather": sum(estimate.qwz_all_gather_bytes(b.flat.padded_numel, engine.comm.world_size,
+                                                            WIRE_BITS[params.codec], params.block_size)
+                              for b in engine.buckets)}
+
+
+def _gradients(engine: zeroshard.Engine, accumulation: int) -> dict[str, int]:
     grads = engine.config.communication_compression.gradients
     if grads.codec == "powersgd":
         return {"all_reduce": sum(_low_rank_bytes(b, engine, grads.rank) for b in engine.buckets), "reduce_scatter": 0}

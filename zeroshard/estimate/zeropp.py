@@ -88,6 +88,7 @@ class ZeroPP:
     qgz: bool = False
     block_size: int = 128
     gradient_bits: int = 8  # the config's default (zeropp_gradient_bits); the paper's is 4
+    weight_bits: int = 8  # qwZ's int8; communication_compression.parameters may choose int4
 
     @property
     def on(self) -> bool:
@@ -106,7 +107,7 @@ def stage3_comm_bytes(flats: Iterable[Flat], world_size: int, ranks_per_node: in
     `reduce_bytes` (default e), A = `accumulation` micro-steps per step.
 
     - sharded and frozen flats, all_gather: the first forward of the window
-      gathers over the whole group: N * quantized_bytes(S, 8, B) with qwZ,
+      gathers over the whole group: N * quantized_bytes(S, w, B) with qwZ (w: weight_bits),
       else P * e; scope dp. With hpZ that gather leaves a secondary shard,
       and every later gather until the step (forwards 2..A, backwards 1..A)
       is an all-gather inside the node of P * e bytes, scope "node": one dp
@@ -172,7 +173,7 @@ def _flat_terms(flat: Flat, n: int, d: int, k: int, e: int, r: int, a: int, zero
     if flat.kind == PERSISTENT:  # stays whole: reduced as at stage 2, gathered once after the step
         return [("reduce_scatter", dp, padded * r, a), ("all_gather", dp, padded * e, 1)]
     # qwZ quantizes only what travels: with one rank it is off (engine/build.py's zeropp).
-    first = n * quantized_bytes(shard, 8, zeropp.block_size) if zeropp.qwz and n > 1 else padded * e
+    first = n * quantized_bytes(shard, zeropp.weight_bits, zeropp.block_size) if zeropp.qwz and n > 1 else padded * e
     # hpZ: only the window's first gather crosses the group; the other 2A - 1 stay in the node.
     terms = [("all_gather", dp, first, 1), ("all_gather", "node", padded * e, 2 * a - 1)] if zeropp.hpz \
         else [("all_gather", dp, first, 2 * a)]
