@@ -111,7 +111,8 @@ def test_summary_keys_with_and_without_zeropp():
     assert on["stage3_comm_by_scope"]["zeropp"] == estimate.stage3_comm_bytes([Flat(PSI)], 4, 2, 2, zeropp=ALL)
     assert on["memory_by_state"]["3"]["hpz_secondary"] == M // 2
     assert on["memory_bytes"]["3"] == plain["memory_bytes"]["3"] + M // 2
-    assert on["zeropp"] == {"qwz": True, "hpz": True, "qgz": True, "block_size": 128, "gradient_bits": 4}
+    assert on["zeropp"] == {"qwz": True, "hpz": True, "qgz": True, "block_size": 128, "gradient_bits": 4,
+                            "weight_bits": 8}
     # Nodes that do not divide N: no ZeRO++ figure, the plain ones stay.
     assert estimate.summarize(PSI, 12)["cross_node_bytes_zeropp"] is None
 
