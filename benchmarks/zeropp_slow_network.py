@@ -291,21 +291,34 @@ def node_command(k: int, port: int, args: argparse.Namespace, variant: str, resu
 def run_variant(args: argparse.Namespace, variant: str, port: int, tag: str) -> dict:
     """Start both nodes' torchrun, wait (stopping both once one fails or at --timeout), read the ranks' JSON."""
     result_dir = RESULTS / "zeropp_slow_network" / tag
+    commands = [node_command(k, port, args, variant, result_dir) for k in (0, 1)]
+    ranks, logs, timed_out = run_nodes(commands, result_dir, f"zeropp_slow_network_{tag}", args.timeout)
+    if len(ranks) != 2 * RANKS_PER_NODE or any("error" in r for r in ranks):
+        return {"variant": variant, "error": first_error(ranks, logs, timed_out, args.timeout),
+                "logs": [str(p.relative_to(REPO)) for p in logs]}
+    return summarize(variant, ranks, args.warmup) | {"logs": [str(p.relative_to(REPO)) for p in logs]}
+
+
+def run_nodes(commands: list[list[str]], result_dir: Path, log_name: str,
+              timeout: float) -> tuple[list[dict], list[Path], bool]:
+    """Run each node's command (in its namespace, gloo on its veth) until all end, one fails or `timeout`;
+    then kill what is left in both namespaces. Returns the rank*.json the ranks wrote into `result_dir`,
+    the nodes' logs and whether it timed out."""
     shutil.rmtree(result_dir, ignore_errors=True)
     result_dir.mkdir(parents=True)
     (RESULTS / "logs").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     procs, logs = [], []
-    for k in (0, 1):
-        log = RESULTS / "logs" / f"zeropp_slow_network_{tag}.node{k}.log"
+    for k, command in enumerate(commands):
+        log = RESULTS / "logs" / f"{log_name}.node{k}.log"
         with open(log, "w") as out:
-            procs.append(subprocess.Popen(node_command(k, port, args, variant, result_dir), stdout=out,
-                                          stderr=subprocess.STDOUT, env=env | {"GLOO_SOCKET_IFNAME": VETHS[k]}))
+            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                          env=env | {"GLOO_SOCKET_IFNAME": VETHS[k]}))
         logs.append(log)
     start, timed_out = time.monotonic(), False
     try:
         while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
-            if time.monotonic() - start > args.timeout:
+            if time.monotonic() - start > timeout:
                 timed_out = True
                 break
             time.sleep(0.5)
@@ -314,11 +327,7 @@ def run_variant(args: argparse.Namespace, variant: str, port: int, tag: str) -> 
             kill_namespace_processes(ns)
         for p in procs:
             p.wait()
-    ranks = [json.loads(f.read_text()) for f in sorted(result_dir.glob("rank*.json"))]
-    if len(ranks) != 2 * RANKS_PER_NODE or any("error" in r for r in ranks):
-        return {"variant": variant, "error": first_error(ranks, logs, timed_out, args.timeout),
-                "logs": [str(p.relative_to(REPO)) for p in logs]}
-    return summarize(variant, ranks, args.warmup) | {"logs": [str(p.relative_to(REPO)) for p in logs]}
+    return [json.loads(f.read_text()) for f in sorted(result_dir.glob("rank*.json"))], logs, timed_out
 
 
 def first_error(ranks: list[dict], logs: list[Path], timed_out: bool, timeout: float) -> str:
