@@ -34,7 +34,10 @@ the rate changes between rates with `tc qdisc change`; `--rounds` rounds of
 every rate and variant, interleaved, each a fresh process tree.
 
     sudo python benchmarks/compression_map.py [--rates 10gbit 1gbit 100mbit] [--rounds 2] [--steps 4]
-        [--warmup 3] [--size 25m] [--tokens 64] [--out BENCHMARKS.md]
+        [--warmup 3] [--size 10m] [--tokens 64] [--out BENCHMARKS.md]
+
+The defaults take about 18 minutes on 2 cores (a round: 2.5 minutes at 10 Gbit/s, 3 at 1 Gbit/s, 8 at
+100 Mbit/s).
 
 Results: benchmarks/results/compression_map.json (git-ignored); `--out FILE`
 writes the section "Compression on a shaped link" of FILE.
@@ -43,17 +46,14 @@ writes the section "Compression on a shaped link" of FILE.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import zeropp_slow_network as net
-from report import write_section
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
@@ -159,27 +159,6 @@ def train(args: argparse.Namespace) -> dict:
             "buckets": [b.flat.padded_numel for b in engine.buckets] if engine is not None else []}
 
 
-def run_worker(args: argparse.Namespace) -> int:
-    """One rank: join gloo over the veth, train, write rank<r>.json (or the error, then exit at once)."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # 2 ranks share 2 cores
-    dist.init_process_group("gloo")
-    out = args.result_dir / f"rank{dist.get_rank()}.json"
-    try:
-        result = train(args)
-    except Exception as exc:  # noqa: BLE001 -- the variant's error is a result, reported in the table
-        traceback.print_exc()
-        out.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
-        sys.stdout.flush()
-        os._exit(1)  # the other rank may wait in a collective forever; the parent kills it
-    out.write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
-
-
 # ---------------------------------------------------------------- the runs
 
 def node_command(k: int, port: int, args: argparse.Namespace, variant: str, result_dir: Path) -> list[str]:
@@ -250,19 +229,14 @@ def run_all(args: argparse.Namespace, variants: list[str]) -> list[dict]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", choices=sorted(net.SIZES), default="25m")
+    p.add_argument("--size", choices=sorted(net.SIZES), default="10m")
     p.add_argument("--tokens", type=int, default=64, help="sequence length, 1 sequence per rank per step")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=3, help="at least 2: torch's PowerSGD starts at step 2")
     p.add_argument("--rounds", type=int, default=2, help="run every rate and variant this many times, interleaved")
     p.add_argument("--rates", nargs="+", default=["10gbit", "1gbit", "100mbit"], help="tbf rates, in tc's units")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600, help="seconds per variant before both nodes are killed")
-    p.add_argument("--out", type=Path, help="write the section into this markdown file (e.g. BENCHMARKS.md)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
-    p.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    net.add_run_flags(p, VARIANTS)
     args = p.parse_args(argv)
     if args.warmup < 2 and not args.worker:
         p.error("--warmup must be at least 2: DDP's PowerSGD hook runs exact until its step 2")
@@ -279,7 +253,7 @@ def load() -> str:
 def main() -> int:
     args = parse_args()
     if args.worker:
-        return run_worker(args)
+        return net.run_worker(args, train)
     problem = net.missing_prerequisites()
     if problem:
         print(f"compression_map: {problem}", file=sys.stderr)
@@ -310,16 +284,9 @@ def main() -> int:
     found = analyse(rounds, args.rates, codecs, BASELINE, per_element)
     context = {"command": command, "codecs": codecs, "baseline": BASELINE, "variants": variants,
                "skipped": not_run, "loads": (before, load())}
-    out = net.RESULTS / "compression_map.json"
-    out.write_text(json.dumps({"context": context, "args": {k: str(v) if isinstance(v, Path) else v
-                                                            for k, v in vars(args).items()},
-                               "per_element": per_element, "rounds": rounds, "found": found}, indent=1))
-    text = section(args, rounds, found, context)
-    print("\n" + text)
-    print(f"results: {out.relative_to(REPO)}")
-    if args.out:
-        write_section(args.out, text)
-        print(f"section written into {args.out}")
+    net.publish(net.RESULTS / "compression_map.json", args, {"context": context, "per_element": per_element,
+                                                              "rounds": rounds, "found": found},
+                section(args, rounds, found, context))
     return 0
 
 

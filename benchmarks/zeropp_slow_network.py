@@ -195,16 +195,17 @@ def train(args: argparse.Namespace) -> dict:
             "engine_bytes": logical}
 
 
-def run_worker(args: argparse.Namespace) -> int:
-    """One rank: join gloo over the veth, train, write rank<r>.json (or the error, then exit at once)."""
+def run_worker(args: argparse.Namespace, train_rank: Callable[[argparse.Namespace], dict] = train) -> int:
+    """One rank: join gloo over the veth, train (`train_rank`), write rank<r>.json (or the error, then exit
+    at once)."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # 4 ranks share 2 cores
+    torch.set_num_threads(1)  # the ranks share 2 cores
     dist.init_process_group("gloo")
     out = args.result_dir / f"rank{dist.get_rank()}.json"
     try:
-        result = train(args)
+        result = train_rank(args)
     except Exception as exc:  # noqa: BLE001 -- the variant's error is a result, reported in the table
         traceback.print_exc()
         out.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
@@ -469,17 +470,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", default="1gbit", help="tbf rate of each direction, in tc's units")
     p.add_argument("--variants", nargs="+", default=["default"], choices=["default", "all", *VARIANTS])
     p.add_argument("--deepspeed-dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--seed", type=int, default=0)
-    # DeepSpeed's first import on a machine JIT-builds an op for minutes (benchmarks/README.md)
-    p.add_argument("--timeout", type=float, default=600, help="seconds per variant before both nodes are killed")
-    p.add_argument("--out", type=Path, help="write the section into this markdown file (e.g. BENCHMARKS.md)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
-    p.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    # DeepSpeed's first import on a machine JIT-builds an op for minutes (benchmarks/README.md): --timeout 600
+    add_run_flags(p, VARIANTS)
     args = p.parse_args(argv)
     groups = {"default": DEFAULT, "all": list(VARIANTS)}
     args.variants = list(dict.fromkeys(v for name in args.variants for v in groups.get(name, [name])))
     return args
+
+
+def add_run_flags(p: argparse.ArgumentParser, variants: dict) -> None:
+    """The flags every shaped-link benchmark takes: seed, timeout, output file, and its workers' own."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per variant before both nodes are killed")
+    p.add_argument("--out", type=Path, help="write the section into this markdown file (e.g. BENCHMARKS.md)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=sorted(variants), help=argparse.SUPPRESS)
+    p.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
 
 
 def run_all(args: argparse.Namespace, report: Callable[[dict], None]) -> list[dict]:
@@ -523,16 +529,21 @@ def main() -> int:
     except KeyboardInterrupt:
         print("zeropp_slow_network: interrupted; namespaces removed", file=sys.stderr)
         return 130
-    out = RESULTS / f"zeropp_slow_network_{args.rate}.json"
-    out.write_text(json.dumps({"command": command, "machine": machine(), "args": {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rounds": rounds}, indent=1))
-    text = section(args, rounds, command)
+    publish(RESULTS / f"zeropp_slow_network_{args.rate}.json", args,
+            {"command": command, "machine": machine(), "rounds": rounds}, section(args, rounds, command))
+    return 0
+
+
+def publish(results: Path, args: argparse.Namespace, record: dict, text: str) -> None:
+    """Write the run (`record` and the flags) as JSON into `results`, print the markdown section `text`,
+    and write it into `args.out` (e.g. BENCHMARKS.md) when given."""
+    flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    results.write_text(json.dumps(record | {"args": flags}, indent=1))
     print("\n" + text)
-    print(f"results: {out.relative_to(REPO)}")
+    print(f"results: {results.relative_to(REPO)}")
     if args.out:
         write_section(args.out, text)
         print(f"section written into {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
