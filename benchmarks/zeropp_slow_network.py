@@ -195,16 +195,17 @@ def train(args: argparse.Namespace) -> dict:
             "engine_bytes": logical}
 
 
-def run_worker(args: argparse.Namespace) -> int:
-    """One rank: join gloo over the veth, train, write rank<r>.json (or the error, then exit at once)."""
+def run_worker(args: argparse.Namespace, train_rank: Callable[[argparse.Namespace], dict] = train) -> int:
+    """One rank: join gloo over the veth, train (`train_rank`), write rank<r>.json (or the error, then exit
+    at once)."""
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # 4 ranks share 2 cores
+    torch.set_num_threads(1)  # the ranks share 2 cores
     dist.init_process_group("gloo")
     out = args.result_dir / f"rank{dist.get_rank()}.json"
     try:
-        result = train(args)
+        result = train_rank(args)
     except Exception as exc:  # noqa: BLE001 -- the variant's error is a result, reported in the table
         traceback.print_exc()
         out.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
@@ -291,21 +292,34 @@ def node_command(k: int, port: int, args: argparse.Namespace, variant: str, resu
 def run_variant(args: argparse.Namespace, variant: str, port: int, tag: str) -> dict:
     """Start both nodes' torchrun, wait (stopping both once one fails or at --timeout), read the ranks' JSON."""
     result_dir = RESULTS / "zeropp_slow_network" / tag
+    commands = [node_command(k, port, args, variant, result_dir) for k in (0, 1)]
+    ranks, logs, timed_out = run_nodes(commands, result_dir, f"zeropp_slow_network_{tag}", args.timeout)
+    if len(ranks) != 2 * RANKS_PER_NODE or any("error" in r for r in ranks):
+        return {"variant": variant, "error": first_error(ranks, logs, timed_out, args.timeout),
+                "logs": [str(p.relative_to(REPO)) for p in logs]}
+    return summarize(variant, ranks, args.warmup) | {"logs": [str(p.relative_to(REPO)) for p in logs]}
+
+
+def run_nodes(commands: list[list[str]], result_dir: Path, log_name: str,
+              timeout: float) -> tuple[list[dict], list[Path], bool]:
+    """Run each node's command (in its namespace, gloo on its veth) until all end, one fails or `timeout`;
+    then kill what is left in both namespaces. Returns the rank*.json the ranks wrote into `result_dir`,
+    the nodes' logs and whether it timed out."""
     shutil.rmtree(result_dir, ignore_errors=True)
     result_dir.mkdir(parents=True)
     (RESULTS / "logs").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     procs, logs = [], []
-    for k in (0, 1):
-        log = RESULTS / "logs" / f"zeropp_slow_network_{tag}.node{k}.log"
+    for k, command in enumerate(commands):
+        log = RESULTS / "logs" / f"{log_name}.node{k}.log"
         with open(log, "w") as out:
-            procs.append(subprocess.Popen(node_command(k, port, args, variant, result_dir), stdout=out,
-                                          stderr=subprocess.STDOUT, env=env | {"GLOO_SOCKET_IFNAME": VETHS[k]}))
+            procs.append(subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                          env=env | {"GLOO_SOCKET_IFNAME": VETHS[k]}))
         logs.append(log)
     start, timed_out = time.monotonic(), False
     try:
         while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
-            if time.monotonic() - start > args.timeout:
+            if time.monotonic() - start > timeout:
                 timed_out = True
                 break
             time.sleep(0.5)
@@ -314,11 +328,7 @@ def run_variant(args: argparse.Namespace, variant: str, port: int, tag: str) -> 
             kill_namespace_processes(ns)
         for p in procs:
             p.wait()
-    ranks = [json.loads(f.read_text()) for f in sorted(result_dir.glob("rank*.json"))]
-    if len(ranks) != 2 * RANKS_PER_NODE or any("error" in r for r in ranks):
-        return {"variant": variant, "error": first_error(ranks, logs, timed_out, args.timeout),
-                "logs": [str(p.relative_to(REPO)) for p in logs]}
-    return summarize(variant, ranks, args.warmup) | {"logs": [str(p.relative_to(REPO)) for p in logs]}
+    return [json.loads(f.read_text()) for f in sorted(result_dir.glob("rank*.json"))], logs, timed_out
 
 
 def first_error(ranks: list[dict], logs: list[Path], timed_out: bool, timeout: float) -> str:
@@ -460,17 +470,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", default="1gbit", help="tbf rate of each direction, in tc's units")
     p.add_argument("--variants", nargs="+", default=["default"], choices=["default", "all", *VARIANTS])
     p.add_argument("--deepspeed-dtype", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--seed", type=int, default=0)
-    # DeepSpeed's first import on a machine JIT-builds an op for minutes (benchmarks/README.md)
-    p.add_argument("--timeout", type=float, default=600, help="seconds per variant before both nodes are killed")
-    p.add_argument("--out", type=Path, help="write the section into this markdown file (e.g. BENCHMARKS.md)")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--variant", choices=sorted(VARIANTS), help=argparse.SUPPRESS)
-    p.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
+    # DeepSpeed's first import on a machine JIT-builds an op for minutes (benchmarks/README.md): --timeout 600
+    add_run_flags(p, VARIANTS)
     args = p.parse_args(argv)
     groups = {"default": DEFAULT, "all": list(VARIANTS)}
     args.variants = list(dict.fromkeys(v for name in args.variants for v in groups.get(name, [name])))
     return args
+
+
+def add_run_flags(p: argparse.ArgumentParser, variants: dict) -> None:
+    """The flags every shaped-link benchmark takes: seed, timeout, output file, and its workers' own."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600, help="seconds per variant before both nodes are killed")
+    p.add_argument("--out", type=Path, help="write the section into this markdown file (e.g. BENCHMARKS.md)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", choices=sorted(variants), help=argparse.SUPPRESS)
+    p.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
 
 
 def run_all(args: argparse.Namespace, report: Callable[[dict], None]) -> list[dict]:
@@ -514,16 +529,21 @@ def main() -> int:
     except KeyboardInterrupt:
         print("zeropp_slow_network: interrupted; namespaces removed", file=sys.stderr)
         return 130
-    out = RESULTS / f"zeropp_slow_network_{args.rate}.json"
-    out.write_text(json.dumps({"command": command, "machine": machine(), "args": {
-        k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "rounds": rounds}, indent=1))
-    text = section(args, rounds, command)
+    publish(RESULTS / f"zeropp_slow_network_{args.rate}.json", args,
+            {"command": command, "machine": machine(), "rounds": rounds}, section(args, rounds, command))
+    return 0
+
+
+def publish(results: Path, args: argparse.Namespace, record: dict, text: str) -> None:
+    """Write the run (`record` and the flags) as JSON into `results`, print the markdown section `text`,
+    and write it into `args.out` (e.g. BENCHMARKS.md) when given."""
+    flags = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    results.write_text(json.dumps(record | {"args": flags}, indent=1))
     print("\n" + text)
-    print(f"results: {out.relative_to(REPO)}")
+    print(f"results: {results.relative_to(REPO)}")
     if args.out:
         write_section(args.out, text)
         print(f"section written into {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@ from tests.distributed import run_ranks
 from tests.recipes import Case, loss_of, make_model, make_optimizer, micro_batch, run_zeroshard
 from zeroshard.config import Config, ConfigError
 from zeroshard.dtypes import WIRE_BITS as BITS
-from zeroshard.estimate import compressed_reduction_bytes, error_feedback_bytes, qwz_all_gather_bytes
+from zeroshard.estimate import PERSISTENT, SHARDED, Flat, compressed_reduction_bytes, error_feedback_bytes, \
+    qwz_all_gather_bytes, step_bytes
 
 STEPS = 6
 TRAINED = [Case(stage=s, optimizer="adamw1", codec=c, weights_codec=w)
@@ -137,6 +138,22 @@ def test_bytes_equal_the_estimate(index):
     # comm_stats()'s uncompressed bytes: the exact reduce-scatter's (fp32 buffers: 4 bytes an element)
     assert recorded["reduce_scatter"][1] == STEPS * 4 * sum(numel for numel, _, _ in sizes)
     assert stage3 == (case.stage == 3)
+
+
+# What initialize() sends once (the parameters' broadcast, the ranks' agreement), not in a step's bytes.
+CONSTRUCTION = ("broadcast", "object_gather", "fault_check")
+
+
+@pytest.mark.parametrize("index", [i for i, case in enumerate(TRAINED) if case.weights_codec == "none"])
+def test_step_bytes_equal_comm_stats(index):
+    """`zeroshard estimate --compress`'s bytes per step (estimate.step_bytes, every op) over the engine's buckets."""
+    case = TRAINED[index]
+    recorded, sizes = trained()[0][index][1], trained()[0][index][2]
+    # at stage 3 a persistent bucket is the one gathered after the step, as at stage 2
+    buckets = [Flat(numel, PERSISTENT if case.stage == 3 and gathers else SHARDED) for numel, _, gathers in sizes]
+    plan = step_bytes(buckets, 2, case.stage, None if case.codec == "none" else BITS[case.codec])
+    per_step = {op: b for op, (b, _) in recorded.items() if b and op not in CONSTRUCTION}
+    assert {op: STEPS * b for op, b in plan.by_op().items()} == per_step
 
 
 def test_stage2_memory_is_the_formula_plus_the_declared_feedback():

@@ -26,6 +26,7 @@ from zeroshard.app.cli_estimate_activations import (
     print_activations,
     wants_activations,
 )
+from zeroshard.app.cli_estimate_compress import add_compress, check_compress, compression, print_compression
 from zeroshard.app.cli_estimate_offload import add_offload, offload_setup, print_offload
 from zeroshard.app.flags import add_command, add_dtype, positive_int
 from zeroshard.app.model_count import (
@@ -49,6 +50,8 @@ examples:
   zeroshard estimate --model gpt2 --gpus 4 --gpus-per-node 2 --hpz --qgz --gradient-bits 8
   zeroshard estimate --model demo --gpus 8 --tp 2 --pp 2      per model part on a pp x dp x tp mesh
   zeroshard estimate --params 13B --gpus 1 --dtype fp16 --gpu-mem 32GiB --host-mem 1.5TB --offload-optimizer cpu
+  zeroshard estimate --model 4m --gpus 2 --dtype fp32 --compress --step-seconds 0.5
+                                                             bytes per codec and the link speed where each pays
   zeroshard estimate --params 1T --gpus 16 --dtype fp16 --offload-optimizer nvme --offload-params nvme \\
       --gpu-mem 32GiB --host-mem 1.5TB --disk-mem 28TB         ZeRO-Infinity on one DGX-2 node
 """
@@ -97,6 +100,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                         help="pipeline stages (GPTStage; a preset only) (default: %(default)s)")
     _add_zeropp(parser)
     add_offload(parser)
+    add_compress(parser)
     add_activations(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (bytes; see zeroshard.estimate.summarize)")
@@ -115,7 +119,8 @@ def _add_zeropp(parser: argparse.ArgumentParser) -> None:
     zeropp.add_argument("--gradient-bits", type=int, choices=(4, 8), default=8,
                         help="qgZ's bits per gradient element (zeropp_gradient_bits; default: %(default)s)")
     zeropp.add_argument("--block-size", type=positive_int, default=128, metavar="B",
-                        help="elements per quantization block (zeropp_block_size; default: %(default)s)")
+                        help="elements per quantization block (zeropp_block_size, and the codecs' block_size "
+                             "with --compress; default: %(default)s)")
 
 
 def zeropp_parts(args: argparse.Namespace) -> estimate.ZeroPP:
@@ -127,9 +132,10 @@ def zeropp_parts(args: argparse.Namespace) -> estimate.ZeroPP:
 def run(args: argparse.Namespace, console: Console | None = None) -> int:
     """Compute and print the estimate; returns the exit status."""
     setup = offload_setup(args)  # before the mesh: a flag that needs another is refused on both paths
+    check_compress(args)
     saved = activations(args) if wants_activations(args) else None
     if args.gpus is None:
-        if saved is None:
+        if saved is None or args.compress is not None:
             args.command_parser.error("give --gpus for model states, or --model with --micro-batch and --seq "
                                       "for activations")
         return _print_activations_only(args, saved, console or Console())
@@ -138,11 +144,11 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
                                   "--micro-batch/--seq, or use --tp 1 --pp 1")
     if args.tp * args.pp > 1:
         return run_mesh(args, console)
-    name, largest_unit, flats = None, args.largest_unit, None
+    name, largest_unit, flats, counted = None, args.largest_unit, None, None
     if args.model is not None:
         try:
             counted = count_model(args.model, None if args.wrap is None else tuple(args.wrap),
-                                  args.auto_wrap_min_params, args.persistence_threshold)
+                                  args.auto_wrap_min_params, args.persistence_threshold, args.bucket_size)
         except ValueError as error:
             args.command_parser.error(f"argument --model: {error}")
         name, args.params, flats = counted.name, counted.numel, list(counted.flats)
@@ -155,6 +161,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
         args.command_parser.error(str(error))
     if saved is not None:
         summary |= {"activations": saved, "peak_bytes": peak_bytes(summary["memory_bytes"], saved)}
+    if args.compress is not None:
+        summary["compression"] = compression(args, counted, estimate.DTYPE_BYTES[args.dtype][:2])
     console = console or Console()
     if args.json:
         console.out(json.dumps(summary if name is None else {"model": name, **summary}, indent=2))
@@ -162,6 +170,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     print_summary(console, summary, name)
     if saved is not None:
         print_activations(console, saved, summary["peak_bytes"])
+    if args.compress is not None:
+        print_compression(console, summary["compression"])
     return 0
 
 
@@ -186,10 +196,10 @@ def run_mesh(args: argparse.Namespace, console: Console | None = None) -> int:
     if args.model not in PRESETS:
         error(f"--tp/--pp split the built-in GPT (GPTStage, gpt_tp_plan): give --model with a preset "
               f"({', '.join(sorted(PRESETS))}), or --tp 1 --pp 1 for --params or a transformers model")
-    refused = [flag for key, flag in _NOT_ON_MESH if getattr(args, key)]
+    refused = [flag for key, flag in _NOT_ON_MESH if getattr(args, key)] + ["--compress"] * (args.compress is not None)
     if refused:
         error(f"{' '.join(refused)} with --tp/--pp: the per-part estimate covers model states only, without "
-              "ZeRO++, persistent parameters, nodes, offload or a memory limit; drop those flags, or use "
+              "ZeRO++, persistent parameters, nodes, offload, codecs or a memory limit; drop those flags, or use "
               "--tp 1 --pp 1")
     replica = args.tp * args.pp  # the ranks of one data-parallel replica
     if args.gpus % replica:

@@ -34,6 +34,7 @@ import torch
 from zeroshard.app.demo_config import DEMO_CONFIG
 from zeroshard.app.models import GPT, PRESETS, GPTConfig, GPTStage
 from zeroshard.config.schema import ZeroConfig
+from zeroshard.core.bucketing import bucket_params
 from zeroshard.estimate import FROZEN, PERSISTENT, SHARDED, Flat
 from zeroshard.estimate.parallel import tp_shard_numel
 from zeroshard.stage3.wrapping import UnitPlan, flat_parts, plan_units, unit_modules
@@ -46,6 +47,10 @@ AUTO_WRAP_MIN_PARAMS: int = ZeroConfig.model_fields["stage3_auto_wrap_min_params
 DEMO_WRAP: tuple[str, ...] = tuple(DEMO_CONFIG["zero_optimization"]["stage3_wrap_classes"])
 PERSISTENCE_THRESHOLD: int = ZeroConfig.model_fields["stage3_param_persistence_threshold"].default
 DEMO_PERSISTENCE_THRESHOLD: int = DEMO_CONFIG["zero_optimization"]["stage3_param_persistence_threshold"]
+REDUCE_BUCKET_SIZE: int = min(ZeroConfig.model_fields["reduce_bucket_size"].default,
+                              ZeroConfig.model_fields["allgather_bucket_size"].default)
+DEMO_BUCKET_SIZE: int = min(DEMO_CONFIG["zero_optimization"]["reduce_bucket_size"],
+                            DEMO_CONFIG["zero_optimization"]["allgather_bucket_size"])
 
 
 @dataclass(frozen=True)
@@ -56,17 +61,26 @@ class ParamCount:
     numel: int  # Ψ: every parameter once (tied weights count once)
     largest_unit: int  # elements of the largest stage-3 unit
     flats: tuple[Flat, ...] = ()  # stage 3's flat buffers under the same plan (`plan_flats`)
+    buckets: tuple[int, ...] = ()  # stages 0-2's gradient buckets, elements each (`bucket_numels`)
 
 
 def count_module(name: str, model: torch.nn.Module, wrap: tuple[str, ...] = (),
                  min_numel: int = AUTO_WRAP_MIN_PARAMS,
-                 persistence_threshold: int = PERSISTENCE_THRESHOLD) -> ParamCount:
+                 persistence_threshold: int = PERSISTENCE_THRESHOLD,
+                 bucket_size: int = REDUCE_BUCKET_SIZE) -> ParamCount:
     """Ψ of `model`, its largest unit and its flat buffers under stage 3's rule (`wrap`: class names;
-    empty: by size)."""
+    empty: by size), and its gradient buckets at stages 0-2 of at most `bucket_size` elements."""
     plans = plan_units(model, unit_modules(model, wrap, min_numel))
     largest = max((sum(p.numel() for p in plan.params) for plan in plans), default=0)
     return ParamCount(name, sum(p.numel() for p in model.parameters()), largest,
-                      tuple(plan_flats(plans, persistence_threshold)))
+                      tuple(plan_flats(plans, persistence_threshold)), tuple(bucket_numels(model, bucket_size)))
+
+
+def bucket_numels(model: torch.nn.Module, bucket_size: int) -> list[int]:
+    """Elements of each gradient bucket the engine builds at stages 0-2 (`bucket_params`, its own rule, with
+    `bucket_size` = min(reduce_bucket_size, allgather_bucket_size)), with one param group as `plan_flats`."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [plan.numel for plan in bucket_params(model, [trainable], bucket_size)]
 
 
 def plan_flats(plans: list[UnitPlan], persistence_threshold: int = PERSISTENCE_THRESHOLD) -> list[Flat]:
@@ -88,23 +102,26 @@ def stage3_flats(units: Iterable) -> list[Flat]:
             for unit in units for b in unit.buckets] + [Flat(f.numel, FROZEN) for unit in units for f in unit.frozen]
 
 
-def count_model(name: str, wrap: tuple[str, ...] | None = None,
-                min_numel: int = AUTO_WRAP_MIN_PARAMS, persistence_threshold: int | None = None) -> ParamCount:
+def count_model(name: str, wrap: tuple[str, ...] | None = None, min_numel: int = AUTO_WRAP_MIN_PARAMS,
+                persistence_threshold: int | None = None, bucket_size: int | None = None) -> ParamCount:
     """Count a preset, a transformers model type, a config.json or a save_pretrained directory.
 
     `wrap` None: the demo's wrap classes for a preset, the size rule for
     another model; `persistence_threshold` None: the demo's for a preset
-    (0: nothing persistent), the engine's default for another model. Raises ValueError naming the cause when `name` is none of
+    (0: nothing persistent), the engine's default for another model; `bucket_size` None: likewise, the
+    demo's reduce_bucket_size or the engine's. Raises ValueError naming the cause when `name` is none of
     these or its config cannot be built.
     """
     if name in PRESETS:
         with torch.device("meta"):
             model = GPT(PRESETS[name])
         return count_module(name, model, DEMO_WRAP if wrap is None else wrap, min_numel,
-                            DEMO_PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold)
+                            DEMO_PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold,
+                            DEMO_BUCKET_SIZE if bucket_size is None else bucket_size)
     model = build_hf_model(name)
     return count_module(f"{type(model).__name__} ({name})", model, wrap or (), min_numel,
-                        PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold)
+                        PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold,
+                        REDUCE_BUCKET_SIZE if bucket_size is None else bucket_size)
 
 
 def count_parts(model: str | GPTConfig, pp: int = 1, tp: int = 1, wrap: tuple[str, ...] | None = None,

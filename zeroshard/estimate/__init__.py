@@ -31,6 +31,14 @@ from zeroshard.estimate.offload import (
     pool_totals,
     ratio_numel,
 )
+from zeroshard.estimate.break_even import (
+    BACKWARD_SHARE,
+    StepBytes,
+    break_even_bandwidth,
+    compression_summary,
+    step_bytes,
+    step_seconds,
+)
 from zeroshard.estimate.compression import compressed_reduction_bytes, error_feedback_bytes
 from zeroshard.estimate.powersgd import LowRank, low_rank_plan, powersgd_bytes, powersgd_sizes, powersgd_state_bytes
 from zeroshard.estimate.summary import summarize
@@ -50,6 +58,7 @@ from zeroshard.estimate.zeropp import (
 )
 
 __all__ = [
+    "BACKWARD_SHARE",
     "DTYPE_BYTES",
     "FROZEN",
     "PERSISTENT",
@@ -58,11 +67,14 @@ __all__ = [
     "Flat",
     "LowRank",
     "Offload",
+    "StepBytes",
     "UnboundedError",
     "ZeroPP",
+    "break_even_bandwidth",
     "by_scope",
     "comm_bytes_per_step",
     "compressed_reduction_bytes",
+    "compression_summary",
     "cross_node_bytes",
     "error_feedback_bytes",
     "fault_check_bytes",
@@ -87,7 +99,9 @@ __all__ = [
     "stage3_comm_bytes",
     "stage3_comm_calls",
     "state_bytes_per_element",
+    "step_bytes",
     "step_check_bytes",
+    "step_seconds",
     "summarize",
     "wire_bytes",
 ]
