@@ -1,7 +1,8 @@
 """The demo trained with each gradient codec at stages 1-3 (and PowerSGD at stage 1) against the exact run.
 
-    python benchmarks/compression_convergence.py [--steps 300] [--nproc 2] [--dtype fp32]
+    python benchmarks/compression_convergence.py [--steps 300] [--nproc 2] [--dtype fp32] [--only NAME ...]
                                                  [--out benchmarks/results/compression_convergence]
+    python benchmarks/compression_convergence.py --merge A/results.json B/results.json [--out DIR]
 
 Each run is `zeroshard train --stage S --config FILE --log-csv ...` in a child
 process: the demo's own config (app/demo_config.py) with one
@@ -23,7 +24,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from zeropp_training import chart, train
+from matplotlib.figure import Figure
+from zeropp_training import train
 
 from zeroshard.app.demo_config import DEMO_CONFIG
 
@@ -56,16 +58,23 @@ def main() -> None:
     parser.add_argument("--model", default="demo")
     parser.add_argument("--only", nargs="*", default=None, help="run names to run (default: all)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "compression_convergence")
+    parser.add_argument("--merge", nargs="*", type=Path, default=None,
+                        help="no training: the curves of earlier runs' results.json files (run in parts with "
+                             "--only), tabled and charted together")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     curves, results = {}, {}
+    for path in args.merge or ():
+        curves |= json.loads(path.read_text())["curves"]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        for stage, name in RUNS:
+        for stage, name in RUNS if args.merge is None else ():
             if args.only and name not in args.only:
                 continue
             flags = ["--config", str(config_file(work, name)), "--seed", "0"]
             curves[f"stage {stage}, {name}"] = train(flags, args, work, f"s{stage}-{name}", stage=stage)
+    curves = {f"stage {stage}, {name}": curves[f"stage {stage}, {name}"] for stage, name in RUNS
+              if f"stage {stage}, {name}" in curves}
     for label, losses in curves.items():
         stage, name = label.split(", ", 1)
         exact = curves.get(f"{stage}, exact")
@@ -79,7 +88,25 @@ def main() -> None:
     (args.out / "results.json").write_text(json.dumps({"steps": args.steps, "nproc": args.nproc,
                                                         "dtype": args.dtype, "runs": results, "curves": curves},
                                                        indent=1))
-    chart(args.out / "loss.png", curves, f"demo, {args.nproc} ranks, {args.dtype}: gradient codecs")
+    chart(args.out / "loss.png", curves, f"demo, {args.nproc} ranks, {args.dtype}")
+
+
+def chart(path: Path, curves: dict[str, list[float]], title: str, window: int = 10) -> None:
+    """One figure, a panel per stage, every run's loss as a moving mean over `window` steps (one batch's
+    noise hides the codecs' differences otherwise)."""
+    fig = Figure(figsize=(13, 4.2), dpi=100, layout="constrained")
+    axes = fig.subplots(1, 3, sharey=True)
+    for ax, stage in zip(axes, (1, 2, 3)):
+        for label, losses in curves.items():
+            if label.startswith(f"stage {stage}, "):
+                smooth = [statistics.fmean(losses[max(0, i - window + 1): i + 1]) for i in range(len(losses))]
+                ax.plot(range(1, len(losses) + 1), smooth, label=label.split(", ", 1)[1], linewidth=1.1)
+        ax.set(xlabel="optimizer step", title=f"stage {stage}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel(f"loss, mean of the last {window} steps")
+    fig.suptitle(f"{title}: gradient codecs against the exact run")
+    fig.savefig(path)
 
 
 if __name__ == "__main__":
