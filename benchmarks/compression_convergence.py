@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -40,11 +39,13 @@ BOUND = {"int8": 0.02, "fp8_e4m3": 0.02, "int4 (rotated)": 0.04}
 RUNS = [(stage, name) for stage in (1, 2, 3) for name in CODECS] + [(1, "powersgd")]
 
 
-def config_file(work: Path, name: str) -> Path:
+def config_file(work: Path, stage: int, name: str) -> Path:
+    """The demo's config with the stage (a file is checked whole before --stage applies) and the codec."""
     gradients = {"codec": "powersgd"} if name == "powersgd" else CODECS[name]
     raw = json.loads(json.dumps(DEMO_CONFIG)) | (
         {"communication_compression": {"gradients": gradients}} if gradients else {})
-    path = work / f"{name.split()[0]}-{len(name)}.json"
+    raw["zero_optimization"]["stage"] = stage
+    path = work / f"s{stage}-{name.split()[0]}-{len(name)}.json"
     path.write_text(json.dumps(raw))
     return path
 
@@ -66,13 +67,14 @@ def main() -> None:
     curves, results = {}, {}
     for path in args.merge or ():
         curves |= json.loads(path.read_text())["curves"]
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for stage, name in RUNS if args.merge is None else ():
-            if args.only and name not in args.only:
-                continue
-            flags = ["--config", str(config_file(work, name)), "--seed", "0"]
-            curves[f"stage {stage}, {name}"] = train(flags, args, work, f"s{stage}-{name}", stage=stage)
+    work = args.out / "runs"  # each run's config and CSV log, kept: a failed run loses none before it
+    work.mkdir(exist_ok=True)
+    for stage, name in RUNS if args.merge is None else ():
+        if args.only and name not in args.only:
+            continue
+        flags = ["--config", str(config_file(work, stage, name)), "--seed", "0"]
+        curves[f"stage {stage}, {name}"] = train(flags, args, work, f"s{stage}-{name}", stage=stage)
+        (args.out / "curves.json").write_text(json.dumps(curves))
     curves = {f"stage {stage}, {name}": curves[f"stage {stage}, {name}"] for stage, name in RUNS
               if f"stage {stage}, {name}" in curves}
     for label, losses in curves.items():

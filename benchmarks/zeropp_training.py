@@ -32,6 +32,7 @@ RUNS = {"stage 3": [], "stage 3 + ZeRO++": ["--zeropp"]}
 def train(flags: list[str], args: argparse.Namespace, work: Path, name: str, stage: int = 3) -> list[float]:
     """One `zeroshard train` run; its loss per optimizer step, read back from its CSV log."""
     log = work / f"{name.replace(' ', '_').replace('+', 'plus').replace('(', '').replace(')', '')}.csv"
+    log.unlink(missing_ok=True)  # the trainer appends to its CSV log: this run's rows only
     cmd = [sys.executable, "-m", "zeroshard.app.cli", "train", "--nproc", str(args.nproc), "--stage", str(stage),
            "--nodes", str(args.nodes), "--dtype", args.dtype, "--model", args.model, "--steps", str(args.steps),
            "--log-csv", str(log), *flags]
