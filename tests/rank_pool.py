@@ -11,10 +11,13 @@ case that failed (an error on a rank, a rank that died, a timeout, or an
 exception in the parent, such as pytest-timeout's), after a case that left
 a rank with something it cannot undo in place (the rank's reasons), when
 the parent's environment or sys.path changed since the spawn (a spawned
-rank inherits both, and libraries read some variables once, at import),
-when it is the least recently used and keeping another pool would hold
-more than MAX_POOLED_RANKS idle processes, and at exit. `fresh=True`, or ZEROSHARD_TEST_POOL=0 for every case, runs a case
-on ranks spawned for it alone, through the same code.
+rank inherits both, and libraries read some variables once, at import;
+PYTEST_CURRENT_TEST, which pytest rewrites at every test, is not a change:
+each case sets the parent's value on the ranks), when it is the least
+recently used and keeping another pool would hold more than
+MAX_POOLED_RANKS idle processes, and at exit. `fresh=True`, or
+ZEROSHARD_TEST_POOL=0 for every case, runs a case on ranks spawned for it
+alone, through the same code.
 """
 
 from __future__ import annotations
@@ -38,6 +41,14 @@ log = logging.getLogger(__name__)
 
 MAX_POOLED_RANKS = 8  # idle rank processes kept in all (each holds torch and the test modules' imports)
 CLOSE_S = 10.0  # how long a rank gets to exit after its pool is closed, before it is killed
+# Variables pytest rewrites at every test phase: nothing reads them at start-up, so a change keeps the pool; each
+# case sets the parent's values on the ranks, as a spawn at that moment would have them.
+PER_CASE_ENV = ("PYTEST_CURRENT_TEST",)
+
+
+def _lasting_env() -> dict[str, str]:
+    """The parent's environment, less PER_CASE_ENV: what ranks spawned now would start with and keep."""
+    return {k: v for k, v in os.environ.items() if k not in PER_CASE_ENV}
 
 
 @dataclass
@@ -55,7 +66,7 @@ class RankPool:
     def __init__(self, world_size: int):
         ctx = mp.get_context("spawn")
         self.world_size = world_size
-        self.env, self.path = dict(os.environ), list(sys.path)  # what the ranks inherited
+        self.env, self.path = _lasting_env(), list(sys.path)  # what the ranks inherited
         self.reusable = True
         self.conns, self.procs = [], []
         for rank in range(world_size):
@@ -68,7 +79,7 @@ class RankPool:
 
     def matches(self) -> bool:
         """Whether a rank spawned now would inherit what these ranks did."""
-        return (self.reusable and self.env == dict(os.environ) and self.path == sys.path
+        return (self.reusable and self.env == _lasting_env() and self.path == sys.path
                 and all(p.is_alive() for p in self.procs))
 
     def run(self, fn, args: tuple, timeout_s: float, collective_timeout_s: float) -> Outcome:
@@ -76,7 +87,8 @@ class RankPool:
         store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
         try:
             for conn in self.conns:
-                conn.send((fn, args, store.port, collective_timeout_s, os.getcwd()))
+                conn.send((fn, args, store.port, collective_timeout_s, os.getcwd(),
+                           {k: os.environ.get(k) for k in PER_CASE_ENV}))
             results, done, reasons = self._collect(time.monotonic() + timeout_s)
         except BaseException:  # a pickling error, KeyboardInterrupt, pytest-timeout: the ranks' state is unknown
             self.close(kill=True)

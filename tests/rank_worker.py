@@ -2,8 +2,9 @@
 its own.
 
 For each case the parent sends (fn, args, store port, collective timeout,
-cwd) through the rank's pipe. The rank joins the case's TCPStore and forms
-the process group on it, as a freshly spawned rank would, runs
+cwd, its values of rank_pool.PER_CASE_ENV) through the rank's pipe. The
+rank joins the case's TCPStore and forms the process group on it, as a
+freshly spawned rank would, runs
 `fn(rank, world_size, device, *args)`, and sends back ("result", bytes of
 torch.save({"ok": ...} or {"error", "traceback"})). It then destroys the
 group, puts its process back as it found it (rank_state.py) and sends
@@ -49,11 +50,21 @@ def serve(rank: int, world_size: int, conn) -> None:
             return
         if case is None:
             return
-        fn, args, port, collective_timeout_s, cwd = case
+        fn, args, port, collective_timeout_s, cwd, per_case_env = case
         os.chdir(cwd)
+        _set_env(per_case_env)
         state.before_case()
         conn.send(("result", _run_case(rank, world_size, device, port, collective_timeout_s, fn, args)))
         conn.send(("ready", state.restore()))
+
+
+def _set_env(values: dict) -> None:
+    """The parent's values of the variables pytest rewrites per test (None: unset there)."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _run_case(rank, world_size, device, port, collective_timeout_s, fn, args) -> bytes:

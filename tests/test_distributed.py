@@ -161,6 +161,20 @@ def test_a_case_that_leaves_what_cannot_be_undone_is_followed_by_new_ranks(what)
     assert not set(run_ranks(_pid, 1)) & set(left)
 
 
+def _pid_and_test(rank, world, device):
+    return os.getpid(), os.environ.get("PYTEST_CURRENT_TEST")
+
+
+def test_a_pool_serves_the_next_test_with_that_tests_name(monkeypatch):
+    # pytest rewrites PYTEST_CURRENT_TEST at every test: the ranks are kept, and see the new value
+    first = run_ranks(_pid_and_test, 2)
+    assert [name for _, name in first] == [os.environ["PYTEST_CURRENT_TEST"]] * 2
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_next.py::test_next (call)")
+    assert run_ranks(_pid_and_test, 2) == [(pid, "tests/test_next.py::test_next (call)") for pid, _ in first]
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    assert run_ranks(_pid_and_test, 2) == [(pid, None) for pid, _ in first]
+
+
 def _env(rank, world, device):
     return os.environ.get("ZEROSHARD_POOL_PROBE")
 
