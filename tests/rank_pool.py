@@ -1,8 +1,9 @@
 """Rank processes kept alive across test cases, one pool per world size (tests/distributed.py's run_ranks).
 
 Spawning a rank costs seconds (Python, torch, zeroshard, the test module
-and what it imports); many cases cost less. A pool keeps the N ranks of a
-world size between cases: each case gets a new TCPStore, so a new process
+and what it imports); many cases cost less. Ranks are forked from a fork
+server that imported what every rank imports (PRELOAD) once, and a pool
+keeps the N ranks of a world size between cases: each case gets a new TCPStore, so a new process
 group whose collectives cannot meet another case's, and each rank puts its
 process back as a fresh one would be (rank_state.py) before the next case.
 
@@ -29,9 +30,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.connection import wait
 
 import torch
+import torch._dynamo  # noqa: F401  (its import sets TORCHINDUCTOR_CACHE_DIR: before _SESSION_ENV is taken)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -46,9 +49,29 @@ CLOSE_S = 10.0  # how long a rank gets to exit after its pool is closed, before 
 PER_CASE_ENV = ("PYTEST_CURRENT_TEST",)
 
 
+# What every rank imports (torch's optimizers import torch._dynamo when the first one is made): a fork server
+# imports them once, and a rank forked from it starts with them imported, as a spawned rank comes to have them.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zeroshard", "tests.distributed"]
+
+
 def _lasting_env() -> dict[str, str]:
     """The parent's environment, less PER_CASE_ENV: what ranks spawned now would start with and keep."""
     return {k: v for k, v in os.environ.items() if k not in PER_CASE_ENV}
+
+
+_SESSION_ENV = _lasting_env()  # at the tests' import, before a test changed it: the fork server's
+
+
+def _context():
+    """How ranks start: forked from the fork server while the parent's environment is the one the server
+    started with (a forked rank has the server's, which the preloaded modules read at import); spawned when a
+    test changed it, and where a GPU is (CUDA's state must not be forked)."""
+    if _lasting_env() != _SESSION_ENV or torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()  # now, under _SESSION_ENV, if it is not running yet
+    return ctx
 
 
 @dataclass
@@ -61,10 +84,10 @@ class Outcome:
 
 
 class RankPool:
-    """`world_size` spawned ranks (rank_worker.serve), each with a pipe to this process."""
+    """`world_size` started ranks (rank_worker.serve), each with a pipe to this process."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
         self.env, self.path = _lasting_env(), list(sys.path)  # what the ranks inherited
         self.reusable = True

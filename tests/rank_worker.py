@@ -16,6 +16,7 @@ and exit code 1, which is what it did to a rank spawned for one case.
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import traceback
@@ -33,7 +34,16 @@ def test_device(world_size: int) -> torch.device:
 
 
 def serve(rank: int, world_size: int, conn) -> None:
-    """The rank's life: cases until the parent sends None or goes away."""
+    """The rank's life: cases until the parent sends None or goes away, then what the process registered to
+    run at exit: a spawned process runs it as it ends, one forked from the fork server (rank_pool.py) ends in
+    os._exit and would not."""
+    try:
+        _serve(rank, world_size, conn)
+    finally:
+        atexit._run_exitfuncs()
+
+
+def _serve(rank: int, world_size: int, conn) -> None:
     from tests import distributed  # noqa: F401  (imported by the cases; kept, as the modules this rank runs on)
     from tests.rank_state import RankState
 

@@ -1,9 +1,10 @@
 """run_ranks' pool (tests/rank_pool.py): a case on pooled ranks finds and ends as a case on ranks spawned for it.
 
-The reference is the same case on fresh ranks (`fresh=True`): a probe of
-the process state after a case that changed all it could, and the
-RankFailure of a case that raises, exits or is killed, must be equal. The
-ranks' process ids tell a pool kept from one ended.
+The reference is the same case on fresh ranks (`fresh=True`; forked from
+the fork server, and spawned without it): a probe of the process state
+after a case that changed all it could, and the RankFailure of a case that
+raises, exits or is killed, must be equal. The ranks' process ids tell a
+pool kept from one ended.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import rank_pool
 from tests.distributed import RankFailure, run_ranks
 from tests.rank_state import KEPT, RESET
 from zeroshard.comm import collectives
@@ -93,15 +95,18 @@ def _probe(rank, world, device):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_pooled_rank_finds_what_a_fresh_one_finds(world):
+def test_a_pooled_rank_finds_what_a_fresh_one_finds(world, monkeypatch):
     dirtied = run_ranks(_dirty, world)
     pooled = run_ranks(_probe, world)
-    fresh = run_ranks(_probe, world, fresh=True)
+    forked = run_ranks(_probe, world, fresh=True)
+    with monkeypatch.context() as spawning:  # the reference: ranks spawned for the case, no fork server
+        spawning.setattr(rank_pool, "_context", lambda: torch.multiprocessing.get_context("spawn"))
+        spawned = run_ranks(_probe, world, fresh=True)
     assert [pid for pid, _ in pooled] == dirtied, "the pool was not kept after a case that ended well"
-    assert not {pid for pid, _ in fresh} & set(dirtied)
+    assert not {pid for pid, _ in forked + spawned} & set(dirtied)
     assert run_ranks(_pid, world) == dirtied, "a case on fresh ranks ended the pool"
-    for (_, got), (_, want) in zip(pooled, fresh):
-        assert got == want
+    for (_, got), (_, fresh), (_, want) in zip(pooled, forked, spawned):
+        assert got == fresh == want
 
 
 def _fail(rank, world, device, how):
