@@ -69,6 +69,7 @@ def _dirty(rank, world, device):
     collectives.Comm.create(dist.group.WORLD, CommRecorder())
     memory._warned.add("probe")
     WorkerPool(1, "left-open")  # as a Copier never closed leaves it
+    collectives.all_gather_object = None  # a fault injected in a rank, not put back
     dist.distributed_c10d._get_default_store().set("left-by-an-earlier-case", "1")
     return os.getpid()
 
@@ -87,7 +88,7 @@ def _probe(rank, world, device):
         "logging": (logger(""), logger("zeroshard"), logging.root.manager.disable),
         "warnings": repr(warnings.filters), "hooks": sys.excepthook is sys.__excepthook__,
         "signal": signal.getsignal(signal.SIGUSR1), "limit": resource.getrlimit(resource.RLIMIT_NOFILE),
-        "zeroshard": (dict(collectives._created), set(memory._warned)),
+        "zeroshard": (dict(collectives._created), set(memory._warned), collectives.all_gather_object.__name__),
         "threads": sorted(t.name for t in threading.enumerate()),
         "dist": (dist.get_world_size(), dist.distributed_c10d._world.group_count,
                  dist.distributed_c10d._get_default_store().check(["left-by-an-earlier-case"])),
