@@ -1,8 +1,9 @@
 """Rank processes kept alive across test cases, one pool per world size (tests/distributed.py's run_ranks).
 
 Spawning a rank costs seconds (Python, torch, zeroshard, the test module
-and what it imports); many cases cost less. A pool keeps the N ranks of a
-world size between cases: each case gets a new TCPStore, so a new process
+and what it imports); many cases cost less. Ranks are forked from a fork
+server that imported what every rank imports (PRELOAD) once, and a pool
+keeps the N ranks of a world size between cases: each case gets a new TCPStore, so a new process
 group whose collectives cannot meet another case's, and each rank puts its
 process back as a fresh one would be (rank_state.py) before the next case.
 
@@ -11,10 +12,13 @@ case that failed (an error on a rank, a rank that died, a timeout, or an
 exception in the parent, such as pytest-timeout's), after a case that left
 a rank with something it cannot undo in place (the rank's reasons), when
 the parent's environment or sys.path changed since the spawn (a spawned
-rank inherits both, and libraries read some variables once, at import),
-when it is the least recently used and keeping another pool would hold
-more than MAX_POOLED_RANKS idle processes, and at exit. `fresh=True`, or ZEROSHARD_TEST_POOL=0 for every case, runs a case
-on ranks spawned for it alone, through the same code.
+rank inherits both, and libraries read some variables once, at import;
+PYTEST_CURRENT_TEST, which pytest rewrites at every test, is not a change:
+each case sets the parent's value on the ranks), when it is the least
+recently used and keeping another pool would hold more than
+MAX_POOLED_RANKS idle processes, and at exit. `fresh=True`, or
+ZEROSHARD_TEST_POOL=0 for every case, runs a case on ranks spawned for it
+alone, through the same code.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.connection import wait
 
 import torch
+import torch._dynamo  # noqa: F401  (its import sets TORCHINDUCTOR_CACHE_DIR: before _SESSION_ENV is taken)
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -38,6 +44,34 @@ log = logging.getLogger(__name__)
 
 MAX_POOLED_RANKS = 8  # idle rank processes kept in all (each holds torch and the test modules' imports)
 CLOSE_S = 10.0  # how long a rank gets to exit after its pool is closed, before it is killed
+# Variables pytest rewrites at every test phase: nothing reads them at start-up, so a change keeps the pool; each
+# case sets the parent's values on the ranks, as a spawn at that moment would have them.
+PER_CASE_ENV = ("PYTEST_CURRENT_TEST",)
+
+
+# What every rank imports (torch's optimizers import torch._dynamo when the first one is made): a fork server
+# imports them once, and a rank forked from it starts with them imported, as a spawned rank comes to have them.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zeroshard", "tests.distributed"]
+
+
+def _lasting_env() -> dict[str, str]:
+    """The parent's environment, less PER_CASE_ENV: what ranks spawned now would start with and keep."""
+    return {k: v for k, v in os.environ.items() if k not in PER_CASE_ENV}
+
+
+_SESSION_ENV = _lasting_env()  # at the tests' import, before a test changed it: the fork server's
+
+
+def _context():
+    """How ranks start: forked from the fork server while the parent's environment is the one the server
+    started with (a forked rank has the server's, which the preloaded modules read at import); spawned when a
+    test changed it, and where a GPU is (CUDA's state must not be forked)."""
+    if _lasting_env() != _SESSION_ENV or torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()  # now, under _SESSION_ENV, if it is not running yet
+    return ctx
 
 
 @dataclass
@@ -50,12 +84,12 @@ class Outcome:
 
 
 class RankPool:
-    """`world_size` spawned ranks (rank_worker.serve), each with a pipe to this process."""
+    """`world_size` started ranks (rank_worker.serve), each with a pipe to this process."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world_size = world_size
-        self.env, self.path = dict(os.environ), list(sys.path)  # what the ranks inherited
+        self.env, self.path = _lasting_env(), list(sys.path)  # what the ranks inherited
         self.reusable = True
         self.conns, self.procs = [], []
         for rank in range(world_size):
@@ -68,7 +102,7 @@ class RankPool:
 
     def matches(self) -> bool:
         """Whether a rank spawned now would inherit what these ranks did."""
-        return (self.reusable and self.env == dict(os.environ) and self.path == sys.path
+        return (self.reusable and self.env == _lasting_env() and self.path == sys.path
                 and all(p.is_alive() for p in self.procs))
 
     def run(self, fn, args: tuple, timeout_s: float, collective_timeout_s: float) -> Outcome:
@@ -76,7 +110,8 @@ class RankPool:
         store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
         try:
             for conn in self.conns:
-                conn.send((fn, args, store.port, collective_timeout_s, os.getcwd()))
+                conn.send((fn, args, store.port, collective_timeout_s, os.getcwd(),
+                           {k: os.environ.get(k) for k in PER_CASE_ENV}))
             results, done, reasons = self._collect(time.monotonic() + timeout_s)
         except BaseException:  # a pickling error, KeyboardInterrupt, pytest-timeout: the ranks' state is unknown
             self.close(kill=True)

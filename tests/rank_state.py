@@ -4,7 +4,8 @@ A rank of the pool (rank_pool.py) runs one case after another. A rank
 spawned for the case would start it with the parent's environment and
 sys.path, torch's defaults, freshly seeded generators, no process group,
 no logging or warning set-up, signal handler or resource limit of the
-case's making, none of its threads, and the test modules imported anew.
+case's making, none of its threads, zeroshard's functions as imported (no
+stand-in a case put in their place), and the test modules imported anew.
 `RankState.before_case()` notes the state once the case's function and
 arguments are unpickled (so what importing their modules did is part of
 it, as in a fresh process); `restore()` puts it back after the case and
@@ -150,6 +151,27 @@ class LoggingState:
 
 
 @dataclass
+class Bindings:
+    """zeroshard's module-level names as a case found them: a case that puts a stand-in in place of a function
+    (a fault injected in a rank) and does not put the function back would hand the stand-in to the next case.
+    Names in KEPT may change; a module first imported during the case is not looked at."""
+
+    names: dict[str, dict]
+
+    @classmethod
+    def capture(cls) -> "Bindings":
+        return cls({name: dict(vars(module)) for name, module in list(sys.modules.items())
+                    if (name == "zeroshard" or name.startswith("zeroshard.")) and module is not None})
+
+    def restore(self) -> None:
+        for module_name, names in self.names.items():
+            now = vars(sys.modules[module_name])
+            for name, value in names.items():
+                if now.get(name) is not value and (module_name, name) not in KEPT and not name.startswith("__"):
+                    now[name] = value
+
+
+@dataclass
 class CaseStart:
     """What a case starts with, taken once its function and arguments are unpickled: what importing their
     modules did stays, as in a fresh process, which imports them before its case."""
@@ -164,13 +186,15 @@ class CaseStart:
     limits: dict[int, tuple[int, int]]
     threads: set[threading.Thread]
     logging: LoggingState
+    bindings: Bindings
 
     @classmethod
     def capture(cls) -> "CaseStart":
         return cls(dict(os.environ), list(sys.path), TorchDefaults.capture(), list(warnings.filters),
                    warnings.showwarning, (sys.excepthook, threading.excepthook),
                    {s: signal.getsignal(s) for s in signal.valid_signals() if signal.getsignal(s) is not None},
-                   {lim: resource.getrlimit(lim) for lim in LIMITS}, set(threading.enumerate()), LoggingState.capture())
+                   {lim: resource.getrlimit(lim) for lim in LIMITS}, set(threading.enumerate()), LoggingState.capture(),
+                   Bindings.capture())
 
     def restore(self) -> list[str]:
         """Put back what the case changed; the reasons it could not (a resource limit it cannot raise)."""
@@ -184,6 +208,7 @@ class CaseStart:
         warnings.onceregistry.clear()
         warnings.showwarning = self.showwarning
         self.logging.restore()
+        self.bindings.restore()
         sys.excepthook, threading.excepthook = self.hooks
         for sig, handler in self.signals.items():
             if signal.getsignal(sig) is not handler:

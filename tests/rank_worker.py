@@ -2,8 +2,9 @@
 its own.
 
 For each case the parent sends (fn, args, store port, collective timeout,
-cwd) through the rank's pipe. The rank joins the case's TCPStore and forms
-the process group on it, as a freshly spawned rank would, runs
+cwd, its values of rank_pool.PER_CASE_ENV) through the rank's pipe. The
+rank joins the case's TCPStore and forms the process group on it, as a
+freshly spawned rank would, runs
 `fn(rank, world_size, device, *args)`, and sends back ("result", bytes of
 torch.save({"ok": ...} or {"error", "traceback"})). It then destroys the
 group, puts its process back as it found it (rank_state.py) and sends
@@ -15,6 +16,7 @@ and exit code 1, which is what it did to a rank spawned for one case.
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import traceback
@@ -32,7 +34,16 @@ def test_device(world_size: int) -> torch.device:
 
 
 def serve(rank: int, world_size: int, conn) -> None:
-    """The rank's life: cases until the parent sends None or goes away."""
+    """The rank's life: cases until the parent sends None or goes away, then what the process registered to
+    run at exit: a spawned process runs it as it ends, one forked from the fork server (rank_pool.py) ends in
+    os._exit and would not."""
+    try:
+        _serve(rank, world_size, conn)
+    finally:
+        atexit._run_exitfuncs()
+
+
+def _serve(rank: int, world_size: int, conn) -> None:
     from tests import distributed  # noqa: F401  (imported by the cases; kept, as the modules this rank runs on)
     from tests.rank_state import RankState
 
@@ -49,11 +60,21 @@ def serve(rank: int, world_size: int, conn) -> None:
             return
         if case is None:
             return
-        fn, args, port, collective_timeout_s, cwd = case
+        fn, args, port, collective_timeout_s, cwd, per_case_env = case
         os.chdir(cwd)
+        _set_env(per_case_env)
         state.before_case()
         conn.send(("result", _run_case(rank, world_size, device, port, collective_timeout_s, fn, args)))
         conn.send(("ready", state.restore()))
+
+
+def _set_env(values: dict) -> None:
+    """The parent's values of the variables pytest rewrites per test (None: unset there)."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _run_case(rank, world_size, device, port, collective_timeout_s, fn, args) -> bytes:

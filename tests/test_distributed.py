@@ -1,9 +1,10 @@
 """run_ranks' pool (tests/rank_pool.py): a case on pooled ranks finds and ends as a case on ranks spawned for it.
 
-The reference is the same case on fresh ranks (`fresh=True`): a probe of
-the process state after a case that changed all it could, and the
-RankFailure of a case that raises, exits or is killed, must be equal. The
-ranks' process ids tell a pool kept from one ended.
+The reference is the same case on fresh ranks (`fresh=True`; forked from
+the fork server, and spawned without it): a probe of the process state
+after a case that changed all it could, and the RankFailure of a case that
+raises, exits or is killed, must be equal. The ranks' process ids tell a
+pool kept from one ended.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import rank_pool
 from tests.distributed import RankFailure, run_ranks
 from tests.rank_state import KEPT, RESET
 from zeroshard.comm import collectives
@@ -67,6 +69,7 @@ def _dirty(rank, world, device):
     collectives.Comm.create(dist.group.WORLD, CommRecorder())
     memory._warned.add("probe")
     WorkerPool(1, "left-open")  # as a Copier never closed leaves it
+    collectives.all_gather_object = None  # a fault injected in a rank, not put back
     dist.distributed_c10d._get_default_store().set("left-by-an-earlier-case", "1")
     return os.getpid()
 
@@ -85,7 +88,7 @@ def _probe(rank, world, device):
         "logging": (logger(""), logger("zeroshard"), logging.root.manager.disable),
         "warnings": repr(warnings.filters), "hooks": sys.excepthook is sys.__excepthook__,
         "signal": signal.getsignal(signal.SIGUSR1), "limit": resource.getrlimit(resource.RLIMIT_NOFILE),
-        "zeroshard": (dict(collectives._created), set(memory._warned)),
+        "zeroshard": (dict(collectives._created), set(memory._warned), collectives.all_gather_object.__name__),
         "threads": sorted(t.name for t in threading.enumerate()),
         "dist": (dist.get_world_size(), dist.distributed_c10d._world.group_count,
                  dist.distributed_c10d._get_default_store().check(["left-by-an-earlier-case"])),
@@ -93,15 +96,18 @@ def _probe(rank, world, device):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_a_pooled_rank_finds_what_a_fresh_one_finds(world):
+def test_a_pooled_rank_finds_what_a_fresh_one_finds(world, monkeypatch):
     dirtied = run_ranks(_dirty, world)
     pooled = run_ranks(_probe, world)
-    fresh = run_ranks(_probe, world, fresh=True)
+    forked = run_ranks(_probe, world, fresh=True)
+    with monkeypatch.context() as spawning:  # the reference: ranks spawned for the case, no fork server
+        spawning.setattr(rank_pool, "_context", lambda: torch.multiprocessing.get_context("spawn"))
+        spawned = run_ranks(_probe, world, fresh=True)
     assert [pid for pid, _ in pooled] == dirtied, "the pool was not kept after a case that ended well"
-    assert not {pid for pid, _ in fresh} & set(dirtied)
+    assert not {pid for pid, _ in forked + spawned} & set(dirtied)
     assert run_ranks(_pid, world) == dirtied, "a case on fresh ranks ended the pool"
-    for (_, got), (_, want) in zip(pooled, fresh):
-        assert got == want
+    for (_, got), (_, fresh), (_, want) in zip(pooled, forked, spawned):
+        assert got == fresh == want
 
 
 def _fail(rank, world, device, how):
@@ -159,6 +165,20 @@ def _leave(rank, world, device, what):
 def test_a_case_that_leaves_what_cannot_be_undone_is_followed_by_new_ranks(what):
     left = run_ranks(_leave, 1, what)
     assert not set(run_ranks(_pid, 1)) & set(left)
+
+
+def _pid_and_test(rank, world, device):
+    return os.getpid(), os.environ.get("PYTEST_CURRENT_TEST")
+
+
+def test_a_pool_serves_the_next_test_with_that_tests_name(monkeypatch):
+    # pytest rewrites PYTEST_CURRENT_TEST at every test: the ranks are kept, and see the new value
+    first = run_ranks(_pid_and_test, 2)
+    assert [name for _, name in first] == [os.environ["PYTEST_CURRENT_TEST"]] * 2
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "tests/test_next.py::test_next (call)")
+    assert run_ranks(_pid_and_test, 2) == [(pid, "tests/test_next.py::test_next (call)") for pid, _ in first]
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")
+    assert run_ranks(_pid_and_test, 2) == [(pid, None) for pid, _ in first]
 
 
 def _env(rank, world, device):
