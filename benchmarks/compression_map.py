@@ -7,7 +7,9 @@ link shaped to 10 Gbit/s, 1 Gbit/s and 100 Mbit/s in each direction, for:
 - zeroshard_s2: ZeRO stage 2, exact (every ratio divides its time);
 - zeroshard_s2_int8, _fp8_e4m3, _int4: the same with
   `communication_compression.gradients.codec`, error feedback on (the default),
-  int4 with its default Hadamard rotation; the parameter all-gather stays exact;
+  int4 with the codec's default (no rotation since the convergence runs; the
+  table in BENCHMARKS.md was measured with int4 rotated, the default then);
+  the parameter all-gather stays exact;
 - zeroshard_s1_powersgd: zeroshard's PowerSGD (rank 4) at stage 1, run only
   when zeroshard/comm/powersgd.py exists and the config accepts it (else a
   printed note says it was skipped);

@@ -62,9 +62,9 @@ DEFAULTS = {
              "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1.0},
     "communication_data_type": None,
     "communication_compression": {
-        "gradients": {"codec": "none", "block_size": 128, "hadamard": None, "error_feedback": True,
+        "gradients": {"codec": "none", "block_size": 128, "hadamard": False, "error_feedback": True,
                       "hierarchical": False, "rank": 4, "start_step": 10, "warm_start": True},
-        "parameters": {"codec": "none", "block_size": 128, "hadamard": None}},
+        "parameters": {"codec": "none", "block_size": 128, "hadamard": False}},
     "dataloader_drop_last": False,
     "checkpoint": {"tag_validation": "Warn", "async_save": False},
     "non_finite": {"action": "skip", "max_consecutive_skips": 10},

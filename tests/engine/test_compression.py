@@ -189,7 +189,8 @@ def test_a_resume_continues_bit_for_bit(tmp_path):
     ({"gradients": {"codec": "int8"}}, {"stage": 3, "zero_quantized_gradients": True}, "keep one"),
     ({"gradients": {"codec": "int8", "rank": 2}}, {"stage": 1}, "rank: not a setting of codec 'int8'"),
     ({"gradients": {"codec": "powersgd", "block_size": 64}}, {"stage": 1}, "block_size: not a setting"),
-    ({"gradients": {"codec": "int4", "block_size": 100}}, {"stage": 1}, "power-of-two block_size"),
+    ({"gradients": {"codec": "int8", "hadamard": True, "block_size": 96}}, {"stage": 1}, "power-of-two block_size"),
+    ({"gradients": {"codec": "int4", "block_size": 99}}, {"stage": 1}, "int4 packs two values a byte"),
     ({"parameters": {"block_size": 64}}, {"stage": 1}, "set while codec is 'none'"),
     ({"gradients": {"codec": "int2"}}, {"stage": 1}, "Input should be 'none', 'int8'"),
 ])

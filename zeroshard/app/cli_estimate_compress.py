@@ -39,7 +39,7 @@ def add_compress(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("gradient compression (communication_compression.gradients)")
     group.add_argument("--compress", nargs="*", metavar="CODEC", default=None,
                        help=f"print each codec's bytes per step and break-even link speed: {', '.join(CODECS)} "
-                            "(none named: all), int4 with its Hadamard rotation, error feedback on")
+                            "(none named: all), no rotation (the config's default), error feedback on")
     group.add_argument("--stage", type=int, choices=estimate.STAGES, default=None,
                        help=f"with --compress: the ZeRO stage (default: {DEFAULT_STAGE})")
     group.add_argument("--step-seconds", type=positive_float, default=None, metavar="T",
@@ -75,7 +75,7 @@ def codec_seconds_per_element(name: str, block_size: int, world_size: int, eleme
     (`decode_rows`); the median of `repeats` passes over `elements` values (default MEASURED_ELEMENTS) on one
     thread, after one warm-up pass."""
     elements = elements or MEASURED_ELEMENTS
-    codec = BlockCodec(name, block_size, name == "int4")  # the config's default rotation (int4 only)
+    codec = BlockCodec(name, block_size)  # the config's default: no rotation
     rows = max(1, min(world_size, elements))
     grads = torch.randn(rows, -(-elements // rows), generator=torch.Generator().manual_seed(0))
     error = torch.zeros_like(grads)

@@ -17,7 +17,7 @@ CHOICES = ("none", "int8", "int4", "fp8", "fp8_e5m2", "powersgd")
 def add_compress(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compress", choices=CHOICES, default=None,
                         help="gradient reductions through a codec (communication_compression.gradients.codec): "
-                             "int8, int4 (with its Hadamard rotation), fp8 (e4m3) or fp8_e5m2 at any stage, with "
+                             "int8, int4, fp8 (e4m3) or fp8_e5m2 at any stage, with "
                              "error feedback; powersgd (rank 4) at stages 0-1; docs/compression.md (default: none, "
                              "or the config's)")
 
