@@ -186,6 +186,8 @@ def test_a_resume_continues_bit_for_bit(tmp_path):
     ({"gradients": {"codec": "powersgd"}}, {"stage": 2}, "PowerSGD needs every rank to hold each matrix's whole"),
     ({"gradients": {"codec": "int8"}}, {"stage": 2, "reduce_scatter": False}, "replaces the reduce-scatter"),
     ({"parameters": {"codec": "int8"}}, {"stage": 0}, "stage 0 gathers no parameters"),
+    ({"parameters": {"codec": "int8"}}, {"stage": 3, "offload_param": {"device": "cpu"},
+                                         "offload_optimizer": {"device": "cpu"}}, "not implemented for parameter"),
     ({"gradients": {"codec": "int8"}}, {"stage": 3, "zero_quantized_gradients": True}, "keep one"),
     ({"gradients": {"codec": "int8", "rank": 2}}, {"stage": 1}, "rank: not a setting of codec 'int8'"),
     ({"gradients": {"codec": "powersgd", "block_size": 64}}, {"stage": 1}, "block_size: not a setting"),

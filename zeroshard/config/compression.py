@@ -144,8 +144,9 @@ class CompressionConfig(BaseModel):
 
 
 def compression_problems(compression: CompressionConfig, stage: int, reduce_scatter: bool,
-                         zeropp: dict[str, Any]) -> list[str]:
-    """What a stage and ZeRO++'s keys (`zeropp`: those set) make impossible, in words with the fix."""
+                         zeropp: dict[str, Any], offload_param: bool = False) -> list[str]:
+    """What a stage, ZeRO++'s keys (`zeropp`: those set) and stage 3's parameter offload make impossible, in
+    words with the fix."""
     grads, params, problems = compression.gradients, compression.parameters, []
     if grads.codec == "powersgd" and stage >= 2:
         problems.append(f"PowerSGD needs every rank to hold each matrix's whole gradient, which stage {stage} "
@@ -157,6 +158,10 @@ def compression_problems(compression: CompressionConfig, stage: int, reduce_scat
     if params.codec != "none" and stage == 0:
         problems.append("stage 0 gathers no parameters, so communication_compression.parameters has nothing to "
                         "compress: use stage 1-3 or remove it")
+    if params.codec != "none" and stage == 3 and offload_param:
+        problems.append("stage 3's quantized gathers are not implemented for parameter shards in host memory or "
+                        "on disk (zero_optimization.offload_param): remove communication_compression.parameters "
+                        "or the parameter offload")
     for key, place, on in (("zero_quantized_gradients", "gradients", grads.codec != "none"),
                            ("zero_quantized_weights", "parameters", params.codec != "none")):
         if on and zeropp.get(key):

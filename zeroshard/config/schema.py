@@ -293,7 +293,8 @@ class Config(BaseModel):
         zero = self.zero_optimization
         zeropp = {"zero_quantized_gradients": zero.zero_quantized_gradients,
                   "zero_quantized_weights": zero.zero_quantized_weights}
-        problems = compression_problems(self.communication_compression, zero.stage, zero.reduce_scatter, zeropp)
+        problems = compression_problems(self.communication_compression, zero.stage, zero.reduce_scatter, zeropp,
+                                        zero.offload_param.device != "none")
         raise_problems("Config", [(("communication_compression",), problem) for problem in problems])
         return self
 
