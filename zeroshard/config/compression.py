@@ -51,13 +51,9 @@ class _CodecFields(BaseModel):
         "two): an outlier spreads over its block, which lowers int4's error on dense heavy-tailed values but "
         "spreads sparse gradients' noise over their zeros. DeepSpeed: none (zeroshard only)."))
 
-    @property
-    def rotate(self) -> bool:
-        return self.hadamard
-
     def _check_block(self) -> None:
         codec, block = getattr(self, "codec"), self.block_size
-        if codec in CODECS and self.rotate and block & (block - 1):
+        if codec in CODECS and self.hadamard and block & (block - 1):
             raise PydanticCustomError("zeroshard", "the Hadamard rotation needs a power-of-two block_size, not {block}: use 64, 128, 256, ... or set "
                                       "hadamard false", {"block": block})
         if codec == "int4" and block % 2:

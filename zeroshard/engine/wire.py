@@ -41,7 +41,7 @@ def wire(comm: Comm, config: Config) -> Wire:
                            zero.zeropp_compile_quantizers)
         gradients = CompressedReduction(comm, hops, codec, error_feedback=False)
     elif grads.codec in CODECS:
-        codec = named_codec(grads.codec, grads.block_size, grads.rotate)
+        codec = named_codec(grads.codec, grads.block_size, grads.hadamard)
         gradients = CompressedReduction(comm, hops if grads.hierarchical else Hops.flat(comm), codec,
                                         grads.error_feedback)
     weights = None
@@ -49,7 +49,7 @@ def wire(comm: Comm, config: Config) -> Wire:
         weights = BlockCodec("int8", zero.zeropp_block_size, compiled=zero.zeropp_compile_quantizers)
     elif compression.parameters.codec != "none":
         params = compression.parameters
-        weights = named_codec(params.codec, params.block_size, params.rotate)
+        weights = named_codec(params.codec, params.block_size, params.hadamard)
     return Wire(gradients, weights, hops.node if zero.zero_hpz_partition_size > 1 else None)
 
 
