@@ -179,6 +179,8 @@ def test_a_pool_serves_the_next_test_with_that_tests_name(monkeypatch):
     assert run_ranks(_pid_and_test, 2) == [(pid, "tests/test_next.py::test_next (call)") for pid, _ in first]
     monkeypatch.delenv("PYTEST_CURRENT_TEST")
     assert run_ranks(_pid_and_test, 2) == [(pid, None) for pid, _ in first]
+    monkeypatch.setenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "1")  # as an in-process torch.compile sets it
+    assert [pid for pid, _ in run_ranks(_pid_and_test, 2)] == [pid for pid, _ in first]
 
 
 def _env(rank, world, device):
