@@ -31,7 +31,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from multiprocessing import forkserver
+from multiprocessing import forkserver, reduction
 from multiprocessing.connection import wait
 
 import torch
@@ -51,6 +51,7 @@ PER_CASE_ENV = ("PYTEST_CURRENT_TEST",)
 # Variables a library sets in its own process for its own use, never read from an inherited environment: inductor
 # writes this one (an address in the process) before each load of a compiled kernel.
 PROCESS_LOCAL_ENV = ("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",)
+OUTPUT_FDS = (1, 2)  # the parent's stdout and stderr, sent with each case: a rank writes its output there
 
 
 # What every rank imports (torch's optimizers import torch._dynamo when the first one is made): a fork server
@@ -117,6 +118,8 @@ class RankPool:
             for conn in self.conns:
                 conn.send((fn, args, store.port, collective_timeout_s, os.getcwd(),
                            {k: os.environ.get(k) for k in PER_CASE_ENV}))
+                for fd in OUTPUT_FDS:  # where this test's output goes now (pytest's capture), as a spawn inherits
+                    reduction.send_handle(conn, fd, self.procs[0].pid)
             results, done, reasons = self._collect(time.monotonic() + timeout_s)
         except BaseException:  # a pickling error, KeyboardInterrupt, pytest-timeout: the ranks' state is unknown
             self.close(kill=True)
