@@ -115,11 +115,11 @@ class RankPool:
         """One case on every rank; ends the pool's use (reusable=False) unless every rank ended it cleanly."""
         store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
         try:
-            for conn in self.conns:
+            for conn, proc in zip(self.conns, self.procs):
                 conn.send((fn, args, store.port, collective_timeout_s, os.getcwd(),
                            {k: os.environ.get(k) for k in PER_CASE_ENV}))
                 for fd in OUTPUT_FDS:  # where this test's output goes now (pytest's capture), as a spawn inherits
-                    reduction.send_handle(conn, fd, self.procs[0].pid)
+                    reduction.send_handle(conn, fd, proc.pid)
             results, done, reasons = self._collect(time.monotonic() + timeout_s)
         except BaseException:  # a pickling error, KeyboardInterrupt, pytest-timeout: the ranks' state is unknown
             self.close(kill=True)
