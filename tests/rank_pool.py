@@ -13,10 +13,9 @@ exception in the parent, such as pytest-timeout's), after a case that left
 a rank with something it cannot undo in place (the rank's reasons), when
 the parent's environment or sys.path changed since the spawn (a spawned
 rank inherits both, and libraries read some variables once, at import;
-PYTEST_CURRENT_TEST, which pytest rewrites at every test, is not a change:
-each case sets the parent's value on the ranks; nor is a variable in
-PROCESS_LOCAL_ENV, such as the one an in-process torch.compile sets), when
-it is the least recently used and keeping another pool would hold more
+PER_CASE_ENV, such as PYTEST_CURRENT_TEST which pytest rewrites at every
+test, is not a change: each case sets the parent's values on the ranks),
+when it is the least recently used and keeping another pool would hold more
 than MAX_POOLED_RANKS idle processes, and at exit. `fresh=True`, or
 ZEROSHARD_TEST_POOL=0 for every case, runs a case on ranks spawned for it
 alone, through the same code.
@@ -45,12 +44,11 @@ log = logging.getLogger(__name__)
 
 MAX_POOLED_RANKS = 8  # idle rank processes kept in all (each holds torch and the test modules' imports)
 CLOSE_S = 10.0  # how long a rank gets to exit after its pool is closed, before it is killed
-# Variables pytest rewrites at every test phase: nothing reads them at start-up, so a change keeps the pool; each
-# case sets the parent's values on the ranks, as a spawn at that moment would have them.
-PER_CASE_ENV = ("PYTEST_CURRENT_TEST",)
-# Variables a library sets in its own process for its own use, never read from an inherited environment: inductor
-# writes this one (an address in the process) before each load of a compiled kernel.
-PROCESS_LOCAL_ENV = ("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",)
+# Variables the parent rewrites during the session that nothing reads at a process's start: pytest's current test
+# (at every test phase), and the address inductor writes before each load of a compiled kernel (an in-process
+# torch.compile). A change keeps the pool; each case sets the parent's values on the ranks, as a spawn at that
+# moment would have them.
+PER_CASE_ENV = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 OUTPUT_FDS = (1, 2)  # the parent's stdout and stderr, sent with each case: a rank writes its output there
 
 
@@ -60,9 +58,8 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "zeroshard", "tests.di
 
 
 def _lasting_env() -> dict[str, str]:
-    """The parent's environment, less PER_CASE_ENV and PROCESS_LOCAL_ENV: what ranks spawned now would start
-    with and read."""
-    return {k: v for k, v in os.environ.items() if k not in PER_CASE_ENV + PROCESS_LOCAL_ENV}
+    """The parent's environment, less PER_CASE_ENV: what ranks spawned now would start with and keep."""
+    return {k: v for k, v in os.environ.items() if k not in PER_CASE_ENV}
 
 
 _SESSION_ENV = _lasting_env()  # at the tests' import, before a test changed it: the fork server's
