@@ -3,9 +3,10 @@
 Spawning a rank costs seconds (Python, torch, zeroshard, the test module
 and what it imports); many cases cost less. Ranks are forked from a fork
 server that imported what every rank imports (PRELOAD) once, and a pool
-keeps the N ranks of a world size between cases: each case gets a new TCPStore, so a new process
-group whose collectives cannot meet another case's, and each rank puts its
-process back as a fresh one would be (rank_state.py) before the next case.
+keeps the N ranks of a world size between cases, and tests: each case gets
+a new TCPStore, so a new process group whose collectives cannot meet
+another case's, and each rank puts its process back as a fresh one would be
+(rank_state.py) before the next case.
 
 A pool is ended, and the next case of its size spawns new ranks, after a
 case that failed (an error on a rank, a rank that died, a timeout, or an

@@ -76,14 +76,14 @@ def _attach_output(conn) -> None:
     what the case prints shows in that test's report, as a rank spawned for the case would have it."""
     sys.stdout.flush()
     sys.stderr.flush()
-    for target in (1, 2):
+    for target in (1, 2):  # rank_pool.OUTPUT_FDS
         fd = reduction.recv_handle(conn)
         os.dup2(fd, target)
         os.close(fd)
 
 
 def _set_env(values: dict) -> None:
-    """The parent's values of the variables pytest rewrites per test (None: unset there)."""
+    """The parent's values of rank_pool.PER_CASE_ENV (None: unset there)."""
     for name, value in values.items():
         if value is None:
             os.environ.pop(name, None)
