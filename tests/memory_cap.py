@@ -14,6 +14,16 @@ def data_bytes() -> int:
     return int(line.split()[1]) * 1024
 
 
+def return_freed_memory() -> None:
+    """From now on, glibc hands freed blocks of 64 KiB and more back to the system: otherwise it keeps them in
+    its heap (its mmap threshold grows with each large free), and that heap counts against the cap. A case
+    calls it first, as MALLOC_MMAP_THRESHOLD_=65536 would at its process's start; what it changes lasts as
+    long as the process, so the case runs on ranks of its own (run_ranks' fresh=True)."""
+    from zeroshard.offload.memory import return_freed_blocks  # MMAP_THRESHOLD: 64 KiB
+
+    return_freed_blocks()
+
+
 class MemoryCap:
     """Caps this process at its memory now + `fraction` x `full_bytes`; `whole_fits` says whether a tensor of
     `full_bytes` still fits under it (it must not, or the cap proves nothing), `held()` whether the growth

@@ -3,9 +3,10 @@
 Spawning a rank costs seconds (Python, torch, zeroshard, the test module
 and what it imports); many cases cost less. Ranks are forked from a fork
 server that imported what every rank imports (PRELOAD) once, and a pool
-keeps the N ranks of a world size between cases: each case gets a new TCPStore, so a new process
-group whose collectives cannot meet another case's, and each rank puts its
-process back as a fresh one would be (rank_state.py) before the next case.
+keeps the N ranks of a world size between cases, and tests: each case gets
+a new TCPStore, so a new process group whose collectives cannot meet
+another case's, and each rank puts its process back as a fresh one would be
+(rank_state.py) before the next case.
 
 A pool is ended, and the next case of its size spawns new ranks, after a
 case that failed (an error on a rank, a rank that died, a timeout, or an
@@ -13,10 +14,10 @@ exception in the parent, such as pytest-timeout's), after a case that left
 a rank with something it cannot undo in place (the rank's reasons), when
 the parent's environment or sys.path changed since the spawn (a spawned
 rank inherits both, and libraries read some variables once, at import;
-PYTEST_CURRENT_TEST, which pytest rewrites at every test, is not a change:
-each case sets the parent's value on the ranks), when it is the least
-recently used and keeping another pool would hold more than
-MAX_POOLED_RANKS idle processes, and at exit. `fresh=True`, or
+PER_CASE_ENV, such as PYTEST_CURRENT_TEST which pytest rewrites at every
+test, is not a change: each case sets the parent's values on the ranks),
+when it is the least recently used and keeping another pool would hold more
+than MAX_POOLED_RANKS idle processes, and at exit. `fresh=True`, or
 ZEROSHARD_TEST_POOL=0 for every case, runs a case on ranks spawned for it
 alone, through the same code.
 """
@@ -30,7 +31,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from multiprocessing import forkserver
+from multiprocessing import forkserver, reduction
 from multiprocessing.connection import wait
 
 import torch
@@ -44,9 +45,12 @@ log = logging.getLogger(__name__)
 
 MAX_POOLED_RANKS = 8  # idle rank processes kept in all (each holds torch and the test modules' imports)
 CLOSE_S = 10.0  # how long a rank gets to exit after its pool is closed, before it is killed
-# Variables pytest rewrites at every test phase: nothing reads them at start-up, so a change keeps the pool; each
-# case sets the parent's values on the ranks, as a spawn at that moment would have them.
-PER_CASE_ENV = ("PYTEST_CURRENT_TEST",)
+# Variables the parent rewrites during the session that nothing reads at a process's start: pytest's current test
+# (at every test phase), and the address inductor writes before each load of a compiled kernel (an in-process
+# torch.compile). A change keeps the pool; each case sets the parent's values on the ranks, as a spawn at that
+# moment would have them.
+PER_CASE_ENV = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+OUTPUT_FDS = (1, 2)  # the parent's stdout and stderr, sent with each case: a rank writes its output there
 
 
 # What every rank imports (torch's optimizers import torch._dynamo when the first one is made): a fork server
@@ -109,9 +113,11 @@ class RankPool:
         """One case on every rank; ends the pool's use (reusable=False) unless every rank ended it cleanly."""
         store = dist.TCPStore("127.0.0.1", 0, self.world_size + 1, is_master=True, wait_for_workers=False)
         try:
-            for conn in self.conns:
+            for conn, proc in zip(self.conns, self.procs):
                 conn.send((fn, args, store.port, collective_timeout_s, os.getcwd(),
                            {k: os.environ.get(k) for k in PER_CASE_ENV}))
+                for fd in OUTPUT_FDS:  # where this test's output goes now (pytest's capture), as a spawn inherits
+                    reduction.send_handle(conn, fd, proc.pid)
             results, done, reasons = self._collect(time.monotonic() + timeout_s)
         except BaseException:  # a pickling error, KeyboardInterrupt, pytest-timeout: the ranks' state is unknown
             self.close(kill=True)

@@ -2,9 +2,9 @@
 its own.
 
 For each case the parent sends (fn, args, store port, collective timeout,
-cwd, its values of rank_pool.PER_CASE_ENV) through the rank's pipe. The
-rank joins the case's TCPStore and forms the process group on it, as a
-freshly spawned rank would, runs
+cwd, its values of rank_pool.PER_CASE_ENV), then its stdout and stderr,
+through the rank's pipe. The rank joins the case's TCPStore and forms the
+process group on it, as a freshly spawned rank would, runs
 `fn(rank, world_size, device, *args)`, and sends back ("result", bytes of
 torch.save({"ok": ...} or {"error", "traceback"})). It then destroys the
 group, puts its process back as it found it (rank_state.py) and sends
@@ -19,8 +19,10 @@ from __future__ import annotations
 import atexit
 import io
 import os
+import sys
 import traceback
 from datetime import timedelta
+from multiprocessing import reduction
 
 import torch
 import torch.distributed as dist
@@ -61,6 +63,7 @@ def _serve(rank: int, world_size: int, conn) -> None:
         if case is None:
             return
         fn, args, port, collective_timeout_s, cwd, per_case_env = case
+        _attach_output(conn)
         os.chdir(cwd)
         _set_env(per_case_env)
         state.before_case()
@@ -68,8 +71,19 @@ def _serve(rank: int, world_size: int, conn) -> None:
         conn.send(("ready", state.restore()))
 
 
+def _attach_output(conn) -> None:
+    """The parent's stdout and stderr at this case (pytest's capture of the test that runs it) become the rank's:
+    what the case prints shows in that test's report, as a rank spawned for the case would have it."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for target in (1, 2):  # rank_pool.OUTPUT_FDS
+        fd = reduction.recv_handle(conn)
+        os.dup2(fd, target)
+        os.close(fd)
+
+
 def _set_env(values: dict) -> None:
-    """The parent's values of the variables pytest rewrites per test (None: unset there)."""
+    """The parent's values of rank_pool.PER_CASE_ENV (None: unset there)."""
     for name, value in values.items():
         if value is None:
             os.environ.pop(name, None)

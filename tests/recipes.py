@@ -10,6 +10,7 @@ master weights for the optimizer, gradients summed over micro-steps in fp32.
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -147,23 +148,35 @@ def flat_weights(model: torch.nn.Module) -> torch.Tensor:
 
 
 def train_reference(case: Case, world: int, steps: int) -> tuple[list[float], torch.Tensor]:
-    """Single-process training on the global batch: (loss per step, final weights)."""
-    model = make_model(freeze=case.freeze, variant=case.variant)
-    opt = make_optimizer(case.optimizer, model)
-    schedule = make_schedule(case, opt)
+    """Single-process training on the global batch: (loss per step, final weights).
+
+    Cases that differ only in how zeroshard runs the recipe (stage, buckets, offload, ...) or in how the
+    global batch is split (ranks x micro-steps x rows) train the same reference: it is trained once.
+    """
+    losses, weights = _reference(case.freeze, case.variant, case.optimizer, case.schedule, case.clip,
+                                 case.micro_rows * world * case.accumulation, steps)
+    return list(losses), weights.clone()
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(freeze: bool, variant: str, optimizer: str, schedule: bool, clip: float, rows: int,
+               steps: int) -> tuple[tuple[float, ...], torch.Tensor]:
+    model = make_model(freeze=freeze, variant=variant)
+    opt = make_optimizer(optimizer, model)
+    lr_schedule = make_schedule(Case(schedule=schedule), opt)
     losses = []
     for step in range(steps):
-        x, y = global_batch(step, case.micro_rows * world * case.accumulation)
+        x, y = global_batch(step, rows)
         loss = loss_of(model, x, y)
         loss.backward()
-        if case.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
-        if schedule is not None:
-            schedule.step()
+        if lr_schedule is not None:
+            lr_schedule.step()
         losses.append(loss.item())
-    return losses, flat_weights(model)
+    return tuple(losses), flat_weights(model)
 
 
 def train_reference_mixed(case: Case, world: int, steps: int) -> tuple[list[float], torch.Tensor]:

@@ -97,6 +97,9 @@ def _probe(rank, world, device):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_pooled_rank_finds_what_a_fresh_one_finds(world, monkeypatch):
+    # As an in-process torch.compile leaves it, after the fork server started (PER_CASE_ENV): spawned ranks inherit it.
+    run_ranks(_pid, world)
+    monkeypatch.setenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "1")
     dirtied = run_ranks(_dirty, world)
     pooled = run_ranks(_probe, world)
     forked = run_ranks(_probe, world, fresh=True)
@@ -171,6 +174,10 @@ def _pid_and_test(rank, world, device):
     return os.getpid(), os.environ.get("PYTEST_CURRENT_TEST")
 
 
+def _inductor_address(rank, world, device):
+    return os.environ.get("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+
+
 def test_a_pool_serves_the_next_test_with_that_tests_name(monkeypatch):
     # pytest rewrites PYTEST_CURRENT_TEST at every test: the ranks are kept, and see the new value
     first = run_ranks(_pid_and_test, 2)
@@ -179,6 +186,9 @@ def test_a_pool_serves_the_next_test_with_that_tests_name(monkeypatch):
     assert run_ranks(_pid_and_test, 2) == [(pid, "tests/test_next.py::test_next (call)") for pid, _ in first]
     monkeypatch.delenv("PYTEST_CURRENT_TEST")
     assert run_ranks(_pid_and_test, 2) == [(pid, None) for pid, _ in first]
+    monkeypatch.setenv("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "1")  # as an in-process torch.compile sets it
+    assert [pid for pid, _ in run_ranks(_pid_and_test, 2)] == [pid for pid, _ in first]
+    assert run_ranks(_inductor_address, 2) == ["1", "1"]
 
 
 def _env(rank, world, device):

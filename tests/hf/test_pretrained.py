@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from tests.distributed import run_ranks
-from tests.memory_cap import MemoryCap
+from tests.memory_cap import MemoryCap, return_freed_memory
 
 IDS = torch.tensor([[1, 5, 9, 42, 7, 300, 12, 999]])
 FRACTION = 0.85  # of the model's fp32 bytes: each rank's bound
@@ -30,6 +30,7 @@ def _load_under_cap(rank, world, device, path):
 
     import zeroshard
 
+    return_freed_memory()
     with zeroshard.meta_init():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     full_bytes = 4 * sum(p.numel() for p in model.parameters())
@@ -48,11 +49,9 @@ def _load_under_cap(rank, world, device, path):
     return not cap.whole_fits, cap.held(), logits
 
 
-def test_sharded_pretrained_weights_load_at_stage3_on_4_ranks_each_capped_below_the_model(monkeypatch, tmp_path):
+def test_sharded_pretrained_weights_load_at_stage3_on_4_ranks_each_capped_below_the_model(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    # glibc would otherwise keep freed buffers in its heap, which counts against the cap.
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=24,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
     torch.manual_seed(0)
@@ -63,6 +62,6 @@ def test_sharded_pretrained_weights_load_at_stage3_on_4_ranks_each_capped_below_
     with torch.no_grad():
         expected = reference(input_ids=IDS).logits
     del reference
-    for cap_is_below_model, stayed_under, logits in run_ranks(_load_under_cap, 4, str(tmp_path)):
+    for cap_is_below_model, stayed_under, logits in run_ranks(_load_under_cap, 4, str(tmp_path), fresh=True):
         assert cap_is_below_model and stayed_under
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)

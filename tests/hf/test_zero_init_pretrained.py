@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tests.distributed import run_ranks
-from tests.memory_cap import MemoryCap
+from tests.memory_cap import MemoryCap, return_freed_memory
 
 IDS = torch.tensor([[1, 5, 9, 42, 7, 300, 12, 999]])
 FRACTION = 0.85  # of the model's fp32 bytes: each rank's bound at stage 3
@@ -37,6 +37,7 @@ def _script(stage: int, path: str, device):
 
 
 def _load(rank, world, device, path: str, full_bytes: int) -> dict:
+    return_freed_memory()
     below = _script(1, path, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -49,10 +50,9 @@ def _load(rank, world, device, path: str, full_bytes: int) -> dict:
     return {"below": below, "stage3": logits, "cap_below_model": not cap.whole_fits, "held": cap.held()}
 
 
-def test_zero_init_from_pretrained_at_stage3_and_below(monkeypatch, tmp_path):
+def test_zero_init_from_pretrained_at_stage3_and_below(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")  # freed buffers go back to the system, off the cap
     config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=1024, num_hidden_layers=12,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
     torch.manual_seed(0)
@@ -62,7 +62,7 @@ def test_zero_init_from_pretrained_at_stage3_and_below(monkeypatch, tmp_path):
     with torch.no_grad():
         expected = reference(input_ids=IDS).logits
     del reference
-    for result in run_ranks(_load, 4, str(tmp_path), full_bytes):
+    for result in run_ranks(_load, 4, str(tmp_path), full_bytes, fresh=True):
         assert result["cap_below_model"] and result["held"]
         torch.testing.assert_close(result["stage3"], expected, rtol=0, atol=1e-6)
         torch.testing.assert_close(result["below"], expected, rtol=0, atol=1e-6)

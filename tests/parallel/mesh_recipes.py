@@ -131,8 +131,8 @@ def check_parity(runs: list[Run], mc: MeshCase, dp: int, steps: int) -> None:
     assert names == sorted(ref_weights), f"{mc}: the parts hold {names}, the model {sorted(ref_weights)}"
     got = torch.cat([r.weights[n].reshape(-1) for r in runs for n in sorted(r.weights)])
     want = torch.cat([ref_weights[n].reshape(-1) for r in runs for n in sorted(r.weights)])
-    start = torch.cat([dict(make_gpt().named_parameters())[n].detach().reshape(-1)
-                       for r in runs for n in sorted(r.weights)])
+    initial = dict(make_gpt().named_parameters())
+    start = torch.cat([initial[n].detach().reshape(-1) for r in runs for n in sorted(r.weights)])
     assert relative_error(got, want) <= 1e-4, f"{mc}: weight error {relative_error(got, want):.2e}"
     assert relative_error(got, start) > 1e-3, f"{mc}: training did not move the weights"
 

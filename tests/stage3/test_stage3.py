@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.memory_cap import MemoryCap
+from tests.memory_cap import MemoryCap, return_freed_memory
 from tests.recipes import Case, make_engine, make_model, make_optimizer, micro_batch
 
 
@@ -87,6 +87,7 @@ def _train_meta_under_cap(rank, world, device, cfg, steps, out_dir):
     import zeroshard
     from zeroshard.app.models.gpt import GPT, Block
 
+    return_freed_memory()
     def init(module):
         if hasattr(module, "reset_parameters"):
             module.reset_parameters()
@@ -119,7 +120,7 @@ def _batch(cfg, step):
     return x[:, :-1], x[:, 1:]
 
 
-def test_meta_model_larger_than_the_memory_cap_trains(monkeypatch, tmp_path):
+def test_meta_model_larger_than_the_memory_cap_trains(tmp_path):
     """4 ranks, each capped (RLIMIT_DATA) at 85% of the model's fp32 size, train it as one process would.
 
     Every rank uses the same batch, so the global batch's mean loss is the
@@ -128,13 +129,10 @@ def test_meta_model_larger_than_the_memory_cap_trains(monkeypatch, tmp_path):
     """
     from zeroshard.app.models.gpt import GPT, GPTConfig
 
-    # glibc would otherwise keep freed unit buffers in its heap (its mmap threshold grows
-    # with each large free), and that heap counts against the cap.
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     # Per rank: parameter and gradient shards (8 Psi / 4 = half the model) plus a few units
     # gathered or staged and the activations; deep enough that these stay under the cap.
     cfg = GPTConfig(block_size=16, n_layer=48, n_head=4, n_embd=256)
-    results = run_ranks(_train_meta_under_cap, 4, cfg, 2, str(tmp_path))
+    results = run_ranks(_train_meta_under_cap, 4, cfg, 2, str(tmp_path), fresh=True)
     for cap_is_below_model, stayed_under, _, _ in results:
         assert cap_is_below_model and stayed_under
     reference = GPT(cfg)
