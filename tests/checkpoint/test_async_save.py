@@ -10,6 +10,7 @@ decides what happens before it ends.
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from pathlib import Path
 
@@ -139,3 +140,25 @@ def test_async_save_is_a_snapshot_published_when_complete_and_a_full_disk_fails_
     assert (tmp_path / "full" / LATEST).read_text().strip() == "after"
     assert verify(tmp_path / "full", "good")[1] == []
     assert not (tmp_path / "nvme").exists()
+
+
+def test_the_writer_and_the_threads_it_starts_yield_the_cpu_to_training_and_training_keeps_its_priority():
+    """Reference: the kernel's own per-thread nice values (getpriority on each thread's id)."""
+    main_nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: dict[str, int] = {}
+
+    def checksum_thread() -> None:
+        seen["started by the writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def writer() -> None:
+        async_save._yield_to_training()
+        seen["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        child = threading.Thread(target=checksum_thread)
+        child.start()
+        child.join()
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    thread.join()
+    assert seen == {"writer": 19, "started by the writer": 19}
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_nice

@@ -6,7 +6,9 @@ check, rank 0's state.pt and manifest of this step, the partial directory),
 then copies every tensor of the rank's file into new host memory (CPU
 tensors too: a training step changes them in place, so only a copy is a
 snapshot of the step) and returns. A thread per rank writes the copies to
-the rank file while training goes on; the copies are freed once written.
+the rank file while training goes on, at the lowest CPU priority so that it
+takes the time the steps leave idle, not theirs; the copies are freed once
+written.
 
 Publishing needs every rank (rank 0 renames the tag into place only once
 every rank's file is complete), so it happens at a step boundary, where the
@@ -32,7 +34,9 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import shutil
+import sys
 import threading
 from contextlib import closing
 from pathlib import Path
@@ -88,6 +92,23 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+def _yield_to_training() -> None:
+    """Give this thread (and the checksum thread it starts, which inherits it) the lowest CPU priority.
+
+    Serializing, checksumming and copying into the page cache are CPU work: at the default priority the
+    writer takes its share of cores the ranks' compute threads need, and the steps it overlaps slow down
+    by about the write's own time. At nice 19 it runs on what the ranks leave idle (waits in collectives,
+    the host while a GPU computes), so the write takes longer where every core is busy but the steps do
+    not. Linux keeps a nice value per thread; elsewhere the call may apply to the process, so it is made
+    only where it is per thread.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError as exc:  # a sandbox may refuse it: the write still lands, at the default priority
+            log.info("the checkpoint writer keeps the default CPU priority (%s)", exc)
+
+
 class AsyncSave:
     """One asynchronous save in flight, from its staged copies to its published tag."""
 
@@ -109,6 +130,7 @@ class AsyncSave:
 
     def _write(self, staged: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
         name = rank_file(self._comm.rank)
+        _yield_to_training()
         try:
             self._entries = {name: write_tensors(self._began.partial / name, staged, metadata)}
         except Exception as exc:  # reported on every rank at the next step boundary (`poll`)
