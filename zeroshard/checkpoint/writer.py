@@ -78,13 +78,28 @@ def write_streamed(path: Path, layout: dict[str, tuple[torch.dtype, int]], fetch
                 piece = block[start : start + _CHUNK]
                 hashed.append(hasher.submit(crc.update, piece))  # in order, in one thread, beside the writes
                 f.write(piece)
-        f.flush()
+                _write_through(f)
         os.fsync(f.fileno())
         size = f.tell()
         for done in hashed:
             done.result()
     return {"size": size, "crc32": crc_hex(crc.value),
             "tensors": {key: [SAFETENSORS_DTYPES[dtype], numel] for key, (dtype, numel) in sorted(layout.items())}}
+
+
+def _write_through(f) -> None:
+    """Put the bytes written so far on the disk and drop them from the page cache.
+
+    A checkpoint is read back rarely, long after it is written. Left in the page cache, a file of several
+    GB takes the place of memory that the ranks' next allocations then have to reclaim (and the final
+    fsync writes it all at once); written through a chunk at a time, the save holds no more than one
+    chunk of cache. Measured on the 100m demo, 2 ranks, 1.15 GB a save: the synchronous save 2.0 s before,
+    0.75-0.96 s after. Where the file system keeps no cache to drop (tmpfs), both calls do nothing.
+    """
+    f.flush()
+    os.fdatasync(f.fileno())
+    if hasattr(os, "posix_fadvise"):  # not on macOS: there the cache stays, as before
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _header(layout: dict[str, tuple[torch.dtype, int]], order: list[str], metadata: dict[str, str]) -> bytes:
