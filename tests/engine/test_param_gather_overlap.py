@@ -59,17 +59,19 @@ def _hold_back():
 
 class OutOfOrder(torch.nn.Module):
     """Linear layers run in another order than they are registered in (and bucketed in), one weight shared by
-    two of them, the second user running first."""
+    two of them, the second user running first; and a ParameterList (no forward: this forward reads it), in
+    a bucket of its own (registered first, so bucketed last, and too large to share the bucket before it)."""
 
     def __init__(self):
         super().__init__()
+        self.mixes = torch.nn.ParameterList([torch.nn.Parameter(torch.eye(16) + 0.1 * torch.randn(16, 16))])
         self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
         self.layers[3].weight = self.layers[0].weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i in (3, 1, 2, 0):
             x = torch.tanh(self.layers[i](x))
-        return x
+        return x @ self.mixes[0]
 
 
 def _parity(rank, world, device) -> list:
@@ -93,7 +95,8 @@ def _out_of_order(rank, world, device) -> list:
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
-            runs.append((losses, [t.clone() for t in engine.full_state_dict().values()], len(engine.buckets)))
+            alone = any(len(b.params) == 1 and b.params[0] is engine.module.mixes[0] for b in engine.buckets)
+            runs.append((losses, [t.clone() for t in engine.full_state_dict().values()], (len(engine.buckets), alone)))
         out.append(runs)
     return out
 
@@ -195,8 +198,8 @@ def test_overlapped_gathers_train_and_read_bitwise_as_waited_ones(tmp_path):
         for case, ((ref_losses, ref_weights), (losses, weights)) in zip(PARITY, out["parity"]):
             assert losses == ref_losses, case
             assert torch.equal(weights, ref_weights), case
-        for (ref_losses, ref_state, buckets), (losses, state, _) in out["out_of_order"]:
-            assert buckets > 2  # several buckets, used out of order
+        for (ref_losses, ref_state, _), (losses, state, (buckets, alone)) in out["out_of_order"]:
+            assert buckets > 2 and alone  # several buckets, used out of order; the ParameterList's alone in one
             assert losses == ref_losses and all(torch.equal(a, b) for a, b in zip(state, ref_state))
         for name, (reference, overlapped) in out["after"].items():
             if "directly" in name:

@@ -13,7 +13,9 @@ With `overlap_param_gather` off, the step waits for them all. With it on
 returns with them in flight and each bucket's gather is waited for at its
 first use: a forward pre-hook on every module that holds parameters waits
 for the buckets of that module's own parameters (`parameters(recurse=
-False)`), so the gathers of later layers land while earlier layers compute.
+False)`, and those of a child without a forward of its own, such as a
+`ParameterList`, which the forward above it reads), so the gathers of later
+layers land while earlier layers compute.
 A wait changes only when values arrive, never which: training is bitwise
 the same either way.
 
@@ -89,8 +91,8 @@ class PostStepGather:
         if not self.overlap:
             return
         index = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket.params}
-        for module in model.modules():
-            own = sorted({index[id(p)] for p in module.parameters(recurse=False) if id(p) in index}, reverse=True)
+        for module, params in _users(model).values():
+            own = sorted({index[id(p)] for p in params if id(p) in index}, reverse=True)  # in launch order
             if own:
                 self._hooks += [module.register_forward_pre_hook(_Wait(self, tuple(own))),
                                 module.register_state_dict_pre_hook(_Wait(self)),
@@ -103,6 +105,23 @@ class PostStepGather:
         for handle in self._hooks:
             handle.remove()
         self._hooks, self.overlap = [], False
+
+
+def _users(model: nn.Module) -> dict[int, tuple[nn.Module, list[nn.Parameter]]]:
+    """id(module) -> (a module whose forward first uses them, parameters): each module's own parameters, and
+    those of a child that has no forward (`ModuleList`, `ParameterList`: the forward above it reads them) with
+    the nearest module above that has one."""
+    users: dict[int, tuple[nn.Module, list[nn.Parameter]]] = {}
+
+    def walk(module: nn.Module, runner: nn.Module | None) -> None:
+        if runner is None or type(module).forward is not nn.Module.forward:
+            runner = module
+        users.setdefault(id(runner), (runner, []))[1].extend(module.parameters(recurse=False))
+        for child in module.children():
+            walk(child, runner)
+
+    walk(model, None)
+    return users
 
 
 class _Wait:
