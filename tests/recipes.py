@@ -281,3 +281,16 @@ def train_zeroshard(rank: int, world: int, device, case: Case, steps: int):
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
+
+
+def train_reversal(engine, rank: int, device, steps: int) -> list[float]:
+    """Train `engine`'s model of 16 features to map random rows (4 per rank, seeded by step and rank) to
+    their reverse, with the mean squared error; the loss of each step."""
+    losses = []
+    for step in range(steps):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank)).to(device)
+        loss = torch.nn.functional.mse_loss(engine(x), x.flip(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

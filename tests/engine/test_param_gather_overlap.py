@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed import run_ranks
-from tests.recipes import Case, loss_of, make_engine, make_model, make_optimizer, micro_batch, train_zeroshard
+from tests.recipes import (Case, loss_of, make_engine, make_model, make_optimizer, micro_batch, train_reversal,
+                           train_zeroshard)
 
 STEPS = 3
 PARITY = [
@@ -88,13 +89,7 @@ def _out_of_order(rank, world, device) -> list:
         for overlap in (False, True):
             config["zero_optimization"]["overlap_param_gather"] = overlap
             engine = make_engine(model=lambda: OutOfOrder().to(device), optimizer="adamw1", config=config)
-            losses = []
-            for step in range(STEPS):
-                x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank)).to(device)
-                loss = torch.nn.functional.mse_loss(engine(x), x.flip(-1))
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
+            losses = train_reversal(engine, rank, device, STEPS)
             alone = any(len(b.params) == 1 and b.params[0] is engine.module.mixes[0] for b in engine.buckets)
             runs.append((losses, [t.clone() for t in engine.full_state_dict().values()], (len(engine.buckets), alone)))
         out.append(runs)
