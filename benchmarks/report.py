@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 LABELS = {
+    "single": "no communication (each rank alone)",
     "ddp": "DDP",
     "zero_redundancy": "ZeroRedundancyOptimizer + DDP",
     "fsdp1_shard_grad_op": "FSDP1 SHARD_GRAD_OP",
@@ -14,6 +15,7 @@ LABELS = {
     "fsdp2_reshard": "FSDP2 fully_shard(reshard_after_forward=True)",
     **{f"deepspeed_z{s}": f"DeepSpeed ZeRO-{s}" for s in range(4)},
     **{f"zeroshard_s{s}": f"zeroshard stage {s}" for s in range(4)},
+    **{f"zeroshard_s{s}_overlap": f"zeroshard stage {s}, overlap_param_gather" for s in (1, 2)},
 }
 # Peers that keep the same model states per rank as each zeroshard stage.
 SAME_STAGE = {
@@ -24,9 +26,14 @@ SAME_STAGE = {
 }
 RATIO_PEERS = ["ddp", "zero_redundancy", "fsdp1_shard_grad_op", "fsdp2", "fsdp1_full_shard", "fsdp2_reshard"]
 TIME_TARGET = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.5}  # zeroshard step time / DDP step time, fused mode
+NO_COMM_TARGET = {1: 1.25, 2: 1.25}  # zeroshard step time / the step without communication (issue 23)
 STAGES = tuple(TIME_TARGET)
 MIB = 2**20
 NOTES = [
+    (
+        "- no communication: each rank trains the plain model with `torch.optim.Adam` on its own micro batch, "
+        "no collective (the ranks side by side, as in every other variant): the step the others add to."
+    ),
     "- DDP: `DistributedDataParallel(model, bucket_cap_mb=<bucket>)`, `torch.optim.Adam`.",
     (
         "- ZeroRedundancyOptimizer + DDP: `ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=Adam)` "
@@ -138,6 +145,19 @@ def _target_rows(runs: dict[str, dict]) -> list[str]:
     return lines
 
 
+def _no_comm_rows(runs: dict[str, dict]) -> list[str]:
+    """Stages 1-2 (and their overlap_param_gather variants) against the step without communication."""
+    single, lines = runs.get("single"), []
+    for stage, limit in NO_COMM_TARGET.items():
+        for name in (f"zeroshard_s{stage}", f"zeroshard_s{stage}_overlap"):
+            ours = runs.get(name)
+            if _ok(ours) and _ok(single):
+                r = ours["step_ms"] / single["step_ms"]
+                lines.append(f"| {LABELS[name]} step time <= {limit}x no communication | {r:.2f}x "
+                             f"| {'met' if r <= limit else 'not met'} |")
+    return lines
+
+
 def _model_state_table(runs: dict[str, dict]) -> list[str]:
     keys = ("params", "grads", "master", "optimizer")
     lines = ["| variant | bytes/element (p+g+m+o) | " + " | ".join(keys) + " | formula | match |",
@@ -227,7 +247,7 @@ def render(results: dict, sizes: list[str], modes: list[str], variants: list[str
                 lines += ["", "zeroshard model states per rank (bytes, rank 0's `memory_stats()`) and the "
                           "ZeRO formula:", "", *states]
             if mode == "fused":
-                lines += ["", "Targets:", "", *_target_rows(runs)]
+                lines += ["", "Targets:", "", *_target_rows(runs), *_no_comm_rows(runs)]
     return "\n".join(lines) + "\n"
 
 

@@ -143,12 +143,16 @@ def build_deepspeed(stage: int) -> Callable[[nn.Module, Settings], StepFn]:
     return build
 
 
-def build_zeroshard(stage: int) -> Callable[[nn.Module, Settings], StepFn]:
+def build_zeroshard(stage: int, overlap_param_gather: bool | None = None) -> Callable[[nn.Module, Settings], StepFn]:
+    """`overlap_param_gather`: that key set (stages 1-2); None: its default."""
     def build(model: nn.Module, s: Settings) -> StepFn:
         import zeroshard
 
+        zero = {"stage": stage, "reduce_bucket_size": s.bucket_elems, "overlap_comm": True}
+        if overlap_param_gather is not None:
+            zero["overlap_param_gather"] = overlap_param_gather
         config = ({} if s.dtype == "fp32" else {s.dtype: {"enabled": True}}) | {
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": s.bucket_elems, "overlap_comm": True},
+            "zero_optimization": zero,
             "train_micro_batch_size_per_gpu": s.micro_batch,
             "gradient_accumulation_steps": 1,
         }
@@ -159,12 +163,19 @@ def build_zeroshard(stage: int) -> Callable[[nn.Module, Settings], StepFn]:
     return build
 
 
+def build_single(model: nn.Module, s: Settings) -> StepFn:
+    """No communication: each rank trains the model alone on its own micro batch (the same model and per-rank
+    batch as every other variant, the ranks side by side as theirs are): the step the others add to."""
+    return _torch_step(model, make_adam(model.parameters(), s))
+
+
 def cast_for_peer(model: nn.Module, s: Settings) -> nn.Module:
     """Peers have no bf16 mode with fp32 master weights here: they train the model cast to bf16."""
     return model.to(torch.bfloat16) if s.dtype == "bf16" else model
 
 
 BUILDERS: dict[str, Callable[[nn.Module, Settings], StepFn]] = {
+    "single": build_single,
     "ddp": build_ddp,
     "zero_redundancy": build_zero_redundancy,
     "fsdp1_shard_grad_op": build_fsdp1("SHARD_GRAD_OP"),
@@ -173,10 +184,12 @@ BUILDERS: dict[str, Callable[[nn.Module, Settings], StepFn]] = {
     "fsdp2_reshard": build_fsdp2(reshard_after_forward=True),
     **{f"deepspeed_z{stage}": build_deepspeed(stage) for stage in range(4)},
     **{f"zeroshard_s{stage}": build_zeroshard(stage) for stage in range(4)},
+    **{f"zeroshard_s{stage}_overlap": build_zeroshard(stage, overlap_param_gather=True) for stage in (1, 2)},
 }
 # The library each variant imports, so a rank can import it before its baseline RSS reading.
 LIBRARY = {name: "torch.distributed.fsdp" for name in BUILDERS if name.startswith("fsdp")}
-LIBRARY |= {"ddp": "torch.nn.parallel", "zero_redundancy": "torch.distributed.optim"}
-LIBRARY |= {f"deepspeed_z{s}": "deepspeed" for s in range(4)} | {f"zeroshard_s{s}": "zeroshard" for s in range(4)}
+LIBRARY |= {"single": "torch.optim", "ddp": "torch.nn.parallel", "zero_redundancy": "torch.distributed.optim"}
+LIBRARY |= {f"deepspeed_z{s}": "deepspeed" for s in range(4)}
+LIBRARY |= {name: "zeroshard" for name in BUILDERS if name.startswith("zeroshard_")}
 PEERS = [name for name in BUILDERS if not name.startswith("zeroshard_")]
 ZEROSHARD = [name for name in BUILDERS if name.startswith("zeroshard_")]

@@ -50,6 +50,7 @@ class Case:
     codec: str = "none"  # communication_compression.gradients.codec
     feedback: bool = True  # communication_compression.gradients.error_feedback (with a codec)
     weights_codec: str = "none"  # communication_compression.parameters.codec
+    overlap_gather: bool | None = None  # zero_optimization.overlap_param_gather; None: its default
 
     def config(self) -> dict:
         precision = {} if self.dtype == "fp32" else {self.dtype: {"enabled": True}}
@@ -61,7 +62,7 @@ class Case:
                 "stage": self.stage, "reduce_scatter": self.reduce_scatter,
                 "reduce_bucket_size": self.bucket, "allgather_bucket_size": self.bucket,
                 "overlap_comm": self.overlap,
-            } | ({
+            } | ({} if self.overlap_gather is None else {"overlap_param_gather": self.overlap_gather}) | ({
                 "stage3_wrap_classes": ["Block"] if self.wrap else [],
                 "stage3_param_persistence_threshold": self.persistence,
             } if self.stage == 3 else {}) | self.offload_config(),
@@ -280,3 +281,16 @@ def train_zeroshard(rank: int, world: int, device, case: Case, steps: int):
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
+
+
+def train_reversal(engine, rank: int, device, steps: int) -> list[float]:
+    """Train `engine`'s model of 16 features to map random rows (4 per rank, seeded by step and rank) to
+    their reverse, with the mean squared error; the loss of each step."""
+    losses = []
+    for step in range(steps):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank)).to(device)
+        loss = torch.nn.functional.mse_loss(engine(x), x.flip(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

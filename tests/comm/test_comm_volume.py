@@ -79,6 +79,9 @@ CASES = [
     Case(stage=1, reduce_scatter=False),
     Case(stage=2, accumulation=2, reduce_scatter=False),
     Case(stage=2, clip=0.5),
+    # The post-step gathers waited in the next forward: launched in the step's window all the same.
+    Case(stage=1, accumulation=3, overlap_gather=True),
+    Case(stage=2, clip=0.5, overlap_gather=True),
     Case(stage=3, accumulation=2),
     Case(stage=3, clip=0.5),
 ]

@@ -37,6 +37,7 @@ DEFAULTS = {
         "reduce_bucket_size": 25_000_000,
         "allgather_bucket_size": 25_000_000,
         "overlap_comm": True,
+        "overlap_param_gather": False,
         "stage3_wrap_classes": [],
         "stage3_auto_wrap_min_params": 1_000_000,
         "stage3_param_persistence_threshold": 100_000,

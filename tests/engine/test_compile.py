@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.recipes import Case, loss_of, make_engine, make_model, micro_batch, relative_error, train_reference
+from tests.recipes import (Case, loss_of, make_engine, make_model, micro_batch, relative_error, train_reference,
+                           train_reversal)
 
 STEPS = 3
 # (stage, how): the tiny GPT with the aot_eager backend, after its eager run at the same stage.
@@ -79,13 +80,7 @@ def _mlp_case(rank, world, device, compiled: bool):
         torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)).to(device))
     if compiled:
         engine.compile()
-    losses = []
-    for step in range(STEPS):
-        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * step + rank)).to(device)
-        loss = torch.nn.functional.mse_loss(engine(x), x.flip(-1))
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_reversal(engine, rank, device, STEPS)
     weights = torch.cat([t.reshape(-1).cpu() for t in engine.full_state_dict().values()])
     return losses, weights, counters["stats"]["unique_graphs"]
 

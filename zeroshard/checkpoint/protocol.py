@@ -57,7 +57,8 @@ class Trainer(Protocol):
         """Raise `CheckpointError` unless a checkpoint can be taken or loaded now (the end of a window)."""
 
     def release_gathered(self) -> None:
-        """Stage 3: release every gathered unit, since the shards under them are about to change."""
+        """Stage 3: release every gathered unit, since the shards under them are about to change; stages 1-2:
+        wait for the all-gathers after the step still in flight, which would write over what is loaded."""
 
     def resident_buckets(self, write: bool) -> Generator[list[int], None, None]:
         """Every bucket once, a group at a time: yields indices into `buckets` whose masters and optimizer

@@ -79,6 +79,14 @@ class ZeroConfig(BaseModel):
     overlap_comm: StrictBool = Field(True, description=(
         "true: bucket reductions run asynchronously during backward. "
         "DeepSpeed: zero_optimization.overlap_comm (default false for stages 1-2)."))
+    # Megatron-LM's name and default. Off: with it on, code that reads parameters itself right after a step
+    # (11 tests of the suite did) reads values still in flight unless it calls engine.wait_for_params() first
+    # (core/param_gather.py). benchmarks/bench.py's zeroshard_s1_overlap and zeroshard_s2_overlap measure it.
+    overlap_param_gather: StrictBool = Field(False, description=(
+        "Stages 1-2: true: the all-gather of the updated parameters after each step runs during the next "
+        "forward, each bucket waited for at the first use of its parameters (a forward pre-hook per module), "
+        "with the same values; code that reads parameters itself between engine.step() and the next forward "
+        "calls engine.wait_for_params() first. DeepSpeed: none (Megatron-LM: overlap_param_gather)."))
     stage3_wrap_classes: Annotated[tuple[str, ...], BeforeValidator(_class_names)] = Field((), description=(
         "Stage 3: module class names whose instances each form a unit, gathered together "
         "(e.g. [\"Block\"]); empty = by size (stage3_auto_wrap_min_params). Same as "

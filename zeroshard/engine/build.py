@@ -26,6 +26,7 @@ from zeroshard.core.faults import agreed
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import local
 from zeroshard.core.optim import shard_optimizer
+from zeroshard.core.param_gather import PostStepGather
 from zeroshard.core.precision import Precision
 from zeroshard.core.reducer import GradReducer
 from zeroshard.core.staging import StagingPool
@@ -73,12 +74,14 @@ class Parts:
     pool: StagingPool
     reducer: GradReducer
     offload: Offload  # where masters, optimizer state and stage 3's shards live (all on the device by default)
+    post_step: PostStepGather  # stages 1-2: the all-gathers after each step, and the hooks that wait for them
 
 
 def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, group: dist.ProcessGroup | None,
           init: Callable[[nn.Module], None] | None, on_grad: Callable[[int, int], None],
-          grads_on_disk: bool = True) -> Parts:
-    """Check the inputs, join the group, and build the parts; `on_grad(target, param)` is the gradient hook;
+          on_gather_failure: Callable[[str], None], grads_on_disk: bool = True) -> Parts:
+    """Check the inputs, join the group, and build the parts; `on_grad(target, param)` is the gradient hook,
+    `on_gather_failure(why)` what a failed wait for a post-step gather calls first (`PostStepGather`);
     `grads_on_disk`: whether offload to disk may keep the gradient shards there (not on a tp/pp mesh)."""
     if init is None and on_meta(model):
         init = recorded_init(model)  # zero.Init + from_pretrained: the files' weights
@@ -112,8 +115,11 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     for t, target in enumerate(reducer.targets):
         for i, p in enumerate(target.params):
             p.register_post_accumulate_grad_hook(lambda _p, t=t, i=i: on_grad(t, i))
-    _place_params(model, comm, buckets, units, schedule)
-    return Parts(comm, device, precision, switches, names, buckets, units, schedule, pool, reducer, offload)
+    post_step = PostStepGather(buckets, comm, config.zero_optimization.overlap_param_gather, on_gather_failure)
+    post_step.install(model)
+    _place_params(model, comm, buckets, units, schedule, post_step)
+    return Parts(comm, device, precision, switches, names, buckets, units, schedule, pool, reducer, offload,
+                 post_step)
 
 
 def _build_flats(model: nn.Module, optimizer: torch.optim.Optimizer, groups: list[list[nn.Parameter]],
@@ -230,9 +236,9 @@ def broadcast_buffers(comm: Comm, model: nn.Module) -> None:
 
 
 def _place_params(model: nn.Module, comm: Comm, buckets: list[Bucket], units: list[Unit],
-                  schedule: GatherSchedule | None) -> None:
+                  schedule: GatherSchedule | None, post_step: PostStepGather) -> None:
     """Tell each parameter where it lives, for `zeroshard.gathered_parameters`."""
     unit_of = {id(p): i for i, unit in enumerate(units) for f in unit.gathered_flats for p in f.params}
     owner_of = {id(p): b for b in buckets for p in b.params}
     for p in model.parameters():
-        place(p, Placement(comm, owner_of.get(id(p)), schedule, unit_of.get(id(p))))
+        place(p, Placement(comm, owner_of.get(id(p)), schedule, unit_of.get(id(p)), post_step))

@@ -136,7 +136,9 @@ class DeepSpeedMethods:
         return self.train(False)
 
     def parameters(self, recurse: bool = True):
-        """The model's parameters, as DeepSpeed's engine (an `nn.Module` around the model) gives them."""
+        """The model's parameters, as DeepSpeed's engine (an `nn.Module` around the model) gives them, holding the
+        last step's values (`wait_for_params`)."""
+        self.wait_for_params()
         return self.module.parameters(recurse)
 
     # -- gradients ---------------------------------------------------------------

@@ -61,6 +61,7 @@ class DelayedUpdateMethods:
         self._land_update()
 
     def _land_update(self) -> None:
+        self.post_step.wait()  # the last step's gathers in flight (overlap_param_gather), first
         if self.delayed is not None and self._on_every_rank(self.delayed.land, "the delayed update"):
             self.offload.tiers.cast_to_params()
             self.gather_params()
@@ -76,7 +77,7 @@ class DelayedUpdateMethods:
         # between micro-steps cannot touch the window's accumulating gradients. The tiers step it over
         # the masters wherever they live and cast each into its parameters.
         self._on_every_rank(lambda: self.offload.tiers.step(grads, coef), f"optimizer step {self.global_steps}")
-        self.gather_params()
+        self.post_step.start()  # stages 1-2; waited in the next forward with overlap_param_gather
 
     def _on_every_rank(self, work: Callable[[], T], whose: str) -> T:
         """`work()`; with swap files, which may fail on one rank alone, or a delayed update (its CPU step may

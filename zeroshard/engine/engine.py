@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zeroshard.checkpoint.async_save import AsyncSave
-from zeroshard.comm import CollectiveError, wait_all
+from zeroshard.comm import CollectiveError
 from zeroshard.comm.entry import enter
 from zeroshard.config import Config
 from zeroshard.core.grad_norm import NonFiniteError, NonFiniteSkips, StepCheck, check_step, clip_coefficient
@@ -94,6 +94,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
 
             self.cross = CrossParallel(mesh, model, tied or {}, config.collective_timeout, config.rank_check_timeout)
         parts = build(model, optimizer, config, mesh.group("dp") if mesh else group, init, self._on_grad,
+                      self.fail,
                       grads_on_disk=mesh is None and not config.zero_optimization.offload_optimizer.delayed_update)
         if compiled_call is not None:  # compiled in place once built: a failed build leaves the module as it was
             model._compiled_call_impl = compiled_call
@@ -101,6 +102,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self._device, self._names, self.pool, self.reducer = parts.device, parts.names, parts.pool, parts.reducer
         self.buckets, self.units, self.schedule = parts.buckets, parts.units, parts.schedule
         self.offload = parts.offload  # where masters, optimizer state and stage 3's shards live
+        self.post_step = parts.post_step  # stages 1-2: the all-gathers after each step (overlap_param_gather)
         self.delayed = delayed_update(config, self.offload.tiers, self.buckets)  # the CPU step in the background
         self.activations = ActivationMeter(self._owned_tensors, self._device)  # what each training forward saves
         # zeroshard.deepspeed.checkpointing.checkpoint in this engine's forward: the config's block, over tp
@@ -136,12 +138,14 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.comm.trace.begin(self.micro_steps, self.global_steps)  # where this rank is, if a collective stalls
         if self.precision.mixed:
             args, kwargs = cast_inputs(args, self.precision.param_dtype), cast_inputs(kwargs, self.precision.param_dtype)
+        if self.post_step.overlap and self.is_compiled:  # each waiting hook would break the compiled graph
+            self.post_step.stop_overlap()
         resume, self.state = self.state, TrainingState.FORWARD
         try:
             broadcast_buffers(self.comm, self.module)
             with running_forward(self.checkpointing), self.activations.measure((args, kwargs)):
                 return self.module(*args, **kwargs)
-        except CollectiveError as exc:  # a stage-3 gather failed: ranks are out of step
+        except CollectiveError as exc:  # a gather failed (stage 3's, or the post-step one): ranks are out of step
             self.fail(f"a collective failed in forward ({exc})")
             raise
         except OffloadError as exc:  # a unit's shards on disk could not be read (every rank raised it)
@@ -182,6 +186,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
             raise GradientError(f"engine.backward(loss) needs a scalar loss tensor that requires grad; got {what} "
                                 "(reduce it with .mean() or .sum(), and compute it outside torch.no_grad())")
         self.check_no_sync()  # a window's last backward reduces: not inside engine.no_sync()
+        self.post_step.wait()  # the gathers of parameters no forward used (overlap_param_gather)
         if not self._sync:
             with self.pipeline_backward():
                 self.scale_loss(loss).backward()
@@ -357,10 +362,18 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         enter(self.comm, call, error=error, problem=problem, same_step=checkpoint_call)
 
     def release_gathered(self) -> None:
+        self.post_step.wait()  # stages 1-2: a gather in flight would write over what is loaded next
         if self.schedule is not None:
             self.schedule.release_all()
 
     def gather_params(self) -> None:
         if self.schedule is not None:  # hpZ's secondary shards are stale after a step or a load
             self.schedule.drop_secondaries()
-        wait_all([bucket.gather_params(self.comm) for bucket in self.buckets if bucket.gathers_after_step])
+        self.post_step.start(wait=True)
+
+    def wait_for_params(self) -> None:
+        """Wait until the parameters hold the last step's values: with `overlap_param_gather` (stages 1-2) the
+        step leaves their all-gather in flight, waited for by the next forward at each module's first use. Call
+        it before reading parameters yourself between `engine.step()` and the next forward (`model.weight`);
+        the engine's own methods wait themselves. Waits only on this rank (no collective)."""
+        self.post_step.wait()

@@ -52,6 +52,7 @@ class ReportMethods:
         no collective and any rank may call it alone.
         """
         keep = not rank0_only or self.comm.rank == 0
+        self.wait_for_params()  # stages 1-2: the last step's gathers in flight (overlap_param_gather)
         if self.schedule is None:
             return {k: v.detach().clone() for k, v in self.module.state_dict().items()} if keep else {}
         self._check_usable()

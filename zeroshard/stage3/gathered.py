@@ -1,7 +1,8 @@
 """`gathered_parameters`: full parameters outside forward (inspection, EMA, initialisation).
 
 At stage 3 a parameter is an empty tensor between uses; inside the context
-its unit is gathered. Every rank must enter the context with the same
+its unit is gathered. At stages 1-2 entering waits for the all-gathers after
+the step still in flight (`overlap_param_gather`, `core/param_gather.py`). Every rank must enter the context with the same
 parameters, in the same order, since entering gathers. With
 `modifier_rank=r`, rank r's edits made inside the context are kept on exit
 on every rank (broadcast, then each rank keeps its shard); with None, edits
@@ -40,6 +41,7 @@ class Placement:
     owner: object | None = None  # the Bucket whose master it has, if it trains
     schedule: object | None = None  # GatherSchedule
     unit: int | None = None
+    post_step: object | None = None  # PostStepGather: stages 1-2's gathers after the step, waited first
 
 
 def place(param: nn.Parameter, placement: Placement) -> None:
@@ -55,6 +57,8 @@ def gathered_parameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_
     placements = [getattr(p, _PLACEMENT, None) for p in params]
     units = list(dict.fromkeys((pl.schedule, pl.unit) for pl in placements if pl and pl.unit is not None))
     placed = [pl for pl in placements if pl is not None]
+    for post_step in {id(pl.post_step): pl.post_step for pl in placed if pl.post_step is not None}.values():
+        post_step.wait()  # stages 1-2: the last step's values, all landed (a local wait, no collective)
     if modifier_rank is not None:
         _check_masters_free(placed, units)
     if units or (modifier_rank is not None and placed):  # collectives follow: every rank must be here
