@@ -22,6 +22,8 @@ from torch.utils._pytree import tree_leaves
 from tests.hf.models import config_of
 from zeroshard.app.activation_count import count_activations, training_forward
 from zeroshard.app.cli import main
+from zeroshard.app.model_count import count_model
+from zeroshard.app.step_peak import peak_of
 from zeroshard.app.models import PRESETS, GPTConfig
 from zeroshard.estimate.activations import count_saved, korthikanti_layer_bytes
 
@@ -129,4 +131,10 @@ def test_cli_prints_activations_and_the_peak(capsys, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     saved = out["activations"]
     assert saved["total"] == count_activations("test-tiny", 2, 16, "none", "bf16").total and saved["recompute"] == 0
-    assert out["peak_bytes"] == {s: b + saved["total"] for s, b in out["memory_bytes"].items()}
+    counted = count_model("test-tiny")
+    for stage, peak in out["peak_by_part"].items():  # the step's peak: estimate.step_peak on the model's counts
+        assert peak == peak_of(counted, saved["total"], 0, int(stage), 2, "bf16", scratch=False).as_dict()
+        assert out["peak_bytes"][stage] == peak["total"] >= peak["model_states"] + saved["total"]
+    assert main([*flags, "--gpus", "2", "--backend", "gloo"]) == 0  # its reduce-scatter takes a scratch block
+    gloo = json.loads(capsys.readouterr().out)["peak_by_part"]
+    assert [gloo[s]["staging"] > out["peak_by_part"][s]["staging"] for s in "0123"] == [False, True, True, True]
