@@ -3,16 +3,16 @@
     python benchmarks/step_peak.py --models demo 100m --dtypes fp32 bf16 --out BENCHMARKS.md \\
         --plot docs/images/step-peak.png
 
-Per model and dtype, `--world` ranks (gloo, one thread each) train the preset
-at stages 0-3 in turn; for each stage a rank reads the resident high-water
+For each model, dtype and stage, `--world` ranks of their own (gloo, one
+thread each) train the preset; a rank reads the resident high-water
 mark of its second step above its RSS before the model was built
 (`zeroshard.app.step_peak.measure`: VmHWM reset through /proc/self/clear_refs,
 freed blocks handed back to the system). The prediction is
 `zeroshard.estimate.step_peak` on the model's meta-device counts
 (`zeroshard.app.step_peak.predict`). The table gives the largest rank's
-measurement; `--plot` draws each stage's estimate by part beside the
-measurement (memory_stats' kinds, the measured activations, and the rest of
-the measured peak).
+measurement; `--plot` draws, for the last of `--models`, each stage's estimate
+by part beside the measurement (memory_stats' kinds, the measured
+activations, and the rest of the measured peak).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from zeroshard.app.model_count import DEMO_BUCKET_SIZE  # noqa: E402
 from zeroshard.app.step_peak import PeakRun, predict  # noqa: E402
 
 MB = 1e6
-HEADING = "## The peak of a step: predicted and measured, stages 0-3"
+HEADING = "## The peak of a step: predicted and measured, stages 0-3"  # + ", with activation checkpointing"
 
 
 def parse_args() -> argparse.Namespace:
@@ -50,17 +50,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bucket", type=int, default=DEMO_BUCKET_SIZE, help="reduce_bucket_size, elements")
     p.add_argument("--checkpointing", choices=("none", "full"), default="none")
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per model and dtype")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per model, dtype and stage")
     p.add_argument("--json", type=Path, default=None, help="also keep the results here")
     p.add_argument("--out", type=Path, default=None, help="write the section into this markdown file")
     p.add_argument("--plot", type=Path, default=None, help="draw the stacked bars into this PNG")
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank: the runs as JSON
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank: the run as JSON
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
 
 
-def worker(runs_json: str, result: str) -> None:
-    """One rank: measure each run in turn, write the list of results to `result`.rank<r>."""
+def worker(run_json: str, result: str) -> None:
+    """One rank: measure the run, write its result to `result`.rank<r>."""
     import torch
     import torch.distributed as dist
 
@@ -68,7 +68,7 @@ def worker(runs_json: str, result: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    out = [measure(PeakRun(**run)) for run in json.loads(runs_json)]
+    out = measure(PeakRun(**json.loads(run_json)))
     Path(f"{result}.rank{dist.get_rank()}").write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -78,31 +78,35 @@ def load() -> str:
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
+    """Each model, dtype and stage on ranks of its own (an engine's memory is not handed back when it is
+    dropped: see the report's notes), the largest rank's measurement beside the prediction."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="zeroshard-step-peak-") as tmp:
         for model in args.models:
             for dtype in args.dtypes:
-                runs = [PeakRun(model, stage, dtype, args.micro_batch, args.seq, args.bucket, args.checkpointing)
-                        for stage in args.stages]
-                result = Path(tmp) / f"{model}-{dtype}.json"
-                before = load()
-                done = launch([__file__, "--worker", json.dumps([asdict(r) for r in runs]), "--result", str(result)],
-                              args.world, result, args.timeout, rank_env())
-                ranks = done.results(result)
-                if not done.ok or None in ranks:
-                    raise SystemExit(f"{model} {dtype}: {done.error(ranks, args.timeout)}")
-                for i, run in enumerate(runs):
-                    measured = [r[i] for r in ranks]
-                    rows.append({"run": asdict(run), "predicted": predict(run, args.world).as_dict(),
-                                 "measured": max(measured, key=lambda m: m["peak"]), "ranks": measured,
-                                 "load": f"{before} -> {load()}", "seconds": done.seconds})
+                for stage in args.stages:
+                    run = PeakRun(model, stage, dtype, args.micro_batch, args.seq, args.bucket, args.checkpointing)
+                    rows.append(_launch_one(run, args, Path(tmp) / f"{model}-{dtype}-{stage}.json"))
     return rows
+
+
+def _launch_one(run: PeakRun, args: argparse.Namespace, result: Path) -> dict:
+    before = load()
+    done = launch([__file__, "--worker", json.dumps(asdict(run)), "--result", str(result)], args.world, result,
+                  args.timeout, rank_env())
+    ranks = done.results(result)
+    if not done.ok or None in ranks:
+        raise SystemExit(f"{run}: {done.error(ranks, args.timeout)}")
+    return {"run": asdict(run), "predicted": predict(run, args.world).as_dict(),
+            "measured": max(ranks, key=lambda m: m["peak"]), "ranks": ranks, "load": f"{before} -> {load()}",
+            "seconds": done.seconds}
 
 
 def render(rows: list[dict], command: str) -> str:
     m = machine()
     run = rows[0]["run"]
-    lines = [HEADING, "",
+    heading = HEADING + (", with activation checkpointing" if run["checkpointing"] == "full" else "")
+    lines = [heading, "",
              f"- Date: {datetime.now(timezone.utc).date()}",
              f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']:.0f} GiB RAM, no GPU; Python {m['python']}, "
              f"torch {m['torch']}",
@@ -115,14 +119,17 @@ def render(rows: list[dict], command: str) -> str:
              "trimmed before each reading; the largest rank's figure",
              "- Predicted: `zeroshard.estimate.step_peak` on the model's meta-device counts "
              "(`zeroshard estimate --model M --micro-batch B --seq S --gpus 2 --backend gloo`)",
-             "- Load: the machine's load average (1, 5, 15 min) before -> after each model and dtype", "",
+             "- Predicted buffers and temporaries: at the backward's start the staging pool, stage 3's gathered units, "
+             "one parameter's and the largest activation's gradients and the recompute; at the optimizer step the "
+             "staging pool and the fp32 copies of 16-bit gradients (docs/memory.md)",
+             "- Load: the machine's load average (1, 5, 15 min) before -> after each run (the machine is shared)", "",
              "Command:", "", "```", command, "```", "",
              "| model | dtype | stage | predicted MB | measured MB | measured / predicted | peak at "
-             "| model states MB | activations MB | staging + gathered + other MB | RSS file pages moved MB | load |",
+             "| predicted: model states MB | activations MB | buffers and temporaries MB | RSS file pages moved MB | load |",
              "|---|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
     for row in rows:
         p, m, r = row["predicted"], row["measured"], row["run"]
-        extra = p["staging"] + p["gathered"] + p["param_grad"] + p["recompute"]
+        extra = p["total"] - p["model_states"] - (p["activations"] if p["phase"] == "backward" else 0)
         lines.append(f"| {r['model']} | {r['dtype']} | {r['stage']} | {p['total'] / MB:.1f} | {m['peak'] / MB:.1f} "
                      f"| {m['peak'] / p['total']:.3f} | {p['phase']} | {p['model_states'] / MB:.1f} "
                      f"| {p['activations'] / MB:.1f} | {extra / MB:.1f} | {m['file_moved'] / MB:.1f} | {row['load']} |")
@@ -145,7 +152,7 @@ def main() -> None:
     if args.plot:
         from zeroshard.app.plots import peak_chart
 
-        peak_chart(args.plot, rows)
+        peak_chart(args.plot, [row for row in rows if row["run"]["model"] == args.models[-1]])
 
 
 if __name__ == "__main__":

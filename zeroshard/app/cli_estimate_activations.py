@@ -55,9 +55,9 @@ def activations(args: argparse.Namespace) -> dict:
     """The "activations" object of `--json`: bytes per rank of one micro-batch's forward."""
     try:
         counted = count_activations(args.model, args.micro_batch, args.seq, args.checkpoint_activations, args.dtype)
+        plain = count_activations(args.model, args.micro_batch, args.seq, "none", args.dtype)
         # the block the backward recomputes at once, with full checkpointing: its activations without it
-        recompute = 0 if args.checkpoint_activations == "none" else max(
-            count_activations(args.model, args.micro_batch, args.seq, "none", args.dtype).per_layer, default=0)
+        recompute = 0 if args.checkpoint_activations == "none" else max(plain.per_layer, default=0)
     except ValueError as error:
         args.command_parser.error(f"argument --model: {error}")
     shape = _transformer_shape(args.model)
@@ -65,6 +65,7 @@ def activations(args: argparse.Namespace) -> dict:
         args.seq, args.micro_batch, *shape, args.checkpoint_activations)
     return {**counted.as_dict(), "micro_batch": args.micro_batch, "seq": args.seq, "dtype": args.dtype,
             "checkpointing": args.checkpoint_activations, "recompute": recompute,
+            "largest_gradient": plain.largest,  # the largest activation's, made in backward while it is held
             "korthikanti_per_layer": formula}
 
 
@@ -80,8 +81,8 @@ def _transformer_shape(name: str) -> tuple[int, int] | None:
 def peak_bytes(counted: ParamCount, saved: dict, args: argparse.Namespace) -> dict:
     """`"peak_bytes"` per stage (the step's peak per GPU: `zeroshard.estimate.step_peak`) and `"peak_by_part"`
     per stage (its parts, and which moment peaks)."""
-    peaks = {str(stage): peak_of(counted, saved["total"], saved["recompute"], stage, args.gpus, args.dtype,
-                                 scratch=args.backend == "gloo") for stage in STAGES}
+    peaks = {str(stage): peak_of(counted, saved["total"], saved["recompute"], saved["largest_gradient"], stage,
+                                 args.gpus, args.dtype, scratch=args.backend == "gloo") for stage in STAGES}
     return {"peak_bytes": {s: p.total for s, p in peaks.items()},
             "peak_by_part": {s: p.as_dict() for s, p in peaks.items()}}
 
@@ -110,11 +111,12 @@ def print_activations(console: Console, counted: dict, peak: dict[str, dict] | N
 def print_peak(console: Console, by_part: dict[str, dict]) -> None:
     """The step's peak per GPU and stage, by part (`StepPeak.as_dict()` per stage)."""
     table = Table(show_edge=False, title="the step's peak per GPU")
-    for column in ("stage", "model states", "activations", "staging", "gathered", "param grad", "recompute",
-                   "step temporaries", "peak", "at"):
+    for column in ("stage", "model states", "activations", "staging", "gathered", "param grad", "activation grad",
+                   "recompute", "step temporaries", "peak", "at"):
         table.add_column(column, justify="left" if column in ("stage", "at") else "right", no_wrap=True)
     for stage, p in by_part.items():
         table.add_row(stage, *(human_bytes(p[k]) for k in ("model_states", "activations", "staging", "gathered",
-                                                           "param_grad", "recompute", "step_temporaries", "total")),
+                                                           "param_grad", "activation_grad", "recompute",
+                                                           "step_temporaries", "total")),
                       p["phase"])
     console.print(table)

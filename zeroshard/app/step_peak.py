@@ -21,7 +21,8 @@ import zeroshard
 from zeroshard.app.activation_count import count_activations
 from zeroshard.app.model_count import DEMO_BUCKET_SIZE, DEMO_WRAP, ParamCount, count_model
 from zeroshard.app.models import GPT, PRESETS
-from zeroshard.app.resident import ResidentMeter
+from zeroshard.app.resident import ResidentMeter, release_freed, status_bytes
+from zeroshard.dtypes import DTYPES
 from zeroshard.estimate.peak import StepPeak, step_peak
 
 CHECKPOINTING = {"none": "", "full": "non_reentrant"}  # the estimate's name -> GPTConfig.checkpointing
@@ -54,36 +55,50 @@ def predict(run: PeakRun, world_size: int, scratch: bool = True) -> StepPeak:
     """The estimate of the step's peak per rank (`scratch`: gloo's all-to-all reduce-scatter, as on the CPU)."""
     counted = count_model(run.model, persistence_threshold=0, bucket_size=run.bucket)
     saved = count_activations(run.model, run.micro_batch, run.seq, run.checkpointing, run.dtype)
-    recompute = 0 if run.checkpointing == "none" else \
-        max(count_activations(run.model, run.micro_batch, run.seq, "none", run.dtype).per_layer, default=0)
-    return peak_of(counted, saved.total, recompute, run.stage, world_size, run.dtype, scratch=scratch)
+    plain = count_activations(run.model, run.micro_batch, run.seq, "none", run.dtype)  # what a recompute holds
+    recompute = 0 if run.checkpointing == "none" else max(plain.per_layer, default=0)
+    return peak_of(counted, saved.total, recompute, plain.largest, run.stage, world_size, run.dtype, scratch=scratch)
 
 
-def peak_of(counted: ParamCount, activations: int, recompute: int, stage: int, world_size: int, dtype: str,
-            accumulation: int = 1, scratch: bool = True) -> StepPeak:
+def peak_of(counted: ParamCount, activations: int, recompute: int, activation_grad: int, stage: int,
+            world_size: int, dtype: str, accumulation: int = 1, scratch: bool = True) -> StepPeak:
     """`step_peak` for a counted model: its buckets, units and largest parameter."""
     return step_peak(counted.numel, activations, stage, world_size, dtype, buckets=counted.buckets,
                      units=counted.units, recompute=recompute, largest_param=counted.largest_param,
-                     accumulation=accumulation, scratch=scratch)
+                     activation_grad=activation_grad, accumulation=accumulation, scratch=scratch)
 
 
 def measure(run: PeakRun, device: torch.device = CPU, steps: int = 2, seed: int = 0) -> dict:
     """On this rank: the peak of the last of `steps` training steps above what the process held before the
     model was built, bytes (`peak`), beside what `memory_stats()` reports after it. On the CPU the resident
-    high-water mark (`ResidentMeter`), after a tiny model's step has faulted in the code and kernels a step
-    runs, so that they count in the base, not in the step; on a GPU the caching allocator's peak of
-    allocated bytes (`torch.cuda.max_memory_allocated`)."""
-    if device.type == "cpu":
-        _train(replace(run, model="tiny", micro_batch=1, seq=min(run.seq, PRESETS["tiny"].block_size)), device,
-               1, seed)
-    gc.collect()
+    high-water mark (`ResidentMeter`) after a warm-up (`_warm_up`; `warm_up_kept`: what it left resident);
+    on a GPU the caching allocator's peak of allocated bytes (`torch.cuda.max_memory_allocated`)."""
+    kept = _warm_up(run, device, seed) if device.type == "cpu" else 0
     meter = ResidentMeter() if device.type == "cpu" else _CudaMeter(device)
     engine, batch = _engine(run, device, seed)
     for _ in range(steps - 1):
         _step(engine, batch)
     measured = meter.peak_of(lambda: _step(engine, batch))
     stats = engine.memory_stats()
-    return measured | {"held": stats.held(), "memory_stats": dict(stats)}
+    return measured | {"held": stats.held(), "memory_stats": dict(stats), "warm_up_kept": kept}
+
+
+def _warm_up(run: PeakRun, device: torch.device, seed: int) -> int:
+    """Bring in, before the base is read, what the first step of a process leaves resident for good: the code
+    and kernels a step runs (a tiny model's step through an engine of the same stage and dtype) and the math
+    libraries' buffers sized by the largest product they ran (oneDNN's bf16 GEMMs, MKL's: a plain forward and
+    backward of the same model, dtype and batch, without an engine). Returns the bytes they left resident."""
+    release_freed()
+    before = status_bytes("VmRSS")["VmRSS"]
+    _train(replace(run, model="tiny", micro_batch=1, seq=min(run.seq, PRESETS["tiny"].block_size)), device, 1, seed)
+    cfg = replace(PRESETS[run.model], checkpointing=CHECKPOINTING[run.checkpointing])
+    model = GPT(cfg).to(device, DTYPES[run.dtype])
+    tokens = torch.zeros(run.micro_batch, run.seq, dtype=torch.long, device=device)
+    model(tokens, tokens).backward()
+    del model
+    gc.collect()
+    release_freed()
+    return status_bytes("VmRSS")["VmRSS"] - before
 
 
 class _CudaMeter:

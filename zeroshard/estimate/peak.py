@@ -7,7 +7,8 @@
   (backward frees them as it goes) and the first gradients appear. On top of
   the model states: the activations (`count_saved`'s meta count); the
   staging buffers; one parameter's gradient as autograd makes it, before the
-  engine takes it into its bucket; at stage 3 the units gathered then (the
+  engine takes it into its bucket; the gradient of the largest activation,
+  which backward makes before it frees that activation; at stage 3 the units gathered then (the
   root unit, whose forward spans the whole model, the unit computing and the
   one prefetched behind it); with checkpointing, one block's recompute.
 - the optimizer step: activations are gone, and with 16-bit gradients each
@@ -51,6 +52,7 @@ class StepPeak:
     activations: int  # what the forward saved for backward
     gathered: int  # stage 3: the units whole at the start of backward, beyond the shards
     param_grad: int  # one parameter's gradient as autograd makes it, before the bucket takes it
+    activation_grad: int  # the largest activation's gradient, made while that activation is still held
     recompute: int  # checkpointing: one block's activations while its recompute runs
     step_temporaries: int  # at the optimizer step: fp32 copies of 16-bit gradient shards
     phase: str  # "backward" or "step"
@@ -66,7 +68,7 @@ class StepPeak:
 
     @property
     def backward(self) -> int:
-        return self.held + self.activations + self.gathered + self.param_grad + self.recompute
+        return self.held + self.activations + self.gathered + self.param_grad + self.activation_grad + self.recompute
 
     @property
     def step(self) -> int:
@@ -84,7 +86,7 @@ class StepPeak:
 
 def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: str = "bf16", *,
               buckets: Sequence[int] = (), units: Sequence[Sequence[Flat]] = (), recompute: int = 0,
-              largest_param: int = 0, accumulation: int = 1, scratch: bool = True,
+              largest_param: int = 0, activation_grad: int = 0, accumulation: int = 1, scratch: bool = True,
               max_live_numel: int = MAX_LIVE_NUMEL, prefetch_numel: int = PREFETCH_NUMEL) -> StepPeak:
     """The peak bytes of one training step on one rank, by part (see the module's docstring).
 
@@ -93,7 +95,8 @@ def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: 
     `buckets`: stages 0-2, each gradient bucket's elements, in the engine's order (backward's);
     `units`: stage 3, each unit's flat buffers, in forward order with the root unit first
     (`stage3.wrapping.plan_units`' order); `recompute`: with checkpointing, the bytes of one block's
-    activations without it; `largest_param`: elements of the largest parameter; `accumulation`:
+    activations without it; `largest_param`: elements of the largest parameter; `activation_grad`: bytes of
+    the largest tensor the forward saves without checkpointing (`ActivationCount.largest`); `accumulation`:
     micro-steps per step; `scratch`: the reduce-scatter runs as an all-to-all into a scratch buffer
     (gloo; NCCL's native one needs none); `max_live_numel`, `prefetch_numel`: stage 3's
     stage3_max_live_parameters and stage3_prefetch_bucket_size.
@@ -116,8 +119,8 @@ def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: 
     temporaries = 0
     if per_element["master_bytes"]:  # 16-bit gradients: an fp32 copy of each gradient shard for the optimizer
         temporaries = 0 if fp32_sum and stage >= 2 else _FP32 * (numel if stage == 0 else shard_numel(numel, world_size))
-    parts = dict(staging=staging, activations=activations, gathered=gathered,
-                 param_grad=param_bytes * largest_param, recompute=recompute, step_temporaries=temporaries)
+    parts = dict(staging=staging, activations=activations, gathered=gathered, param_grad=param_bytes * largest_param,
+                 activation_grad=activation_grad, recompute=recompute, step_temporaries=temporaries)
     peak = StepPeak(**states, **parts, phase="")
     return StepPeak(**states, **parts, phase="backward" if peak.backward >= peak.step else "step")
 
