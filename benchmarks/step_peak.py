@@ -54,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="also keep the results here")
     p.add_argument("--out", type=Path, default=None, help="write the section into this markdown file")
     p.add_argument("--plot", type=Path, default=None, help="draw the stacked bars into this PNG")
+    p.add_argument("--results", type=Path, default=None,
+                   help="draw --plot from the results an earlier run kept with --json, without measuring")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # a rank: the run as JSON
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     return p.parse_args()
@@ -114,8 +116,9 @@ def render(rows: list[dict], command: str) -> str:
              f"{run['seq']} tokens per rank, AdamW, gradient clipping 1.0, reduce_bucket_size {run['bucket']:,}, "
              f"checkpointing {run['checkpointing']}; stage 3 with each Block a unit",
              "- Measured: per rank, the RSS high-water mark (VmHWM, reset through /proc/self/clear_refs) of the "
-             "second step above the RSS before the model was built, after a tiny model's step faulted in the code "
-             "a step runs; freed blocks of 64 KiB and more go back to the system at once (mallopt), the heap is "
+             "second step above the RSS before the model was built, after a warm-up (a tiny model's step through an "
+             "engine, then a plain forward and backward of the same model: the code a step runs and the math "
+             "libraries' buffers stay in the base); freed blocks of 64 KiB and more go back to the system at once (mallopt), the heap is "
              "trimmed before each reading; the largest rank's figure",
              "- Predicted: `zeroshard.estimate.step_peak` on the model's meta-device counts "
              "(`zeroshard estimate --model M --micro-batch B --seq S --gpus 2 --backend gloo`)",
@@ -142,17 +145,22 @@ def main() -> None:
         worker(args.worker, args.result)
         return
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")  # see tests/conftest.py: AMX faults here
-    rows = run_all(args)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    text = render(rows, command_line())
-    print(text)
-    if args.out:
-        write_section(args.out, text)
+    if args.results:  # the table was written by the run that measured them
+        rows = json.loads(args.results.read_text())
+    else:
+        rows = run_all(args)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=1))
+        text = render(rows, command_line())
+        print(text)
+        if args.out:
+            write_section(args.out, text)
     if args.plot:
         from zeroshard.app.plots import peak_chart
 
-        peak_chart(args.plot, [row for row in rows if row["run"]["model"] == args.models[-1]])
+        last = rows[-1]["run"]["model"]  # the last of --models
+        peak_chart(args.plot, [row for row in rows if row["run"]["model"] == last])
+
 
 
 if __name__ == "__main__":

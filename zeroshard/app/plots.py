@@ -115,13 +115,16 @@ def peak_chart(path: Path, rows: list[dict]) -> None:
     colors = _colors(PEAK_PARTS)
     for ax, (model, dtype) in zip(axes, panels):
         mine = [r for r in rows if (r["run"]["model"], r["run"]["dtype"]) == (model, dtype)]
+        top = 0.0
         for i, row in enumerate(mine):
             _stacked(ax, i - 0.2, _estimated_parts(row["predicted"]), colors, 0.38, hatch="//")
-            _stacked(ax, i + 0.2, _measured_parts(row["measured"]), colors, 0.38)
+            _stacked(ax, i + 0.2, _measured_parts(row["measured"], row["predicted"]["phase"]), colors, 0.38)
+            top = max(top, row["predicted"]["total"] / MB, row["measured"]["peak"] / MB)
+        ax.set_ylim(0, top * 1.3)  # headroom for the legend
         ax.set_xticks(range(len(mine)), [f"stage {r['run']['stage']}" for r in mine])
         ax.set(ylabel="MB per rank at the step's peak", title=f"{model}, {dtype}: estimate | measured")
         hatched = ax.bar(0, 0, color="white", edgecolor="gray", hatch="//", label="estimate")
-        _legend(ax, colors, [hatched], fontsize="x-small", loc="upper right")
+        _legend(ax, colors, [hatched], loc="upper center", ncol=4)
     fig.savefig(path)
 
 
@@ -132,12 +135,14 @@ def _estimated_parts(p: dict) -> dict[str, float]:
     return parts
 
 
-def _measured_parts(m: dict) -> dict[str, float]:
+def _measured_parts(m: dict, phase: str) -> dict[str, float]:
+    """memory_stats' kinds, the measured activations where the estimate peaks in backward (at the optimizer
+    step they are gone), and the rest of the resident peak."""
     stats = m["memory_stats"]
     parts = {k: stats[k] / MB for k in STATES}
     parts["buffers"] = stats["staging"] / MB
     room = m["peak"] / MB - sum(parts.values())  # what the resident peak holds beyond the states
-    parts["activations"] = max(0.0, min(stats["activations"] / MB, room))
+    parts["activations"] = max(0.0, min(stats["activations"] / MB, room)) if phase == "backward" else 0.0
     parts["other"] = max(0.0, room - parts["activations"])
     return {k: parts.get(k, 0.0) for k in PEAK_PARTS}
 
