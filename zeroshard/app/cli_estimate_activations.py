@@ -109,14 +109,15 @@ def print_activations(console: Console, counted: dict, peak: dict[str, dict] | N
 
 
 def print_peak(console: Console, by_part: dict[str, dict]) -> None:
-    """The step's peak per GPU and stage, by part (`StepPeak.as_dict()` per stage)."""
+    """The step's peak per GPU and stage, by part (`StepPeak.as_dict()` per stage; --json has every part)."""
     table = Table(show_edge=False, title="the step's peak per GPU")
-    for column in ("stage", "model states", "activations", "staging", "gathered", "param grad", "activation grad",
-                   "recompute", "step temporaries", "peak", "at"):
+    for column in ("stage", "model states", "activations", "buffers", "step temps", "peak", "at"):
         table.add_column(column, justify="left" if column in ("stage", "at") else "right", no_wrap=True)
     for stage, p in by_part.items():
-        table.add_row(stage, *(human_bytes(p[k]) for k in ("model_states", "activations", "staging", "gathered",
-                                                           "param_grad", "activation_grad", "recompute",
-                                                           "step_temporaries", "total")),
-                      p["phase"])
+        buffers = sum(p[k] for k in ("staging", "gathered", "param_grad", "activation_grad", "recompute"))
+        table.add_row(stage, *(human_bytes(n) for n in (p["model_states"], p["activations"], buffers,
+                                                        p["step_temporaries"], p["total"])), p["phase"])
     console.print(table)
+    console.print("[dim]buffers: staging, stage 3's gathered units, the gradients backward makes while the "
+                  "activations are held, the recompute; step temps: the optimizer step's fp32 gradient copies; "
+                  "at: the moment that peaks (docs/memory.md)[/]")
