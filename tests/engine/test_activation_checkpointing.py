@@ -22,6 +22,7 @@ from tests.distributed import run_ranks
 from tests.parallel.mesh_recipes import CFG, MeshCase, check_mesh_runs, train_on_mesh
 from tests.recipes import GPT_CFG, Case, loss_of, make_engine, micro_batch, relative_error, train_reference
 from zeroshard.app.activation_count import count_activations
+from zeroshard.app.models import PRESETS
 from zeroshard.config import ConfigError
 from zeroshard.deepspeed import checkpointing
 
@@ -102,10 +103,11 @@ CONTIGUOUS = {"contiguous_memory_optimization": True, "number_checkpoints": 4}  
 TP_CASES = [MeshCase(Case(stage=s), checkpointing="deepspeed",
                      activation_checkpointing=PA | (CONTIGUOUS if s == 1 else {})) for s in range(4)] + [
     MeshCase(Case(stage=0), checkpointing="deepspeed")]  # whole checkpoints, for the bytes
-PP_CASES = [MeshCase(Case(stage=3), micro_batches=2, checkpointing="deepspeed")]
+PP_CASES = [MeshCase(Case(stage=s), micro_batches=2, checkpointing="deepspeed") for s in range(4)] + [
+    MeshCase(Case(stage=0), micro_batches=2)]  # without checkpointing, for the bytes
 
 
-def test_dp2_tp2_partitioned_checkpoints_and_pp2_dp2_match_one_process():
+def test_dp2_tp2_partitioned_checkpoints_and_pp2_dp2_match_one_process(monkeypatch):
     per_rank = run_ranks(_mesh_ranks, 4, TP_CASES, PP_CASES)
     tp = {"pp": 1, "dp": 2, "tp": 2}
     for i, mc in enumerate(TP_CASES):
@@ -120,6 +122,15 @@ def test_dp2_tp2_partitioned_checkpoints_and_pp2_dp2_match_one_process():
             assert whole.memory["activations"] - run.memory["activations"] == CFG.n_layer * block_input // 2
             assert run.comm["tp"]["all_gather"] == MESH_STEPS * CFG.n_layer
             assert run.comm_bytes["tp"]["all_gather"] == MESH_STEPS * CFG.n_layer * block_input
+    # pp: each stage's blocks keep their inputs only, as the meta count of one micro-batch predicts per block
+    monkeypatch.setitem(PRESETS, "mesh-gpt", CFG)
+    shape = (Case().micro_rows, CFG.block_size)  # one pipeline micro-batch of a dp rank
+    plain, full = (count_activations("mesh-gpt", *shape, kind, "fp32").per_layer for kind in ("none", "full"))
+    kept_less = sum(plain[:CFG.n_layer // 2]) - sum(full[:CFG.n_layer // 2])  # the 2 blocks of a stage
+    for _, pp_runs in per_rank:
+        whole = pp_runs[-1]
+        for run in pp_runs[:-1]:
+            assert whole.memory["activations"] - run.memory["activations"] == kept_less, (run.part, kept_less)
 
 
 @pytest.fixture

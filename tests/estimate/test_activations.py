@@ -22,6 +22,8 @@ from torch.utils._pytree import tree_leaves
 from tests.hf.models import config_of
 from zeroshard.app.activation_count import count_activations, training_forward
 from zeroshard.app.cli import main
+from zeroshard.app.model_count import count_model
+from zeroshard.app.step_peak import peak_of
 from zeroshard.app.models import PRESETS, GPTConfig
 from zeroshard.estimate.activations import count_saved, korthikanti_layer_bytes
 
@@ -45,15 +47,15 @@ class _Created(TorchDispatchMode):
         return out
 
 
-def kept_for_backward(forward, model: torch.nn.Module, batch: torch.Tensor) -> int:
-    """Bytes of the storages a real forward creates that are still alive once only its loss is held (an
+def kept_for_backward(forward, model: torch.nn.Module, batch: torch.Tensor) -> list[int]:
+    """Bytes of each storage a real forward creates that is still alive once only its loss is held (an
     op's output may be a view of a parameter, a buffer or the batch: those storages are not the forward's)."""
     before = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers(), batch)}
     with _Created() as created:
         loss = forward()
     gc.collect()
     before.add(loss.untyped_storage()._cdata)
-    return sum(nbytes for key, (ref, nbytes) in created.storages.items() if key not in before and not ref.expired())
+    return [nbytes for key, (ref, nbytes) in created.storages.items() if key not in before and not ref.expired()]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,8 @@ def test_meta_count_equals_what_a_cpu_forward_keeps(kind, checkpointing, models,
         meta = count_activations(name, micro_batch, seq, checkpointing, "fp32")
         torch.manual_seed(0)
         model, batch, forward = training_forward(name, micro_batch, seq, checkpointing, "fp32", "cpu")
-        assert meta.total == kept_for_backward(forward, model, batch), (micro_batch, seq)
+        kept = kept_for_backward(forward, model, batch)
+        assert (meta.total, meta.largest) == (sum(kept), max(kept)), (micro_batch, seq)
         assert meta == count_saved(forward, model, batch), (micro_batch, seq)  # per layer too
         assert len(meta.per_layer) == (3 if kind == "gpt" else 2)
         if checkpointing == "full":  # each block keeps its input only: the hidden states, b·s·h fp32
@@ -129,4 +132,11 @@ def test_cli_prints_activations_and_the_peak(capsys, monkeypatch):
     out = json.loads(capsys.readouterr().out)
     saved = out["activations"]
     assert saved["total"] == count_activations("test-tiny", 2, 16, "none", "bf16").total and saved["recompute"] == 0
-    assert out["peak_bytes"] == {s: b + saved["total"] for s, b in out["memory_bytes"].items()}
+    counted = count_model("test-tiny")
+    for stage, peak in out["peak_by_part"].items():  # the step's peak: estimate.step_peak on the model's counts
+        assert peak == peak_of(counted, saved["total"], 0, saved["largest_gradient"], int(stage), 2, "bf16",
+                               scratch=False).as_dict()
+        assert out["peak_bytes"][stage] == peak["total"] >= peak["model_states"] + saved["total"]
+    assert main([*flags, "--gpus", "2", "--backend", "gloo"]) == 0  # its reduce-scatter takes a scratch block
+    gloo = json.loads(capsys.readouterr().out)["peak_by_part"]
+    assert [gloo[s]["staging"] > out["peak_by_part"][s]["staging"] for s in "0123"] == [False, True, True, True]

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     except ValueError as error:
         args.command_parser.error(str(error))
     if saved is not None:
-        summary |= {"activations": saved, "peak_bytes": peak_bytes(summary["memory_bytes"], saved)}
+        summary |= {"activations": saved, **peak_bytes(counted, saved, args)}
     if args.compress is not None:
         summary["compression"] = compression(args, counted, estimate.DTYPE_BYTES[args.dtype][:2])
     console = console or Console()
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
         return 0
     print_summary(console, summary, name)
     if saved is not None:
-        print_activations(console, saved, summary["peak_bytes"])
+        print_activations(console, saved, summary["peak_by_part"])
     if args.compress is not None:
         print_compression(console, summary["compression"])
     return 0

@@ -49,15 +49,16 @@ def add_compress(parser: argparse.ArgumentParser) -> None:
                        help="with --step-seconds: the share of T the gradient reduction can hide behind, in "
                             f"[0, 1] (default: backward's, {estimate.BACKWARD_SHARE:.2f})")
     group.add_argument("--bucket-size", type=count, default=None, metavar="ELEMENTS",
-                       help="with --compress: reduce_bucket_size (default: the demo's for a preset, the "
-                            "engine's otherwise)")
+                       help="with --compress or --micro-batch (the step's peak): reduce_bucket_size (default: the "
+                            "demo's for a preset, the engine's otherwise)")
 
 
 def check_compress(args: argparse.Namespace) -> None:
     """A flag that needs another, or a codec name that is none: an argparse error."""
     error = args.command_parser.error
     needs = [("--stage", args.stage, "--compress"), ("--step-seconds", args.step_seconds, "--compress"),
-             ("--bucket-size", args.bucket_size, "--compress"), ("--overlap", args.overlap, "--step-seconds")]
+             ("--bucket-size", None if args.micro_batch else args.bucket_size, "--compress or --micro-batch"),
+             ("--overlap", args.overlap, "--step-seconds")]
     for flag, value, other in needs:
         if value is not None and (args.compress is None or (other == "--step-seconds" and args.step_seconds is None)):
             error(f"{flag} needs {other}: without it the flag changes nothing")

@@ -62,6 +62,8 @@ class ParamCount:
     largest_unit: int  # elements of the largest stage-3 unit
     flats: tuple[Flat, ...] = ()  # stage 3's flat buffers under the same plan (`plan_flats`)
     buckets: tuple[int, ...] = ()  # stages 0-2's gradient buckets, elements each (`bucket_numels`)
+    units: tuple[tuple[Flat, ...], ...] = ()  # `flats` by unit, in forward order, the root first
+    largest_param: int = 0  # elements of the largest parameter
 
 
 def count_module(name: str, model: torch.nn.Module, wrap: tuple[str, ...] = (),
@@ -72,8 +74,10 @@ def count_module(name: str, model: torch.nn.Module, wrap: tuple[str, ...] = (),
     empty: by size), and its gradient buckets at stages 0-2 of at most `bucket_size` elements."""
     plans = plan_units(model, unit_modules(model, wrap, min_numel))
     largest = max((sum(p.numel() for p in plan.params) for plan in plans), default=0)
+    units = tuple(tuple(plan_flats([plan], persistence_threshold)) for plan in plans)
     return ParamCount(name, sum(p.numel() for p in model.parameters()), largest,
-                      tuple(plan_flats(plans, persistence_threshold)), tuple(bucket_numels(model, bucket_size)))
+                      tuple(f for unit in units for f in unit), tuple(bucket_numels(model, bucket_size)), units,
+                      max((p.numel() for p in model.parameters()), default=0))
 
 
 def bucket_numels(model: torch.nn.Module, bucket_size: int) -> list[int]:

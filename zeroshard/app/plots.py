@@ -97,6 +97,56 @@ def compare_chart(path: Path, runs: list[dict], world: int) -> None:
     fig.savefig(path)
 
 
+PEAK_PARTS = (*STATES, "activations", "buffers", "other")
+
+
+def peak_chart(path: Path, rows: list[dict]) -> None:
+    """Per stage, the step's peak per rank: the estimate by part (hatched) beside the measurement (solid).
+
+    Each row (benchmarks/step_peak.py) holds "run" (model, dtype, stage), "predicted"
+    (`StepPeak.as_dict()`) and "measured" ({"peak", "memory_stats"}). The estimate's buffers are its
+    staging, stage 3's gathered units, a parameter's gradient and the recompute (or, when the optimizer step
+    peaks, the step's temporaries); the measurement's are memory_stats' staging, its activations the
+    measured ones, and "other" the rest of the resident peak (temporaries, fragments). One panel per
+    model and dtype."""
+    panels = list(dict.fromkeys((r["run"]["model"], r["run"]["dtype"]) for r in rows))
+    fig = _figure(figsize=(5.5 * len(panels), 4.8), dpi=_DPI, layout="constrained")
+    axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    colors = _colors(PEAK_PARTS)
+    for ax, (model, dtype) in zip(axes, panels):
+        mine = [r for r in rows if (r["run"]["model"], r["run"]["dtype"]) == (model, dtype)]
+        top = 0.0
+        for i, row in enumerate(mine):
+            _stacked(ax, i - 0.2, _estimated_parts(row["predicted"]), colors, 0.38, hatch="//")
+            _stacked(ax, i + 0.2, _measured_parts(row["measured"], row["predicted"]["phase"]), colors, 0.38)
+            top = max(top, row["predicted"]["total"] / MB, row["measured"]["peak"] / MB)
+        ax.set_ylim(0, top * 1.3)  # headroom for the legend
+        ax.set_xticks(range(len(mine)), [f"stage {r['run']['stage']}" for r in mine])
+        ax.set(ylabel="MB per rank at the step's peak", title=f"{model}, {dtype}: estimate | measured")
+        hatched = ax.bar(0, 0, color="white", edgecolor="gray", hatch="//", label="estimate")
+        _legend(ax, colors, [hatched], loc="upper center", ncol=4)
+    fig.savefig(path)
+
+
+def _estimated_parts(p: dict) -> dict[str, float]:
+    parts = {k: p[k] / MB for k in STATES}
+    parts["activations"] = p["activations"] / MB if p["phase"] == "backward" else 0.0
+    parts["buffers"] = p["total"] / MB - sum(parts.values())
+    return parts
+
+
+def _measured_parts(m: dict, phase: str) -> dict[str, float]:
+    """memory_stats' kinds, the measured activations where the estimate peaks in backward (at the optimizer
+    step they are gone), and the rest of the resident peak."""
+    stats = m["memory_stats"]
+    parts = {k: stats[k] / MB for k in STATES}
+    parts["buffers"] = stats["staging"] / MB
+    room = m["peak"] / MB - sum(parts.values())  # what the resident peak holds beyond the states
+    parts["activations"] = max(0.0, min(stats["activations"] / MB, room)) if phase == "backward" else 0.0
+    parts["other"] = max(0.0, room - parts["activations"])
+    return {k: parts.get(k, 0.0) for k in PEAK_PARTS}
+
+
 def _figure(**kwargs):
     """A matplotlib Figure; matplotlib (about 1 s to import) loads only when a chart is drawn, not when
     the CLI starts."""

@@ -42,6 +42,7 @@ from zeroshard.estimate.break_even import (
 from zeroshard.estimate.compression import compressed_reduction_bytes, error_feedback_bytes
 from zeroshard.estimate.powersgd import LowRank, low_rank_plan, powersgd_bytes, powersgd_sizes, powersgd_state_bytes
 from zeroshard.estimate.summary import summarize
+from zeroshard.estimate.peak import StepPeak, step_peak
 from zeroshard.estimate.zeropp import (
     FROZEN,
     PERSISTENT,
@@ -68,6 +69,7 @@ __all__ = [
     "LowRank",
     "Offload",
     "StepBytes",
+    "StepPeak",
     "UnboundedError",
     "ZeroPP",
     "break_even_bandwidth",
@@ -101,6 +103,7 @@ __all__ = [
     "state_bytes_per_element",
     "step_bytes",
     "step_check_bytes",
+    "step_peak",
     "step_seconds",
     "summarize",
     "wire_bytes",

@@ -46,6 +46,7 @@ class ActivationCount:
     per_layer: tuple[int, ...]  # bytes first saved inside each layer (or as its checkpointed input)
     outside: int  # bytes saved outside the layers: embeddings, final norm, head, loss
     storages: int  # distinct storages saved
+    largest: int = 0  # bytes of the largest storage saved: backward makes a gradient of its size while it is held
 
     @property
     def total(self) -> int:
@@ -54,7 +55,7 @@ class ActivationCount:
 
     def as_dict(self) -> dict:
         return {"total": self.total, "per_layer": list(self.per_layer), "outside_layers": self.outside,
-                "storages": self.storages}
+                "storages": self.storages, "largest": self.largest}
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -155,7 +156,8 @@ class _Saved:
                 outside += nbytes
             else:
                 per_layer[layer] += nbytes
-        return ActivationCount(tuple(per_layer), outside, len(self.first))
+        return ActivationCount(tuple(per_layer), outside, len(self.first),
+                               max((nbytes for nbytes, _ in self.first.values()), default=0))
 
 
 class MetaAsCpu(TorchFunctionMode):
