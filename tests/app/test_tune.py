@@ -62,7 +62,7 @@ def test_each_candidates_peak_is_runtime_states_buffers_and_counted_activations(
         peak = predict_peak(candidate, TINY, counts, runtime=123_456)
         plain = count_activations("tiny", candidate.micro_batch, 32, "none", "fp32")
         full = count_activations("tiny", candidate.micro_batch, 32, "full", "fp32")
-        saved = plain.total + 0 if candidate.checkpointing == "none" else full.total + max(plain.per_layer)
+        saved = plain.total if candidate.checkpointing == "none" else full.total + max(plain.per_layer)
         # two buckets of staging at stages 1-3 (a bucket's gradients, its reduction's scratch), fp32
         bucket = counted.largest_unit if candidate.stage == 3 else max(counted.buckets)
         buffers = 0 if candidate.stage == 0 else 2 * bucket * 4
@@ -125,24 +125,34 @@ def test_a_trial_over_its_memory_limit_ends_out_of_memory(tmp_path, kind):
 def test_the_search_records_a_failed_or_out_of_memory_trial_and_goes_on(tmp_path, monkeypatch):
     setup = replace(TINY, device_mem=150 * MIB)
     peak = predict_peak(Candidate(0, 1, 4), setup, count(setup), 0)
-    rows = [Row(Candidate(0, 4, 1), peak, None, StepTime(1, 0, 0)), Row(Candidate(1, 4, 1), peak, None,
-            StepTime(2, 0, 0)), Row(Candidate(3, 1, 4), peak, None, StepTime(3, 0, 0))]
 
-    def argv(setup, config, steps, steps_csv):  # stage 0 allocates past the limit, stage 1 fails, stage 3 runs
+    def row(stage: int, micro_batch: int, needs: int) -> Row:  # a candidate predicted to need `needs` bytes
+        return Row(Candidate(stage, micro_batch, 4 // micro_batch), replace(peak, runtime=needs - peak.device
+                   + peak.runtime), None, StepTime(1, 0, 0))
+
+    # in rank order: out of memory, failed, passed over (needs more than the first), ran, ran; top 2 have run
+    rows = [row(0, 4, 3 * MIB), row(1, 4, MIB), row(0, 2, 4 * MIB), row(3, 1, MIB), row(2, 2, MIB), row(2, 1, MIB)]
+
+    def argv(setup, config, steps, steps_csv):  # stage 0 allocates past the limit, stage 1 fails, 2 and 3 run
         stage = json.loads(config.read_text())["zero_optimization"]["stage"]
         return [PROGRAM, "fail"] if stage == 1 else [PROGRAM, "allocate", str((400 if stage == 0 else 20) * MIB),
                                                       str(steps_csv)]
 
     monkeypatch.setattr(tune_search, "trial_argv", argv)
-    measure(rows, setup, choose_limit("rlimit", setup.device_mem), top=3, steps=2, timeout=60, workdir=tmp_path)
+    measure(rows, setup, choose_limit("rlimit", setup.device_mem), top=2, steps=2, timeout=60, workdir=tmp_path)
     assert rows[0].trial.outcome is Outcome.OUT_OF_MEMORY and "MemoryError" in rows[0].trial.reason
     assert rows[1].trial.outcome is Outcome.FAILED
-    assert rows[1].trial.reason.startswith("rank 0 exited with exit code 3: ValueError: rank 0 was told to fail") \
-        or rows[1].trial.reason.startswith("rank 1 exited with exit code 3: ValueError: rank 1 was told to fail")
-    assert rows[2].trial.outcome is Outcome.OK and rows[2].trial.step_seconds == (0.5, 0.25)
-    assert rows[2].trial.measured_step == 0.25  # the median after the first step
-    assert choose(rows, top=3) is rows[2]
-    assert json.loads((tmp_path / "trial3" / "ds_config.json").read_text()) == ds_config(rows[2].candidate, setup)
+    assert rows[1].trial.reason in (f"rank {r} exited with exit code 3: ValueError: rank {r} was told to fail"
+                                    for r in (0, 1))
+    assert rows[2].trial is None and rows[2].untried == (
+        f"predicted to need at least the {human_bytes(3 * MIB)} of {rows[0].candidate.label()}, which ran out of "
+        "memory")
+    for ran in rows[3:5]:
+        assert ran.trial.outcome is Outcome.OK and ran.trial.step_seconds == (0.5, 0.25)
+        assert ran.trial.measured_step == 0.25  # the median after the first step
+    assert rows[5].trial is None and rows[5].untried is None  # two have run: the search stops
+    assert choose(rows, top=2) is rows[3]  # the first of two equally fast
+    assert json.loads((tmp_path / "trial3" / "ds_config.json").read_text()) == ds_config(rows[3].candidate, setup)
 
 
 def test_a_trial_that_hangs_is_killed_at_its_timeout_with_its_children(tmp_path):
@@ -219,4 +229,5 @@ def test_tune_on_the_demo_end_to_end(tmp_path):
     measured = [row for row in rows if row["trial"] is not None]
     assert measured == rows[:1] and measured[0]["trial"]["outcome"] == "ran"
     assert len(measured[0]["trial"]["step_seconds"]) == 2 and found["choice"] == measured[0]["label"]
-    assert json.loads(out.read_text()) == found["config"] == json.loads((trials / "trial1" / "ds_config.json").read_text())
+    ran = json.loads((trials / "trial1" / "ds_config.json").read_text())  # the config its trial trained with
+    assert json.loads(out.read_text()) == found["config"] == ran

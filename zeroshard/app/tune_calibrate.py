@@ -4,10 +4,12 @@ every rank at once (they share the machine's cores and memory bandwidth, as in t
 `python -m zeroshard.app.tune_calibrate --model M --seq S --micro-batches B1 B2 --measure cgroup|rlimit --out FILE`
 runs as the ranks of a trial (`tune_trials.run_trial`, uncapped). Each rank:
 
-- reads the memory it holds before any model exists, as the trials' limit
-  counts it (its memory group's usage, or VmData under RLIMIT_DATA): Python,
-  torch, the process group, the demo's corpus. This is `runtime`, the first
-  term of every predicted peak;
+- reads the memory it holds without a model, as the trials' limit counts it
+  (its memory group's usage, or VmData under RLIMIT_DATA): Python, torch and
+  the demo's modules, the process group, the demo's corpus, and what torch
+  keeps once it has run a step (its kernels' buffers and thread pools, the
+  allocator's retained free memory). This is `runtime`, the first term of
+  every predicted peak;
 - times a training forward and backward of the model (its loss, in the
   training dtype, no checkpointing) at each micro-batch: the step-time
   model's cost of a micro-step, a + b x micro-batch;
@@ -22,6 +24,7 @@ smallest bandwidth) to --out as JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -88,11 +91,18 @@ def measure(args: argparse.Namespace) -> dict:
     world = dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    corpus = CharCorpus.from_text(load_text(None))  # what the demo holds before its model: its corpus
-    runtime = torch.cuda.memory_reserved(device) if device.type == "cuda" else held_now(args.measure)
-    del corpus
+    corpus = CharCorpus.from_text(load_text(None))  # the demo's ranks hold their corpus while they train
     bandwidth = _bandwidth(world, device)
-    compute = {str(b): _forward_backward(args, b, device) for b in sorted(set(args.micro_batches))}
+    sizes = sorted(set(args.micro_batches))
+    compute = {str(sizes[0]): _forward_backward(args, sizes[0], device)}
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # torch's first kernels set up buffers and thread pools of their own, and the allocator keeps some of what
+    # a step freed: the runtime is what stays once a step of this model has run and its model is gone.
+    runtime = torch.cuda.memory_reserved(device) if device.type == "cuda" else held_now(args.measure)
+    compute |= {str(b): _forward_backward(args, b, device) for b in sizes[1:]}
+    del corpus
     return {"runtime": runtime, "forward_backward": compute, "bandwidth": bandwidth,
             "adam_per_element": _adam_per_element(shard_numel(args.numel, world), device)}
 

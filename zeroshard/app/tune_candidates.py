@@ -182,8 +182,8 @@ def predict_peak(candidate: Candidate, setup: Setup, counts: Counts, runtime: in
     per_element = state_bytes_per_element(setup.dtype, None, candidate.accumulation, candidate.stage)
     pools = offload_pool_bytes(
         counts.numel, setup.ranks, candidate.stage, **per_element, offload_optimizer=candidate.offload_optimizer,
-        offload_param=candidate.offload_params, reduce_bucket_size=counts.largest_bucket, largest_unit=counts.largest_unit,
-        persistent_numel=counts.persistent,
+        offload_param=candidate.offload_params, reduce_bucket_size=counts.largest_bucket,
+        largest_unit=counts.largest_unit, persistent_numel=counts.persistent,
         hpz_partition_size=setup.ranks_per_node if candidate.zeropp and setup.ranks_per_node > 1 else 1)
     device = pools["device"]
     bucket = counts.largest_unit if candidate.stage == 3 else counts.largest_bucket

@@ -31,7 +31,8 @@ def ds_config(candidate: Candidate, setup: Setup) -> dict:
         config[setup.dtype] = {"enabled": True}
     zero = config["zero_optimization"]
     zero["stage"] = candidate.stage
-    for key, device in (("offload_optimizer", candidate.offload_optimizer), ("offload_param", candidate.offload_params)):
+    offload = (("offload_optimizer", candidate.offload_optimizer), ("offload_param", candidate.offload_params))
+    for key, device in offload:
         if device != "none":
             zero[key] = {"device": device} | ({"nvme_path": setup.nvme_path} if device == "nvme" else {})
     if candidate.offload_params == "nvme":

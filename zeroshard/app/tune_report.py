@@ -21,7 +21,7 @@ def _seconds(value: float | None) -> str:
 def _measured(row: Row) -> str:
     """The measured step of a row's trial, or how the trial ended."""
     if row.trial is None:
-        return ""
+        return "passed over" if row.untried else ""
     return _seconds(row.trial.measured_step) if row.trial.measured_step is not None else row.trial.outcome.value
 
 
@@ -60,6 +60,8 @@ def print_search(console: Console, search: Search, out: Path | None) -> None:
         if row.trial is not None and row.trial.measured_step is None:
             console.print(f"[red]{row.candidate.label()}[/]: {row.trial.outcome.value}: {row.trial.reason}",
                           highlight=False)
+        if row.untried:
+            console.print(f"[dim]{row.candidate.label()}[/]: passed over: {row.untried}", highlight=False)
     console.print("[dim]micro: rows per micro-step; accum: micro-steps per step; ckpt: activation checkpointing; "
                   "more: offload of the optimizer state (opt) and parameters (par), ZeRO++\n"
                   "peak: predicted per rank: runtime + model states + buffers + activations (+ one block's "
@@ -90,7 +92,7 @@ def _row_dict(row: Row) -> dict:
     return {"label": row.candidate.label(), **dataclasses.asdict(row.candidate), "peak": row.peak.as_dict(),
             "fits": row.reason is None, "reason": row.reason,
             "predicted_step": row.step.as_dict() if row.step else None,
-            "trial": row.trial.as_dict() if row.trial else None}
+            "trial": row.trial.as_dict() if row.trial else None, "untried": row.untried}
 
 
 def search_dict(search: Search, config: dict | None, out: Path | None) -> dict:

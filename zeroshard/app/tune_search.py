@@ -9,10 +9,11 @@
    reject those over the memory given, each with its reason; where offload
    has a pool, try it for those. Predict each remaining one's step
    (`tune_time.predict_step`) and rank by seconds per row of the global batch.
-4. Measure the `top` first ones: each a trial of a few steps under the limit
-   (`tune_trials.run_trial`) of the very config tune writes. A trial that runs
-   out of memory, fails or times out is recorded with its reason, and the
-   search goes on.
+4. Measure them in that order, each a trial of a few steps under the limit
+   (`tune_trials.run_trial`) of the very config tune writes, until `top` have
+   run. A trial that runs out of memory, fails or times out is recorded with
+   its reason, and the next one takes its place (at most 2 x `top` trials);
+   after an out-of-memory trial, those predicted to need as much are passed over.
 5. Choose the fastest measured; with `top` 0 the first predicted.
 """
 
@@ -36,6 +37,7 @@ from zeroshard.app.tune_candidates import (
 from zeroshard.app.tune_config import ds_config, trial_argv, write_config
 from zeroshard.app.tune_time import Calibration, StepTime, predict_step
 from zeroshard.app.tune_trials import Limit, Outcome, TrialResult, run_trial
+from zeroshard.app.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,7 @@ class Row:
     reason: str | None  # why it does not fit (None: it fits)
     step: StepTime | None = None  # predicted, for those that fit
     trial: TrialResult | None = None  # measured, for the top ones
+    untried: str | None = None  # why the search did not try it after another ran out of memory
 
     @property
     def rows_per_step(self) -> int:
@@ -127,14 +130,31 @@ def run_candidate(candidate: Candidate, setup: Setup, limit: Limit, steps: int, 
 
 def measure(rows: list[Row], setup: Setup, limit: Limit, top: int, steps: int, timeout: float,
             workdir: Path) -> None:
-    """Run the first `top` rows that fit as trials, one after the other; each row keeps its result."""
-    fit = [row for row in rows if row.reason is None][:top]
-    for index, row in enumerate(fit, 1):
-        log.info("trial %d/%d: %s", index, len(fit), row.candidate.label())
-        row.trial = run_candidate(row.candidate, setup, limit, steps, timeout, workdir / f"trial{index}")
+    """Run rows that fit as trials in rank order until `top` have run; each row keeps its result.
+
+    A trial that runs out of memory, fails or times out gives its place to the next row, up to 2 x `top`
+    trials in all. After one runs out of memory, a row predicted to need at least as much is not tried
+    (`Row.untried` says so): the prediction ranks them the same way.
+    """
+    ran = attempts = 0
+    out_of_memory: list[Row] = []
+    for row in (row for row in rows if row.reason is None):
+        if ran == top or attempts == 2 * top:
+            return
+        heavier = next((r for r in out_of_memory if row.peak.device >= r.peak.device), None)
+        if heavier is not None:
+            row.untried = f"predicted to need at least the {human_bytes(heavier.peak.device)} of " \
+                          f"{heavier.candidate.label()}, which ran out of memory"
+            continue
+        attempts += 1
+        log.info("trial %d: %s", attempts, row.candidate.label())
+        row.trial = run_candidate(row.candidate, setup, limit, steps, timeout, workdir / f"trial{attempts}")
         measured = row.trial.measured_step
         log.info("  %s", f"{measured:.3f} s per step" if measured is not None
                  else f"{row.trial.outcome.value}: {row.trial.reason}")
+        ran += row.trial.outcome is Outcome.OK
+        if row.trial.outcome is Outcome.OUT_OF_MEMORY:
+            out_of_memory.append(row)
 
 
 def choose(rows: list[Row], top: int) -> Row | None:
