@@ -7,12 +7,14 @@ runs as the ranks of a trial (`tune_trials.run_trial`, uncapped). Each rank:
 - reads the memory it holds without a model, as the trials' limit counts it
   (its memory group's usage, or VmData under RLIMIT_DATA): Python, torch and
   the demo's modules, the process group, the demo's corpus, and what torch
-  keeps once it has run a step (its kernels' buffers and thread pools, the
-  allocator's retained free memory). This is `runtime`, the first term of
-  every predicted peak;
+  keeps once it has run a small step of the model (its kernels' buffers and
+  thread pools). This is `runtime`, the first term of every predicted peak;
 - times a training forward and backward of the model (its loss, in the
   training dtype, no checkpointing) at each micro-batch: the step-time
-  model's cost of a micro-step, a + b x micro-batch;
+  model's cost of a micro-step, a + b x micro-batch; and reads what the first
+  one adds to its memory at its peak, its gradients already there: the saved
+  activations and the temporaries of both passes, whose ratio to the counted
+  activations is the predicted peak's `workspace`;
 - times AdamW steps over one flat fp32 tensor of a rank's shard (the engine
   steps flat master shards): seconds per element;
 - times all-reduces of a buffer over the ranks: bytes each rank sends per second.
@@ -37,7 +39,7 @@ import zeroshard.app.train  # noqa: F401  what a trial's rank imports is part of
 from zeroshard.app.activation_count import training_forward
 from zeroshard.app.data import CharCorpus, load_text
 from zeroshard.app.flags import positive_int
-from zeroshard.app.tune_trials import held_now
+from zeroshard.app.tune_trials import held_now, peak_since_reset, reset_peak
 from zeroshard.dtypes import TRAINING_DTYPES
 from zeroshard.estimate import shard_numel, wire_bytes
 
@@ -45,29 +47,45 @@ _REPEATS = 2  # timed runs of each measurement after one warm-up; the fastest co
 _COMM_ELEMENTS = 4_000_000  # the all-reduce's buffer, fp32 (16 MB): long enough that latency is a small part
 
 
-def _fastest(work, device: torch.device) -> float:
-    """Seconds of the fastest of `_REPEATS` runs of `work()`, after one run that warms up."""
+def _fastest(work, device: torch.device, warm_up: bool = True) -> float:
+    """Seconds of the fastest of `_REPEATS` runs of `work()`, after one run that warms up (unless it has)."""
     best = float("inf")
-    for repeat in range(_REPEATS + 1):
+    for repeat in range(_REPEATS + warm_up):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         start = time.perf_counter()
         work()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        if repeat:
+        if repeat or not warm_up:
             best = min(best, time.perf_counter() - start)
     return best
 
 
-def _forward_backward(args: argparse.Namespace, micro_batch: int, device: torch.device) -> float:
+def _forward_backward(args: argparse.Namespace, micro_batch: int, device: torch.device) -> tuple[float, int]:
+    """(seconds of the fastest forward + backward of `micro_batch` rows, bytes the first one added at its peak).
+
+    The gradients exist before it, as an engine's gradient buffers do, so what it adds is the activations and
+    the temporaries of both passes: the workspace of a step beyond the saved activations.
+    """
     model, _, forward = training_forward(args.model, micro_batch, args.seq, "none", args.dtype, str(device))
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)  # backward accumulates into them in place
+    gc.collect()
 
     def step() -> None:
         forward().float().backward()
-        model.zero_grad(set_to_none=True)
 
-    return _fastest(step, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        added = torch.cuda.max_memory_allocated(device) - before
+    else:
+        before = reset_peak(args.measure)
+        step()  # the first, in memory no earlier step has left to the allocator
+        added = peak_since_reset(args.measure) - before
+    return _fastest(step, device, warm_up=False), added
 
 
 def _adam_per_element(numel: int, device: torch.device) -> float:
@@ -93,17 +111,21 @@ def measure(args: argparse.Namespace) -> dict:
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     corpus = CharCorpus.from_text(load_text(None))  # the demo's ranks hold their corpus while they train
     bandwidth = _bandwidth(world, device)
-    sizes = sorted(set(args.micro_batches))
-    compute = {str(sizes[0]): _forward_backward(args, sizes[0], device)}
+    # torch's first kernels set up buffers and thread pools of their own, and its optimizers' first use imports
+    # torch._dynamo (tens of MB): the runtime is what stays once a small step of this model (one row of a few
+    # tokens: its activations are next to nothing) and its AdamW have run.
+    model, _, forward = training_forward(args.model, 1, min(args.seq, 8), "none", args.dtype, str(device))
+    forward().float().backward()
+    torch.optim.AdamW(model.parameters()).step()
+    del model, forward
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    # torch's first kernels set up buffers and thread pools of their own, and the allocator keeps some of what
-    # a step freed: the runtime is what stays once a step of this model has run and its model is gone.
     runtime = torch.cuda.memory_reserved(device) if device.type == "cuda" else held_now(args.measure)
-    compute |= {str(b): _forward_backward(args, b, device) for b in sizes[1:]}
+    measured = {str(b): _forward_backward(args, b, device) for b in sorted(set(args.micro_batches))}
     del corpus
-    return {"runtime": runtime, "forward_backward": compute, "bandwidth": bandwidth,
+    return {"runtime": runtime, "forward_backward": {b: seconds for b, (seconds, _) in measured.items()},
+            "step_added": {b: added for b, (_, added) in measured.items()}, "bandwidth": bandwidth,
             "adam_per_element": _adam_per_element(shard_numel(args.numel, world), device)}
 
 
@@ -125,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
         dist.all_gather_object(everyone, measure(args))
         if dist.get_rank() == 0:
             args.out.write_text(json.dumps(slowest(everyone), indent=2) + "\n", encoding="utf-8")
+        dist.barrier()  # no rank tears its group down while another still talks to it
     finally:
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -134,6 +158,7 @@ def slowest(ranks: list[dict]) -> dict:
     bandwidths = [r["bandwidth"] for r in ranks if r["bandwidth"] is not None]
     return {"runtime": max(r["runtime"] for r in ranks),
             "forward_backward": {b: max(r["forward_backward"][b] for r in ranks) for b in ranks[0]["forward_backward"]},
+            "step_added": {b: max(r["step_added"][b] for r in ranks) for b in ranks[0]["step_added"]},
             "adam_per_element": max(r["adam_per_element"] for r in ranks),
             "bandwidth": min(bandwidths) if bandwidths else None, "ranks": len(ranks)}
 

@@ -14,9 +14,11 @@ process group, the corpus), the model states in the rank's memory
 (`zeroshard.estimate.offload_pool_bytes`: the per-rank formulas of stages
 0-3, a gathered unit at stage 3, the pools with offload), the declared
 staging buffers, one micro-batch's activations counted on the meta device
-(`zeroshard estimate --micro-batch --seq`), and with checkpointing one block's
-recompute. On a machine without a GPU the device is host memory, so the host
-pool counts there too.
+(`zeroshard estimate --micro-batch --seq`), with checkpointing one block's
+recompute, and the workspace of the forward and backward beside the saved
+activations (their temporaries: the calibration measures them as a fraction
+of the saved activations). On a machine without a GPU the device is host
+memory, so the host pool counts there too.
 """
 
 from __future__ import annotations
@@ -156,6 +158,7 @@ class Peak:
     buffers: int  # declared staging buffers in the device pool
     activations: int  # one micro-batch's forward
     recompute: int  # one block's activations while its recompute runs (checkpointing)
+    workspace: int  # the temporaries of the forward and backward beside those (measured ratio, see predict_peak)
     host: int  # the host pool (offload), per rank
     disk: int  # the disk pool (offload), per rank
     on_gpu: bool
@@ -168,17 +171,22 @@ class Peak:
     @property
     def device(self) -> int:
         """The peak in the rank's device memory (host memory without a GPU)."""
-        return self.fixed + self.activations + self.recompute
+        return self.fixed + self.activations + self.recompute + self.workspace
 
     def as_dict(self) -> dict:
         return {"runtime": self.runtime, "states": self.states, "buffers": self.buffers,
-                "activations": self.activations, "recompute": self.recompute, "host": self.host,
+                "activations": self.activations, "recompute": self.recompute, "workspace": self.workspace,
+                "host": self.host,
                 "disk": self.disk, "device": self.device}
 
 
-def predict_peak(candidate: Candidate, setup: Setup, counts: Counts, runtime: int) -> Peak:
+def predict_peak(candidate: Candidate, setup: Setup, counts: Counts, runtime: int, workspace: float = 0.0) -> Peak:
     """The peak memory of one rank of `candidate` in a step: runtime + model states + buffers + activations
-    (+ recompute), and the host and disk pools. The one place tune predicts memory."""
+    (+ recompute) + workspace, and the host and disk pools. The one place tune predicts memory.
+
+    `runtime`: bytes a rank holds without a model; `workspace`: the temporaries of a forward and backward as a
+    fraction of the saved activations (both measured by the calibration).
+    """
     per_element = state_bytes_per_element(setup.dtype, None, candidate.accumulation, candidate.stage)
     pools = offload_pool_bytes(
         counts.numel, setup.ranks, candidate.stage, **per_element, offload_optimizer=candidate.offload_optimizer,
@@ -190,7 +198,8 @@ def predict_peak(candidate: Candidate, setup: Setup, counts: Counts, runtime: in
     buffers = device.pop("staging") + (_STAGING_BUCKETS * bucket * per_element["grad_bytes"]
                                        if candidate.stage > 0 and setup.ranks > 1 else 0)
     activations, recompute = counts.activations[candidate.micro_batch, candidate.checkpointing]
-    return Peak(runtime, sum(device.values()), buffers, activations, recompute, sum(pools["host"].values()),
+    return Peak(runtime, sum(device.values()), buffers, activations, recompute,
+                round(workspace * (activations + recompute)), sum(pools["host"].values()),
                 sum(pools["disk"].values()), setup.on_gpu)
 
 
@@ -204,7 +213,8 @@ def rejection(candidate: Candidate, peak: Peak, setup: Setup) -> str | None:
                 f"{human_bytes(peak.runtime)} runtime)")
     if peak.device > limit:
         recompute = f" + recompute {human_bytes(peak.recompute)}" * (peak.recompute > 0)
-        return (f"{candidate.label()}: activations {human_bytes(peak.activations)}{recompute} over "
+        workspace = f" + workspace {human_bytes(peak.workspace)}" * (peak.workspace > 0)
+        return (f"{candidate.label()}: activations {human_bytes(peak.activations)}{recompute}{workspace} over "
                 f"{human_bytes(limit - peak.fixed)} free")
     for pool, need, have in (("host memory", peak.host, setup.host_mem if setup.on_gpu else None),
                              ("disk", peak.disk, setup.disk_mem)):

@@ -44,31 +44,31 @@ def print_search(console: Console, search: Search, out: Path | None) -> None:
                   + f"; AdamW {cal.adam_per_element * 1e9:.2f} ns per element"
                   + (f"; all-reduce {human_bytes(cal.bandwidth)}/s per rank" if cal.bandwidth else ""))
     table = Table(show_edge=False)
-    for column in ("#", "stage", "micro", "accum", "ckpt", "more", "peak", "step", "measured", "fits"):
+    for column in ("#", "stage", "micro", "accum", "ckpt", "more", "peak", "fits", "step", "measured"):
         table.add_column(column, justify="left" if column in ("ckpt", "more", "fits") else "right")
     for index, row in enumerate(search.rows, 1):
         c = row.candidate
-        fits = "yes" if row.reason is None else row.reason.removeprefix(c.label() + ": ")
         table.add_row(str(index), str(c.stage), str(c.micro_batch), str(c.accumulation),
                       "full" if c.checkpointing == "full" else "", _more(c), human_bytes(row.peak.device),
-                      _seconds(row.step.total if row.step else None), _measured(row), fits,
-                      style="bold" if row is search.choice else None)
-    for label, reason in search.skipped:
-        table.add_row("", "", label.removeprefix("micro-batch "), "", "", "", "", "", "", reason)
+                      "yes" if row.reason is None else "no", _seconds(row.step.total if row.step else None),
+                      _measured(row), style="bold" if row is search.choice else None)
     console.print(table)
-    for row in search.rows:
-        if row.trial is not None and row.trial.measured_step is None:
-            console.print(f"[red]{row.candidate.label()}[/]: {row.trial.outcome.value}: {row.trial.reason}",
-                          highlight=False)
-        if row.untried:
-            console.print(f"[dim]{row.candidate.label()}[/]: passed over: {row.untried}", highlight=False)
+    for index, row in enumerate(search.rows, 1):
+        if row.reason is not None:
+            console.print(f"{index:>3} {row.reason}", highlight=False)
+        elif row.trial is not None and row.trial.measured_step is None:
+            console.print(f"{index:>3} [red]{row.trial.outcome.value}[/]: {row.trial.reason}", highlight=False)
+        elif row.untried:
+            console.print(f"{index:>3} passed over: {row.untried}", highlight=False)
+    for label, reason in search.skipped:
+        console.print(f"  - {label}: {reason}", highlight=False)
     console.print("[dim]micro: rows per micro-step; accum: micro-steps per step; ckpt: activation checkpointing; "
                   "more: offload of the optimizer state (opt) and parameters (par), ZeRO++\n"
                   "peak: predicted per rank: runtime + model states + buffers + activations (+ one block's "
                   "recompute with checkpointing)\n"
                   "step: predicted seconds per optimizer step: micro-steps x measured forward + backward (x 4/3 "
                   "with checkpointing) + AdamW over the rank's elements + bytes sent / measured bandwidth\n"
-                  "measured: the trial's median step after the first, or how the trial ended (below)[/]")
+                  "measured: the trial's median step after the first, or how the trial ended (above)[/]")
     _print_choice(console, search, out)
 
 

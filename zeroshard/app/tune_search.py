@@ -86,9 +86,10 @@ class Search:
 def calibrate(setup: Setup, counts: Counts, limit: Limit, timeout: float, workdir: Path) -> Calibration:
     """Run the calibration's ranks (uncapped, counted as the trials' limit counts); raises TuneError if it fails.
 
-    It times the smallest micro-batch and the largest whose activations alone fit the device memory."""
-    fitting = [b for b in setup.micro_batches if counts.activations[b, "none"][0] <= setup.device_mem]
-    sizes = sorted({min(setup.micro_batches), max(fitting, default=min(setup.micro_batches))})
+    It times the smallest micro-batch of the grid and the largest whose activations alone fit the device memory."""
+    batches = sorted({candidate.micro_batch for candidate in grid(setup)[0]})
+    fitting = [b for b in batches if counts.activations[b, "none"][0] <= setup.device_mem]
+    sizes = sorted({batches[0], max(fitting, default=batches[0])})
     out = workdir / "calibration.json"
     argv = ["zeroshard.app.tune_calibrate", "--model", setup.model, "--numel", str(counts.numel), "--seq",
             str(setup.seq), "--micro-batches", *map(str, sizes), "--dtype", setup.dtype, "--measure", limit.kind,
@@ -105,12 +106,13 @@ def predict(setup: Setup, counts: Counts, calibration: Calibration) -> list[Row]
     fastest per row first, then the rest in grid order."""
     rows = []
     candidates, _ = grid(setup)
+    measured = (calibration.runtime, calibration.workspace(counts))
     for candidate in candidates:
-        peak = predict_peak(candidate, setup, counts, calibration.runtime)
+        peak = predict_peak(candidate, setup, counts, *measured)
         rows.append(Row(candidate, peak, rejection(candidate, peak, setup)))
         if rows[-1].reason is not None:
             for variant in offload_variants(candidate, setup):
-                peak = predict_peak(variant, setup, counts, calibration.runtime)
+                peak = predict_peak(variant, setup, counts, *measured)
                 rows.append(Row(variant, peak, rejection(variant, peak, setup)))
     for row in rows:
         if row.reason is None:

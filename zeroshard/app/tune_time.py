@@ -46,6 +46,7 @@ class Calibration:
 
     runtime: int  # bytes a rank holds before any model
     forward_backward: dict[int, float]  # micro-batch -> seconds of one forward + backward
+    step_added: dict[int, int]  # micro-batch -> bytes a forward + backward added at its peak, gradients held
     adam_per_element: float  # seconds of AdamW per fp32 element
     bandwidth: float | None  # bytes each rank sends per second in an all-reduce (None: one rank)
 
@@ -53,7 +54,13 @@ class Calibration:
     def read(cls, path: Path) -> Calibration:
         figures = json.loads(path.read_text(encoding="utf-8"))
         return cls(figures["runtime"], {int(b): s for b, s in figures["forward_backward"].items()},
-                   figures["adam_per_element"], figures["bandwidth"])
+                   {int(b): n for b, n in figures["step_added"].items()}, figures["adam_per_element"],
+                   figures["bandwidth"])
+
+    def workspace(self, counts: Counts) -> float:
+        """The temporaries of a forward + backward as a fraction of its saved activations (the counted ones):
+        what the calibration's step added at its peak over the count, the largest ratio of its micro-batches."""
+        return max(max(0.0, added / counts.activations[b, "none"][0] - 1) for b, added in self.step_added.items())
 
     def micro_step(self, micro_batch: int) -> float:
         """Seconds of one forward + backward of `micro_batch` rows: the line through the measured points."""
@@ -65,7 +72,7 @@ class Calibration:
         return max(0.0, s0 + slope * (micro_batch - b0))
 
     def as_dict(self) -> dict:
-        return {"runtime": self.runtime, "forward_backward": self.forward_backward,
+        return {"runtime": self.runtime, "forward_backward": self.forward_backward, "step_added": self.step_added,
                 "adam_per_element": self.adam_per_element, "bandwidth": self.bandwidth}
 
 

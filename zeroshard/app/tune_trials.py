@@ -302,7 +302,28 @@ def held_now(measure: str) -> int:
         if group is None:
             raise RuntimeError("this process is in no v1 memory cgroup: measure with rlimit")
         return int((group / "memory.usage_in_bytes").read_text())
+    return _status("VmData")
+
+
+def reset_peak(measure: str) -> int:
+    """Start a new high-water mark of this process's memory; returns what it holds now. "cgroup": its memory
+    group's usage (max_usage_in_bytes reset to it); "rlimit": its resident set (VmHWM reset to VmRSS)."""
+    if measure == "cgroup":
+        (own_cgroup() / "memory.max_usage_in_bytes").write_text("0")  # v1: "0" resets it to the usage now
+        return held_now("cgroup")
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to VmRSS
+    return _status("VmRSS")
+
+
+def peak_since_reset(measure: str) -> int:
+    """The high-water mark of this process's memory since `reset_peak`, bytes."""
+    if measure == "cgroup":
+        return int((own_cgroup() / "memory.max_usage_in_bytes").read_text())
+    return _status("VmHWM")
+
+
+def _status(key: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmData:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmData line: measure with cgroup")
+    raise RuntimeError(f"/proc/self/status has no {key} line")
