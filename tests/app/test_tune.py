@@ -28,13 +28,14 @@ from zeroshard.app.tune_candidates import (
     Setup,
     count,
     grid,
+    bucket_size,
     offload_variants,
     predict_peak,
     rejection,
 )
 from zeroshard.app.tune_config import ds_config, write_config
 from zeroshard.app.tune_search import Row, choose, measure
-from zeroshard.app.tune_time import StepTime
+from zeroshard.app.tune_time import Calibration, StepTime
 from zeroshard.app.tune_trials import Limit, Outcome, choose_limit, run_trial
 from zeroshard.app.units import human_bytes
 from zeroshard.config import ConfigFacts
@@ -54,12 +55,15 @@ def _states(candidate: Candidate, numel: int, largest_unit: int) -> int:
 def test_each_candidates_peak_is_runtime_states_buffers_and_counted_activations():
     counts, counted = count(TINY), count_model("tiny")
     assert (counts.numel, counts.largest_unit) == (counted.numel, counted.largest_unit)
-    candidates, skipped = grid(TINY)
+    candidates, skipped = grid(TINY, counts)
     assert skipped == []
     assert sorted((c.stage, c.micro_batch, c.accumulation, c.checkpointing) for c in candidates) == sorted(
         (s, b, 8 // (2 * b), k) for s in range(4) for b in (1, 4) for k in ("none", "full"))
+    assert {c.bucket_size for c in candidates} == {counts.bucket_size} == {50_000}  # the demo's, for a small model
+    # about 16 buckets, between the demo's 50,000 elements and the engine's default 25,000,000
+    assert (bucket_size(818_048), bucket_size(96_000_000), bucket_size(10**10)) == (51_128, 6_000_000, 25_000_000)
     for candidate in candidates:
-        peak = predict_peak(candidate, TINY, counts, runtime=123_456)
+        peak = predict_peak(candidate, TINY, counts, runtime=123_456, workspace=0.25)
         plain = count_activations("tiny", candidate.micro_batch, 32, "none", "fp32")
         full = count_activations("tiny", candidate.micro_batch, 32, "full", "fp32")
         saved = plain.total if candidate.checkpointing == "none" else full.total + max(plain.per_layer)
@@ -67,7 +71,16 @@ def test_each_candidates_peak_is_runtime_states_buffers_and_counted_activations(
         bucket = counted.largest_unit if candidate.stage == 3 else max(counted.buckets)
         buffers = 0 if candidate.stage == 0 else 2 * bucket * 4
         assert (peak.states, peak.buffers) == (_states(candidate, counted.numel, counted.largest_unit), buffers)
-        assert peak.device == 123_456 + peak.states + buffers + saved, candidate
+        assert peak.workspace == round(0.25 * saved)  # temporaries beside the saved activations, as measured
+        assert peak.device == 123_456 + peak.states + buffers + saved + peak.workspace, candidate
+
+
+def test_the_calibrations_workspace_is_its_largest_step_over_the_counted_activations():
+    counts = count(TINY)
+    one, four = counts.activations[1, "none"][0], counts.activations[4, "none"][0]
+    calibration = Calibration(0, {1: 0.1, 4: 0.3}, {1: one // 2, 4: 3 * four // 2}, 1e-9, 1e9)
+    assert calibration.workspace(counts) == pytest.approx(0.5)  # micro-batch 1 added less than its count: 0
+    assert calibration.micro_step(2) == pytest.approx(0.1 + (0.3 - 0.1) / 3)  # the line through the points
 
 
 def test_rejections_name_the_part_over_the_memory_in_the_users_words():
@@ -93,7 +106,7 @@ def test_rejections_name_the_part_over_the_memory_in_the_users_words():
 
 def test_the_grid_keeps_the_global_batch_and_offers_zeropp_and_offload_only_where_they_apply():
     setup = replace(TINY, ranks=4, nodes=2, micro_batches=(1, 3), global_batch=8, disk_mem=10**9, nvme_path="/d")
-    candidates, skipped = grid(setup)
+    candidates, skipped = grid(setup, count(setup))
     assert skipped == [("micro-batch 3", "3 rows x 4 ranks = 12 does not divide the global batch of 8 rows")]
     assert {c.accumulation for c in candidates} == {2}
     assert {c.stage for c in candidates if c.zeropp} == {3} and sum(c.zeropp for c in candidates) == 2
@@ -184,7 +197,7 @@ def _deepspeed_step(rank, world, device, path):
 
 def test_the_written_config_loads_as_the_candidate_and_runs_through_deepspeed_initialize(tmp_path):
     setup = replace(TINY, ranks=4, nodes=2)
-    candidate = Candidate(3, 4, 2, "full", zeropp=True)
+    candidate = Candidate(3, 4, 2, "full", zeropp=True, bucket_size=60_000)
     path = tmp_path / "ds_config.json"
     write_config(path, ds_config(candidate, setup))
     config = zeroshard.Config.load(path, ConfigFacts(world_size=4))
@@ -192,6 +205,7 @@ def test_the_written_config_loads_as_the_candidate_and_runs_through_deepspeed_in
     assert (config.stage, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps,
             config.train_batch_size) == (3, 4, 2, 32)
     assert (zero.zero_quantized_weights, zero.zero_quantized_gradients, zero.zero_hpz_partition_size) == (True, True, 2)
+    assert (zero.reduce_bucket_size, zero.allgather_bucket_size) == (60_000, 60_000)
     assert "activation_checkpointing" in config.model_fields_set
     assert demo_model_config(argparse.Namespace(config=str(path), model="tiny"), 65).checkpointing == "deepspeed"
     plain = tmp_path / "plain.json"

@@ -112,9 +112,9 @@ def measure(args: argparse.Namespace) -> dict:
     corpus = CharCorpus.from_text(load_text(None))  # the demo's ranks hold their corpus while they train
     bandwidth = _bandwidth(world, device)
     # torch's first kernels set up buffers and thread pools of their own, and its optimizers' first use imports
-    # torch._dynamo (tens of MB): the runtime is what stays once a small step of this model (one row of a few
-    # tokens: its activations are next to nothing) and its AdamW have run.
-    model, _, forward = training_forward(args.model, 1, min(args.seq, 8), "none", args.dtype, str(device))
+    # torch._dynamo (tens of MB): the runtime is what stays once a step of the small GPT (the same kinds of
+    # layers, next to no memory of its own for the allocator to keep) and its AdamW have run.
+    model, _, forward = training_forward("tiny", 1, 8, "none", args.dtype, str(device))
     forward().float().backward()
     torch.optim.AdamW(model.parameters()).step()
     del model, forward
@@ -122,7 +122,8 @@ def measure(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     runtime = torch.cuda.memory_reserved(device) if device.type == "cuda" else held_now(args.measure)
-    measured = {str(b): _forward_backward(args, b, device) for b in sorted(set(args.micro_batches))}
+    # the largest first: memory an earlier one freed, which the allocator keeps, would hide what a later one adds
+    measured = {str(b): _forward_backward(args, b, device) for b in sorted(set(args.micro_batches), reverse=True)}
     del corpus
     return {"runtime": runtime, "forward_backward": {b: seconds for b, (seconds, _) in measured.items()},
             "step_added": {b: added for b, (_, added) in measured.items()}, "bandwidth": bandwidth,

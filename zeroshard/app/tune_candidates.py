@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from zeroshard.app.activation_count import count_activations
-from zeroshard.app.model_count import count_model
+from zeroshard.app.model_count import DEMO_BUCKET_SIZE, REDUCE_BUCKET_SIZE, count_model
 from zeroshard.app.units import human_bytes
 from zeroshard.estimate import Flat, offload_pool_bytes, state_bytes_per_element
 from zeroshard.estimate.zeropp import PERSISTENT
@@ -34,6 +34,7 @@ from zeroshard.estimate.zeropp import PERSISTENT
 STAGES = (0, 1, 2, 3)
 CHECKPOINTING = ("none", "full")
 _STAGING_BUCKETS = 2  # a bucket's gradients staged for its reduction, and the reduction's scratch
+_BUCKETS = 16  # about this many gradient buckets: reductions overlap backward, and each call's cost stays small
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Candidate:
     offload_optimizer: str = "none"  # "cpu" or "nvme": the fp32 master shard and Adam state there
     offload_params: str = "none"  # stage 3: the parameter shards there too
     zeropp: bool = False
+    bucket_size: int = DEMO_BUCKET_SIZE  # reduce and all-gather bucket, elements: the same for every candidate
 
     def label(self) -> str:
         """The candidate in the user's words: "stage 2, micro-batch 8, accumulation 2, checkpointing"."""
@@ -90,7 +92,8 @@ class Counts:
     numel: int
     largest_unit: int
     flats: tuple[Flat, ...]
-    largest_bucket: int
+    bucket_size: int  # the gradient bucket tune writes (`bucket_size`), elements
+    largest_bucket: int  # elements of the largest bucket the engine builds of it
     activations: dict[tuple[int, str], tuple[int, int]]
 
     @property
@@ -98,22 +101,29 @@ class Counts:
         return sum(f.numel for f in self.flats if f.kind == PERSISTENT)
 
 
+def bucket_size(numel: int) -> int:
+    """The reduce and all-gather bucket tune writes for a model of `numel` elements: about `_BUCKETS` buckets,
+    at least the demo's 50,000 elements and at most the engine's default (25,000,000)."""
+    return min(REDUCE_BUCKET_SIZE, max(DEMO_BUCKET_SIZE, -(-numel // _BUCKETS)))
+
+
 def count(setup: Setup) -> Counts:
     """Count the model and its activations at every micro-batch, with and without checkpointing.
 
     Raises ValueError (from model_count/activation_count) naming what is wrong with the model or --seq."""
-    counted = count_model(setup.model)
+    bucket = bucket_size(count_model(setup.model).numel)
+    counted = count_model(setup.model, bucket_size=bucket)
     saved = {}
     for micro_batch in setup.micro_batches:
         plain = count_activations(setup.model, micro_batch, setup.seq, "none", setup.dtype)
         full = count_activations(setup.model, micro_batch, setup.seq, "full", setup.dtype)
         saved[micro_batch, "none"] = (plain.total, 0)
         saved[micro_batch, "full"] = (full.total, max(plain.per_layer, default=0))  # one block recomputed at once
-    return Counts(counted.numel, counted.largest_unit, counted.flats, max(counted.buckets, default=counted.numel),
-                  saved)
+    return Counts(counted.numel, counted.largest_unit, counted.flats, bucket,
+                  max(counted.buckets, default=counted.numel), saved)
 
 
-def grid(setup: Setup) -> tuple[list[Candidate], list[tuple[str, str]]]:
+def grid(setup: Setup, counts: Counts) -> tuple[list[Candidate], list[tuple[str, str]]]:
     """The candidates without offload, and (label, reason) for each micro-batch that cannot make the global batch."""
     out, skipped = [], []
     for micro_batch in setup.micro_batches:
@@ -126,7 +136,7 @@ def grid(setup: Setup) -> tuple[list[Candidate], list[tuple[str, str]]]:
         accumulation = 1 if setup.global_batch is None else setup.global_batch // rows
         for stage in STAGES:
             for checkpointing in CHECKPOINTING:
-                base = Candidate(stage, micro_batch, accumulation, checkpointing)
+                base = Candidate(stage, micro_batch, accumulation, checkpointing, bucket_size=counts.bucket_size)
                 out.append(base)
                 if stage == 3 and setup.nodes > 1:
                     out.append(replace(base, zeropp=True))

@@ -1,9 +1,9 @@
 """`zeroshard tune`'s configs: a candidate as the DeepSpeed-style JSON that `zeroshard train --config` and
 `deepspeed.initialize` (through `zeroshard.deepspeed`) run as it is, and the demo's command line of a trial.
 
-For a demo preset the config starts from the demo's own settings (its
-buckets, stage 3's units: what the trials ran); for another model from the
-engine's defaults. `train_batch_size` is written out, so the file says the
+For a demo preset the config starts from the demo's own settings (stage 3's
+units, gradient clipping); for another model from the engine's defaults.
+Both get the bucket size tune chose for the model (`tune_candidates.bucket_size`). `train_batch_size` is written out, so the file says the
 global batch it was tuned for and a run on another number of ranks is told
 so at start. Checkpointing writes an `activation_checkpointing` block: the
 demo checkpoints its blocks when its config has one (app/demo_config.py); a
@@ -30,7 +30,8 @@ def ds_config(candidate: Candidate, setup: Setup) -> dict:
     if setup.dtype != "fp32":
         config[setup.dtype] = {"enabled": True}
     zero = config["zero_optimization"]
-    zero["stage"] = candidate.stage
+    zero |= {"stage": candidate.stage, "reduce_bucket_size": candidate.bucket_size,
+             "allgather_bucket_size": candidate.bucket_size}
     offload = (("offload_optimizer", candidate.offload_optimizer), ("offload_param", candidate.offload_params))
     for key, device in offload:
         if device != "none":

@@ -87,7 +87,7 @@ def calibrate(setup: Setup, counts: Counts, limit: Limit, timeout: float, workdi
     """Run the calibration's ranks (uncapped, counted as the trials' limit counts); raises TuneError if it fails.
 
     It times the smallest micro-batch of the grid and the largest whose activations alone fit the device memory."""
-    batches = sorted({candidate.micro_batch for candidate in grid(setup)[0]})
+    batches = sorted({candidate.micro_batch for candidate in grid(setup, counts)[0]})
     fitting = [b for b in batches if counts.activations[b, "none"][0] <= setup.device_mem]
     sizes = sorted({batches[0], max(fitting, default=batches[0])})
     out = workdir / "calibration.json"
@@ -105,7 +105,7 @@ def predict(setup: Setup, counts: Counts, calibration: Calibration) -> list[Row]
     """Every candidate with its peak and reason, offload tried where one does not fit; those that fit first,
     fastest per row first, then the rest in grid order."""
     rows = []
-    candidates, _ = grid(setup)
+    candidates, _ = grid(setup, counts)
     measured = (calibration.runtime, calibration.workspace(counts))
     for candidate in candidates:
         peak = predict_peak(candidate, setup, counts, *measured)
@@ -175,4 +175,4 @@ def search(setup: Setup, limit: Limit, top: int, steps: int, timeout: float, wor
     calibration = calibrate(setup, counts, limit, timeout, workdir)
     rows = predict(setup, counts, calibration)
     measure(rows, setup, limit, top, steps, timeout, workdir)
-    return Search(setup, counts, calibration, limit, rows, grid(setup)[1], choose(rows, top), workdir)
+    return Search(setup, counts, calibration, limit, rows, grid(setup, counts)[1], choose(rows, top), workdir)
