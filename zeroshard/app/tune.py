@@ -33,9 +33,9 @@ from zeroshard.app.units import memory_size
 
 EXAMPLES = """\
 examples:
-  zeroshard tune --device-mem 1GB --global-batch 32      the demo GPT on 2 ranks: the fastest of stages 0-3,
-                                                          micro-batches and checkpointing that fits 1 GB a rank
-  zeroshard tune --model 100m --device-mem 2.5GB --global-batch 8 --micro-batches 1 2 4 --top 4
+  zeroshard tune --device-mem 350MB --global-batch 64    the demo GPT on 2 ranks: the fastest of stages 0-3,
+                                                          micro-batches and checkpointing that fits 350 MB a rank
+  zeroshard tune --model 100m --device-mem 1.8GB --global-batch 8 --micro-batches 1 2 4 --top 4
   zeroshard tune --model 100m --nproc-per-node 4 --nodes 2 --device-mem 3GB    ZeRO++ among the candidates
   zeroshard tune --model gpt2 --seq 512 --device-mem 40GB --top 0 --json       by the estimate alone
 """

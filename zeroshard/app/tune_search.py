@@ -135,15 +135,17 @@ def measure(rows: list[Row], setup: Setup, limit: Limit, top: int, steps: int, t
     """Run rows that fit as trials in rank order until `top` have run; each row keeps its result.
 
     A trial that runs out of memory, fails or times out gives its place to the next row, up to 2 x `top`
-    trials in all. After one runs out of memory, a row predicted to need at least as much is not tried
-    (`Row.untried` says so): the prediction ranks them the same way.
+    trials in all. After one runs out of memory, a row of the same kind (stage, offload, ZeRO++) predicted
+    to need at least as much is not tried (`Row.untried` says so): within a kind the prediction orders
+    the candidates as their memory does, whatever it leaves out.
     """
     ran = attempts = 0
     out_of_memory: list[Row] = []
     for row in (row for row in rows if row.reason is None):
         if ran == top or attempts == 2 * top:
             return
-        heavier = next((r for r in out_of_memory if row.peak.device >= r.peak.device), None)
+        heavier = next((r for r in out_of_memory if _kind(r) == _kind(row) and row.peak.device >= r.peak.device),
+                       None)
         if heavier is not None:
             row.untried = f"predicted to need at least the {human_bytes(heavier.peak.device)} of " \
                           f"{heavier.candidate.label()}, which ran out of memory"
@@ -157,6 +159,11 @@ def measure(rows: list[Row], setup: Setup, limit: Limit, top: int, steps: int, t
         ran += row.trial.outcome is Outcome.OK
         if row.trial.outcome is Outcome.OUT_OF_MEMORY:
             out_of_memory.append(row)
+
+
+def _kind(row: Row) -> tuple:
+    c = row.candidate
+    return c.stage, c.offload_optimizer, c.offload_params, c.zeropp
 
 
 def choose(rows: list[Row], top: int) -> Row | None:
