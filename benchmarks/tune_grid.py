@@ -108,7 +108,7 @@ def verdicts(found: Search, grid: list[Row], timeout: float) -> tuple[list[str],
     return lines, figures
 
 
-def render(found: Search, grid: list[Row], tune_seconds: float, args: argparse.Namespace, tune_args) -> str:
+def render(found: Search, grid: list[Row], tune_seconds: float, tune_args: argparse.Namespace) -> str:
     m, setup = machine(), found.setup
     verdict, _ = verdicts(found, grid, tune_args.trial_timeout)
     failures = [f"- {kind} {row.candidate.label()}: {row.trial.outcome.value}: {row.trial.reason}"
@@ -146,7 +146,7 @@ def main() -> int:
         grid = measure_grid(found, tune_args.steps, tune_args.trial_timeout, workdir / "grid")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    text = render(found, grid, tune_seconds, args, tune_args)
+    text = render(found, grid, tune_seconds, tune_args)
     write_section(args.out, text)
     _, figures = verdicts(found, grid, tune_args.trial_timeout)
     path = args.json or HERE / "results" / f"tune_grid_{setup.model}.json"

@@ -136,16 +136,18 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     _log_progress()
     workdir = Path(args.trials_dir or tempfile.mkdtemp(prefix="zeroshard-tune-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    keep = args.trials_dir is not None
     try:
         limit = choose_limit(args.limit_with, None if setup.on_gpu else setup.device_mem)
         found = search(setup, limit, args.top, args.steps, args.trial_timeout, workdir)
     except ValueError as error:  # a model that cannot be counted or trained, a limit that cannot be set
         args.command_parser.error(str(error))
     except TuneError as error:
+        keep = True  # the message names the logs in it
         print(f"zeroshard tune: {error}", file=sys.stderr)
         return 1
     finally:
-        if args.trials_dir is None:
+        if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
     config = ds_config(found.choice.candidate, setup) if found.choice else None
     out = Path(args.out) if config is not None else None

@@ -80,7 +80,6 @@ class Search:
     rows: list[Row]
     skipped: list[tuple[str, str]]
     choice: Row | None = None
-    trials_dir: Path | None = None
 
 
 def calibrate(setup: Setup, counts: Counts, limit: Limit, timeout: float, workdir: Path) -> Calibration:
@@ -182,4 +181,4 @@ def search(setup: Setup, limit: Limit, top: int, steps: int, timeout: float, wor
     calibration = calibrate(setup, counts, limit, timeout, workdir)
     rows = predict(setup, counts, calibration)
     measure(rows, setup, limit, top, steps, timeout, workdir)
-    return Search(setup, counts, calibration, limit, rows, grid(setup, counts)[1], choose(rows, top), workdir)
+    return Search(setup, counts, calibration, limit, rows, grid(setup, counts)[1], choose(rows, top))
