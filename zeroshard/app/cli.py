@@ -15,7 +15,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from zeroshard.app import cli_estimate, compare
+from zeroshard.app import cli_estimate, compare, tune
 from zeroshard.app.flags import add_command, add_dtype, add_group, add_nproc, positive_int
 from zeroshard.app.models import PRESETS
 from zeroshard.app.train import add_arguments, engine_config, to_argv
@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(train.add_argument_group("training"))
     cli_estimate.add_parser(commands)
     compare.add_parser(commands)
+    tune.add_parser(commands)
     add_config_command(commands)
     add_consolidate_command(commands)
     add_checkpoint_command(commands)
@@ -255,7 +256,7 @@ def _check_resume(args: argparse.Namespace) -> None:
 
 
 # The commands besides train; argparse has checked that `args.command` is one of them.
-_RUN = {"estimate": cli_estimate.run, "compare": compare.run, "config": run_config_check,
+_RUN = {"estimate": cli_estimate.run, "compare": compare.run, "tune": tune.run, "config": run_config_check,
         "consolidate": run_consolidate, "checkpoint": run_checkpoint_verify}
 
 

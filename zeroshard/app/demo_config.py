@@ -1,4 +1,12 @@
-"""The demo's engine settings, shared by `zeroshard train` and `zeroshard estimate` (its units)."""
+"""The demo's engine settings, shared by `zeroshard train` and `zeroshard estimate` (its units), and its model."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from zeroshard.app.models import PRESETS, GPTConfig
+from zeroshard.config import Config
 
 # The demo's settings where neither --config nor a flag gives one.
 DEMO_CONFIG = {
@@ -14,3 +22,13 @@ DEMO_CONFIG = {
         "stage3_wrap_classes": ["Block"], "stage3_param_persistence_threshold": 0,
     },
 }
+
+
+def demo_model_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
+    """The GPT preset of --model sized to the corpus's alphabet. A --config file with an `activation_checkpointing`
+    block checkpoints every block, through `zeroshard.deepspeed.checkpointing` so that the block's keys apply: as
+    a Megatron-DeepSpeed model checkpoints when it is configured to (DeepSpeed's block itself only says how)."""
+    configured = args.config is not None and \
+        "activation_checkpointing" in Config.load(args.config).model_fields_set  # set in the file, not a default
+    return dataclasses.replace(PRESETS[args.model], vocab_size=vocab_size,
+                               checkpointing="deepspeed" if configured else "")

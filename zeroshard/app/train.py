@@ -10,7 +10,6 @@ per-rank memory and per-step communication next to the formulas of
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import logging
@@ -27,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 import zeroshard
 from zeroshard.app.data import CharCorpus, load_text, micro_batch
-from zeroshard.app.demo_config import DEMO_CONFIG
+from zeroshard.app.demo_config import DEMO_CONFIG, demo_model_config
 from zeroshard.app.flags import (
     add_data,
     add_dtype,
@@ -40,7 +39,7 @@ from zeroshard.app.flags import (
     positive_int,
     true_or_false,
 )
-from zeroshard.app.models import GPT, PRESETS
+from zeroshard.app.models import GPT
 from zeroshard.app.report import print_report, report_figures
 from zeroshard.app.restart import BatchError, completed, keep_global_batch, resume, resume_source, save
 from zeroshard.app.run_log import StepLog, write_report
@@ -84,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="peak AdamW learning rate, after a linear warm-up over the first 5%% "
                              "of steps and before a cosine decay to a tenth (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    parser.add_argument("--sample", type=int, default=80, metavar="CHARS",
+                        help="characters the trained model writes for the report (0: none) (default: %(default)s)")
     parser.add_argument("--report", metavar="DIR", default=None,
                         help="write report.json (every figure of the run), loss.png and memory.png here")
     parser.add_argument("--log-csv", metavar="FILE", default=None,
@@ -206,7 +207,7 @@ def build_model(args: argparse.Namespace, corpus: CharCorpus,
                 device: torch.device) -> tuple[GPT, torch.optim.Optimizer]:
     """The GPT preset sized to the corpus's alphabet on `device`, and AdamW (no decay on biases and norms)."""
     torch.manual_seed(args.seed)
-    model = GPT(dataclasses.replace(PRESETS[args.model], vocab_size=corpus.vocab_size)).to(device)
+    model = GPT(demo_model_config(args, corpus.vocab_size)).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -271,7 +272,7 @@ def _train(engine: zeroshard.Engine, optimizer: torch.optim.Optimizer, corpus: C
     memory = engine.memory_stats()
     pools = {pool: dict(engine.memory_stats(pool)) for pool in ("device", "host", "disk")}
     # Every rank generates (same seed, same text): at stage 3 each forward gathers on all ranks.
-    sample = generate(engine.module, corpus, _prompt(corpus), 80, args.seed)
+    sample = generate(engine.module, corpus, _prompt(corpus), args.sample, args.seed)
     result = RunResult(start + 1, losses, lrs, seconds, comm, memory, pools, sample if rank0 else "")
     # Every rank's figures, so the report can say whether all ranks match the formula.
     everyone: list = [None] * dist.get_world_size()

@@ -21,7 +21,6 @@ train.py imports this module (not the other way round): `engine_config` and
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import statistics
@@ -35,6 +34,7 @@ from rich.table import Table
 
 import zeroshard
 from zeroshard.app.data import CharCorpus, load_text, micro_batch
+from zeroshard.app.demo_config import demo_model_config
 from zeroshard.app.models import GPT, PRESETS, GPTStage, lm_loss
 from zeroshard.app.run_log import StepLog
 from zeroshard.comm.group import this_rank_gpu
@@ -117,7 +117,7 @@ def build_part(args: argparse.Namespace, corpus: CharCorpus, mesh: Mesh) -> tupl
     """This rank's stage of the seeded GPT, split over tp, and AdamW over it (no decay on biases and norms)."""
     device = this_rank_gpu() if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(args.seed)
-    gpt = GPT(dataclasses.replace(PRESETS[args.model], vocab_size=corpus.vocab_size))
+    gpt = GPT(demo_model_config(args, corpus.vocab_size))
     from zeroshard.parallel.plans import parallelize_gpt  # torch.distributed.tensor: only for a mesh run
 
     part = parallelize_gpt(GPTStage(gpt, mesh.rank("pp"), mesh.pp).to(device), mesh)
