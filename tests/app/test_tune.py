@@ -222,6 +222,13 @@ def test_the_written_config_loads_as_the_candidate_and_runs_through_deepspeed_in
     (["tune", "--device-mem", "1GB", "--global-batch", "6", "--micro-batches", "2"], "no micro-batch of 2 x 2"),
     (["tune", "--device-mem", "1GB", "--disk-mem", "1TB"], "--disk-mem and --nvme-path go together"),
     (["tune", "--device-mem", "lots"], "expected a size with a unit"),
+    (["tune", "--device-mem", "350"], "'350' is 350 bytes, less than any training step needs: give a unit"),
+    (["tune", "--device-mem", "1GB", "--global-batch", "7"], "7 rows cannot be split over 2 ranks"),
+    (["tune", "--device-mem", "1GB", "--global-batch", "50", "--micro-batches", "4", "8"],
+     "micro-batches that do: 1 5 25"),
+    (["tune", "--device-mem", "1GB", "--model", "nosuch"], "trials train the built-in presets"),
+    (["tune", "--device-mem", "1GB", "--steps", "1"], "give 2 or more"),
+    (["tune", "--device-mem", "1GB", "--trials-dir", __file__], "is a file; give a directory"),
 ])
 def test_bad_tune_flags_are_argparse_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

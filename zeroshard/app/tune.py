@@ -42,8 +42,14 @@ examples:
 
 
 def memory_bytes(text: str) -> int:
-    """argparse type: bytes, as a whole number or with a unit (9.5GB, 8GiB)."""
-    return int(text) if text.strip().isdigit() and int(text) > 0 else memory_size(text)
+    """argparse type: bytes, as a whole number or with a unit (9.5GB, 8GiB); under 1 MiB is taken for a
+    forgotten unit (no training step fits in it)."""
+    size = int(text) if text.strip().isdigit() and int(text) > 0 else memory_size(text)
+    if size < 1 << 20:
+        fix = f"give a unit, as in {text.strip()}MB or {text.strip()}GB" if text.strip().isdigit() else \
+            "give the memory per rank"
+        raise argparse.ArgumentTypeError(f"{text!r} is {size} bytes, less than any training step needs: {fix}")
+    return size
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -112,6 +118,15 @@ def make_setup(args: argparse.Namespace) -> Setup:
               "each rank's limit; drop --host-mem")
     if (args.disk_mem is None) != (args.nvme_path is None):
         error("--disk-mem and --nvme-path go together: offload to nvme needs the directory and its size")
+    if args.model not in PRESETS and args.top > 0:
+        error(f"argument --model: trials train the built-in presets ({', '.join(sorted(PRESETS))}), not "
+              f"'{args.model}': give one of them, or --top 0 (with --seq) to rank a transformers model type, "
+              "config.json or save_pretrained directory by the estimate alone")
+    if args.top > 0 and args.steps < 2:
+        error("argument --steps: a trial's step time is the median of its steps after the first (which "
+              "compiles, allocates and warms up): give 2 or more")
+    if args.trials_dir is not None and Path(args.trials_dir).exists() and not Path(args.trials_dir).is_dir():
+        error(f"argument --trials-dir: {args.trials_dir} is a file; give a directory (it is made if missing)")
     seq = args.seq
     if args.model in PRESETS:
         block = PRESETS[args.model].block_size
@@ -122,11 +137,22 @@ def make_setup(args: argparse.Namespace) -> Setup:
     elif seq is None:
         error(f"argument --seq: give the tokens per row for '{args.model}'")
     batches = tuple(sorted(set(args.micro_batches)))
-    if args.global_batch is not None and all(args.global_batch % (b * args.nproc) for b in batches):
-        error(f"argument --global-batch: no micro-batch of {' '.join(map(str, batches))} x {args.nproc} ranks "
-              f"divides {args.global_batch} rows; give micro-batches that do")
+    if args.global_batch is not None:
+        _check_global_batch(error, args.global_batch, batches, args.nproc)
     return Setup(args.model, args.nproc, args.nodes, args.dtype, seq, args.device_mem, batches, args.global_batch,
                  args.host_mem, args.disk_mem, args.nvme_path, on_gpu)
+
+
+def _check_global_batch(error, rows: int, batches: tuple[int, ...], ranks: int) -> None:
+    """Every rank takes micro-batch rows per micro-step, so the global batch must be a multiple of the ranks
+    and of some micro-batch x ranks."""
+    if rows % ranks:
+        error(f"argument --global-batch: {rows} rows cannot be split over {ranks} ranks; give a multiple of "
+              f"{ranks}")
+    if all(rows % (b * ranks) for b in batches):
+        fitting = [b for b in range(1, rows // ranks + 1) if (rows // ranks) % b == 0]
+        error(f"argument --global-batch: no micro-batch of {' '.join(map(str, batches))} x {ranks} ranks "
+              f"divides {rows} rows; micro-batches that do: {' '.join(map(str, fitting))}")
 
 
 def run(args: argparse.Namespace, console: Console | None = None) -> int:

@@ -75,8 +75,7 @@ def print_search(console: Console, search: Search, out: Path | None) -> None:
 def _print_choice(console: Console, search: Search, out: Path | None) -> None:
     choice = search.choice
     if choice is None:
-        console.print("[red]no configuration ran[/]: every trial failed (above); raise --device-mem, add "
-                      "micro-batches, or --trial-timeout")
+        console.print(f"[red]no configuration ran[/]: {why_none(search)}", highlight=False)
         return
     trial = choice.trial
     how = "by the estimate (no trial)" if trial is None else \
@@ -86,6 +85,16 @@ def _print_choice(console: Console, search: Search, out: Path | None) -> None:
     if out is not None:
         console.print(f"wrote {out}; run it: zeroshard train --config {out} --model {search.setup.model} "
                       f"--nproc {search.setup.ranks}", highlight=False)
+
+
+def why_none(search: Search) -> str:
+    """Why the search chose nothing, and what to change: nothing fitted the limit, or every trial failed."""
+    if all(row.reason is not None for row in search.rows):
+        least = min(row.peak.device for row in search.rows)
+        return (f"no configuration fits {human_bytes(search.setup.device_mem)} per rank (the least any needs is "
+                f"{human_bytes(least)}, the reasons above); raise --device-mem to at least that, try smaller "
+                "micro-batches, or give a pool to offload to (--disk-mem with --nvme-path)")
+    return "every trial failed (above); raise --device-mem, add micro-batches, or raise --trial-timeout"
 
 
 def _row_dict(row: Row) -> dict:
@@ -104,4 +113,5 @@ def search_dict(search: Search, config: dict | None, out: Path | None) -> dict:
             "candidates": [_row_dict(row) for row in search.rows],
             "skipped": [{"label": label, "reason": reason} for label, reason in search.skipped],
             "choice": search.choice.candidate.label() if search.choice else None,
+            "why_none": None if search.choice else why_none(search),
             "config": config, "out": None if out is None else str(out)}
