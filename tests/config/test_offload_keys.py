@@ -84,6 +84,8 @@ def test_every_key_is_parsed():
         "zero_optimization.offload_optimizer.pipeline_write", "zero_optimization.offload_param.buffer_count",
         "zero_optimization.offload_param.buffer_size", "aio.queue_depth", "aio.single_submit", "aio.overlap_events"]
     assert Config.load(config.to_dict()) == config  # a round trip
+    # a config written back whole, every no-effect key at its default, asks for nothing and lists nothing
+    assert Config.load_with_report(Config.load(zero(3)).to_dict())[1].no_effect == []
 
 
 @pytest.mark.parametrize("device, expected", [("none", "none"), ("cpu", "cpu"), ("nvme", "nvme"), (None, "none")])

@@ -105,7 +105,8 @@ def _scan_keys(raw: dict[str, Any], model: type[BaseModel] | None, prefix: str, 
         dotted = f"{prefix}{key}"
         field = model.model_fields.get(key) if model is not None else None
         if field is not None:
-            if (why := no_effect_field(field.description)) is not None:
+            # a no-effect key at its default asks for nothing (a config written back from `to_dict()` has them all)
+            if (why := no_effect_field(field.description)) is not None and value != field.default:
                 report.no_effect.append((dotted, why))
             nested = field.annotation  # a section such as ZeroConfig, or a plain type
             if isinstance(nested, type) and issubclass(nested, BaseModel) and isinstance(value, dict):
