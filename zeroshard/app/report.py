@@ -126,7 +126,8 @@ def print_report(console: Console, engine: zeroshard.Engine, args: argparse.Name
     console.print(f"median step {median:.3f} s, {tokens / median:,.0f} tokens/s")
     console.print(f"Ψ = {psi:,} elements in {len(engine.buckets)} buckets "
                   f"({sum(u.flat.numel for u in engine.buckets):,} parameters + padding)")
-    console.print(Text("sample: ") + Text(result.sample, style="italic"))  # Text: no markup in the sample
+    if result.sample:  # --sample 0 asks for none
+        console.print(Text("sample: ") + Text(result.sample, style="italic"))  # Text: no markup in the sample
     memory, comm = formulas(psi, world, args, engine)
     if offloaded(engine.config):  # model states spread over three pools: each beside its formula
         console.print(_pools_table(offload_pools(engine, args), [pools for *_, pools in everyone]))

@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--accumulation", type=positive_int, default=None, metavar="STEPS",
                         help="micro-steps accumulated per optimizer step (default: 1, or the config's)")
     parser.add_argument("--bucket-size", type=positive_int, default=None, metavar="ELEMENTS",
-                        help="parameter elements per communication bucket (default: 50000, or the config's)")
+                        help="parameter elements per communication bucket (default: 50000; with --config the "
+                             "file's reduce_bucket_size, or the engine's own default where it sets none)")
     parser.add_argument("--reduce-scatter", type=true_or_false, default=None, metavar="true|false",
                         help="false: all-reduce the gradients and keep a slice, for comparison "
                              "(default: true, or the config's)")
@@ -272,7 +273,7 @@ def _train(engine: zeroshard.Engine, optimizer: torch.optim.Optimizer, corpus: C
     memory = engine.memory_stats()
     pools = {pool: dict(engine.memory_stats(pool)) for pool in ("device", "host", "disk")}
     # Every rank generates (same seed, same text): at stage 3 each forward gathers on all ranks.
-    sample = generate(engine.module, corpus, _prompt(corpus), args.sample, args.seed)
+    sample = generate(engine.module, corpus, _prompt(corpus), args.sample, args.seed) if args.sample else ""
     result = RunResult(start + 1, losses, lrs, seconds, comm, memory, pools, sample if rank0 else "")
     # Every rank's figures, so the report can say whether all ranks match the formula.
     everyone: list = [None] * dist.get_world_size()
