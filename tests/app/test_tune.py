@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -229,6 +230,7 @@ def test_the_written_config_loads_as_the_candidate_and_runs_through_deepspeed_in
     (["tune", "--device-mem", "1GB", "--model", "nosuch"], "trials train the built-in presets"),
     (["tune", "--device-mem", "1GB", "--steps", "1"], "give 2 or more"),
     (["tune", "--device-mem", "1GB", "--trials-dir", __file__], "is a file; give a directory"),
+    (["tune", "--device-mem", "1GB", "--trials-dir", str(Path(__file__).parent)], "is not empty"),
 ])
 def test_bad_tune_flags_are_argparse_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as exit_info:

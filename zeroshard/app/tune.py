@@ -125,8 +125,11 @@ def make_setup(args: argparse.Namespace) -> Setup:
     if args.top > 0 and args.steps < 2:
         error("argument --steps: a trial's step time is the median of its steps after the first (which "
               "compiles, allocates and warms up): give 2 or more")
-    if args.trials_dir is not None and Path(args.trials_dir).exists() and not Path(args.trials_dir).is_dir():
-        error(f"argument --trials-dir: {args.trials_dir} is a file; give a directory (it is made if missing)")
+    if args.trials_dir is not None and Path(args.trials_dir).exists():
+        if not Path(args.trials_dir).is_dir():
+            error(f"argument --trials-dir: {args.trials_dir} is a file; give a directory (it is made if missing)")
+        if any(Path(args.trials_dir).iterdir()):  # an earlier search's trials would sit beside this one's
+            error(f"argument --trials-dir: {args.trials_dir} is not empty; give a new or empty directory")
     seq = args.seq
     if args.model in PRESETS:
         block = PRESETS[args.model].block_size
