@@ -10,7 +10,9 @@ import argparse
 import pytest
 import torch
 
-from zeroshard.app.restart import BatchError, completed, keep_global_batch, resume_source
+import zeroshard
+from zeroshard.app.restart import BatchError, completed, keep_global_batch, resume, resume_source, save
+from zeroshard.app.train import lr_schedule
 
 
 def _checkpoint(directory, **client_state):
@@ -48,3 +50,24 @@ def test_fewer_ranks_keep_the_global_batch_by_accumulation_or_say_which_flag_to_
     with pytest.raises(BatchError, match=r"global batch of 8 rows per step; --micro-batch 2 x 3 ranks = 6 rows "
                                          r"does not divide it"):
         keep_global_batch(_args(tmp_path), source, 3)
+
+
+def test_resuming_with_other_steps_says_the_lr_schedule_changes(tmp_path, caplog):
+    """Reference: the schedule the first run saved (its step count), against the --steps of the resumed run."""
+    def engine_and_schedule():
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return zeroshard.initialize(model, optimizer, {"train_micro_batch_size_per_gpu": 1}), optimizer
+
+    engine, optimizer = engine_and_schedule()
+    args = argparse.Namespace(save_every=2, steps=4, save_dir=str(tmp_path))
+    save(engine, lr_schedule(optimizer, 4), args, 2, global_batch=1)
+    for steps, warned in ((4, False), (6, True)):
+        caplog.clear()
+        engine, optimizer = engine_and_schedule()
+        assert resume(engine, lr_schedule(optimizer, steps), str(tmp_path), steps) == 2
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert bool(said) == warned, said
+    assert "over 4 steps; with --steps 6 its steps from 3 on follow a schedule over 6" in said[0]
+    assert "give --steps 4 to continue it unchanged" in said[0]

@@ -96,6 +96,12 @@ def resume(engine, schedule: torch.optim.lr_scheduler.LRScheduler, source: str, 
         raise CheckpointError(f"{path} is at step {start} and --steps is {steps}: nothing left to train; "
                               f"give --steps above {start}")
     schedule.load_state_dict(client_state["lr_schedule"])
+    planned = client_state.get("schedule_steps", steps)
+    if planned != steps:  # the schedule's shape is a function of --steps; only its position is in the checkpoint
+        same = f" (give --steps {planned} to continue it unchanged)" if start < planned else ""
+        log.warning("%s was trained on an LR schedule over %d steps; with --steps %d its steps from %d on follow "
+                    "a schedule over %d, so their learning rates differ from that run's%s", path, planned, steps,
+                    start + 1, steps, same)
     if "rng" in client_state:  # the demo draws nothing from it while training; a model with dropout would
         torch.set_rng_state(client_state["rng"])
     why = f"torchrun restart {restart_count()}" if restart_count() > 0 else "--resume"
@@ -110,5 +116,5 @@ def save(engine, schedule: torch.optim.lr_scheduler.LRScheduler, args: argparse.
     if args.save_every is None or (steps_done % args.save_every and steps_done != args.steps):
         return
     engine.save_checkpoint(args.save_dir, client_state={
-        "demo_step": steps_done, "lr_schedule": schedule.state_dict(), "global_batch": global_batch,
-        "rng": torch.get_rng_state()})
+        "demo_step": steps_done, "lr_schedule": schedule.state_dict(), "schedule_steps": args.steps,
+        "global_batch": global_batch, "rng": torch.get_rng_state()})
