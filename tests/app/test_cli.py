@@ -177,11 +177,13 @@ def test_train_two_ranks_stage3_reports_measured_equal_to_formula(tmp_path):
                                                         "stage3_param_persistence_threshold": 0}}))
     cmd = [sys.executable, "-m", "zeroshard.app.cli", "train", "--nproc", "2", "--config", str(config),
            "--stage", "3", "--steps", "5", "--report", str(tmp_path / "report"),
-           "--log-csv", str(tmp_path / "steps.csv")]
+           "--log-csv", str(tmp_path / "steps.csv"), "--sample", "0"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     assert "--stage 3 overrides zero_optimization.stage = 2" in output
+    assert "sample:" not in output  # --sample 0: none written
+    assert "no effect" not in output  # the file sets no key without an effect; its defaults ask for nothing
     assert re.search(r"loss \d+\.\d+ \(first step\) -> \d+\.\d+ \(last step\)", output), output
     psi = int(re.search(r"Ψ = ([\d,]+) elements", output).group(1).replace(",", ""))
 
