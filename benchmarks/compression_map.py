@@ -275,14 +275,9 @@ def main() -> int:
     before = load()
     # the codec's time per element, as `zeroshard estimate --compress` measures it, before the runs load the cores
     per_element = {c: codec_seconds_per_element(c, 128, 2) for c in codecs.values()}
-    try:
-        rounds = run_all(args, variants)
-    except RuntimeError as exc:  # an ip/tc command refused: say which, without a traceback
-        print(f"compression_map: cannot set up the network: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("compression_map: interrupted; namespaces removed", file=sys.stderr)
-        return 130
+    rounds = net.on_the_network("compression_map", lambda: run_all(args, variants))
+    if isinstance(rounds, int):
+        return rounds
     found = analyse(rounds, args.rates, codecs, BASELINE, per_element)
     context = {"command": command, "codecs": codecs, "baseline": BASELINE, "variants": variants,
                "skipped": not_run, "loads": (before, load())}

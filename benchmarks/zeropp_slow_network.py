@@ -520,18 +520,30 @@ def main() -> int:
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks (teardown) on kill too
     command = "python " + " ".join([str(HERE.relative_to(REPO)), *sys.argv[1:]])
-    try:
-        with network(args.rate):
-            rounds = run_all(args, print_result)
-    except RuntimeError as exc:  # an ip/tc command refused: say which, without a traceback
-        print(f"zeropp_slow_network: cannot set up the network: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("zeropp_slow_network: interrupted; namespaces removed", file=sys.stderr)
-        return 130
+    rounds = on_the_network("zeropp_slow_network", lambda: _with_network(args))
+    if isinstance(rounds, int):
+        return rounds
     publish(RESULTS / f"zeropp_slow_network_{args.rate}.json", args,
             {"command": command, "machine": machine(), "rounds": rounds}, section(args, rounds, command))
     return 0
+
+
+def _with_network(args: argparse.Namespace) -> list[dict]:
+    with network(args.rate):
+        return run_all(args, print_result)
+
+
+def on_the_network(name: str, runs: Callable[[], list[dict]]) -> list[dict] | int:
+    """`runs()`'s rounds, or the exit status after saying why there are none: an ip/tc command refused (2),
+    or an interrupt (130; the namespaces are removed by then)."""
+    try:
+        return runs()
+    except RuntimeError as exc:  # an ip/tc command refused: say which, without a traceback
+        print(f"{name}: cannot set up the network: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted; namespaces removed", file=sys.stderr)
+        return 130
 
 
 def publish(results: Path, args: argparse.Namespace, record: dict, text: str) -> None:

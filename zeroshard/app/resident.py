@@ -46,6 +46,11 @@ def status_bytes(*fields: str) -> dict[str, int]:
     return out
 
 
+def reset_high_water() -> None:
+    """Start a new resident high-water mark: VmHWM := VmRSS (Linux 4.0 and later)."""
+    _CLEAR_REFS.write_text("5")
+
+
 def release_freed() -> None:
     """Hand freed memory back to the system now and from now on (glibc; elsewhere nothing changes)."""
     return_freed_blocks()
@@ -66,7 +71,7 @@ class ResidentMeter:
         """Run `work()` and return {"peak": the RSS high-water mark during it minus the base RSS,
         "file_moved": how many bytes of file-backed pages (code, libraries) it brought in}, bytes."""
         release_freed()
-        _CLEAR_REFS.write_text("5")  # VmHWM := VmRSS
+        reset_high_water()
         before = status_bytes("RssFile")["RssFile"]
         work()
         after = status_bytes("VmHWM", "RssFile")

@@ -35,6 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zeroshard.app.resident import reset_high_water, status_bytes
+
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 _POLL_SECONDS = 0.1
@@ -302,7 +304,7 @@ def held_now(measure: str) -> int:
         if group is None:
             raise RuntimeError("this process is in no v1 memory cgroup: measure with rlimit")
         return int((group / "memory.usage_in_bytes").read_text())
-    return _status("VmData")
+    return status_bytes("VmData")["VmData"]
 
 
 def reset_peak(measure: str) -> int:
@@ -311,19 +313,13 @@ def reset_peak(measure: str) -> int:
     if measure == "cgroup":
         (own_cgroup() / "memory.max_usage_in_bytes").write_text("0")  # v1: "0" resets it to the usage now
         return held_now("cgroup")
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to VmRSS
-    return _status("VmRSS")
+    reset_high_water()
+    return status_bytes("VmRSS")["VmRSS"]
 
 
 def peak_since_reset(measure: str) -> int:
     """The high-water mark of this process's memory since `reset_peak`, bytes."""
     if measure == "cgroup":
         return int((own_cgroup() / "memory.max_usage_in_bytes").read_text())
-    return _status("VmHWM")
+    return status_bytes("VmHWM")["VmHWM"]
 
-
-def _status(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {key} line")
