@@ -38,7 +38,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from zeroshard.estimate.compression import compressed_reduction_bytes, error_feedback_bytes
-from zeroshard.estimate.formulas import shard_numel, step_check_bytes, wire_bytes
+from zeroshard.estimate.formulas import padded_numel, step_check_bytes, wire_bytes
 from zeroshard.estimate.zeropp import PERSISTENT, SHARDED, Flat, stage3_comm_bytes
 
 # The share of a step's compute that backward takes (twice the forward's multiply-adds), which the
@@ -90,14 +90,14 @@ def step_bytes(buckets: Iterable[int | Flat], world_size: int, stage: int, bits:
         plain = stage3_comm_bytes(flats, world_size, world_size, param_bytes, r, accumulation)
         rest["all_gather"] = sum(plain["all_gather"].values())
         coded = [f.numel for f in flats if f.kind == SHARDED]
-        exact = sum(shard_numel(f.numel, world_size) * world_size * r * reductions for f in flats
+        exact = sum(padded_numel(f.numel, world_size) * r * reductions for f in flats
                     if f.kind == PERSISTENT)
     else:
         coded, exact = [f.numel for f in flats], 0
         if stage >= 1:
-            rest["all_gather"] = sum(shard_numel(n, world_size) * world_size * param_bytes for n in coded)
+            rest["all_gather"] = sum(padded_numel(n, world_size) * param_bytes for n in coded)
     if bits is None or world_size == 1:
-        padded = sum(shard_numel(n, world_size) * world_size for n in coded) * r * reductions
+        padded = sum(padded_numel(n, world_size) for n in coded) * r * reductions
         op = "all_reduce" if stage == 0 else "reduce_scatter"
         return StepBytes({op: padded + exact}, rest, 0, 0)
     reduction = {"reduce_scatter": exact, "all_gather": 0}
@@ -109,7 +109,7 @@ def step_bytes(buckets: Iterable[int | Flat], world_size: int, stage: int, bits:
     if stage > 0:
         del reduction["all_gather"]
     # Each reduction encodes and decodes the padded bucket once; stage 0's gather decodes it once more.
-    elements = sum(shard_numel(n, world_size) * world_size for n in coded) * reductions * (2 if stage == 0 else 1)
+    elements = sum(padded_numel(n, world_size) for n in coded) * reductions * (2 if stage == 0 else 1)
     return StepBytes(reduction, rest, elements, feedback)
 
 

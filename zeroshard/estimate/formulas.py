@@ -44,6 +44,11 @@ def shard_numel(numel: int, world_size: int) -> int:
     return -(-numel // world_size)
 
 
+def padded_numel(numel: int, world_size: int) -> int:
+    """Elements of a flat buffer padded to split evenly over the ranks: N shards of ceil(Ψ / N)."""
+    return shard_numel(numel, world_size) * world_size
+
+
 def model_state_bytes(
     numel: int, world_size: int, stage: int, param_bytes: int = 4, grad_bytes: int = 4,
     master_bytes: int = 0, optimizer_bytes: int = 8, optimizer_scalar_bytes: int = 0,

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from zeroshard.estimate.formulas import model_state_bytes, shard_numel, state_bytes_per_element
+from zeroshard.estimate.formulas import model_state_bytes, padded_numel, shard_numel, state_bytes_per_element
 from zeroshard.estimate.zeropp import FROZEN, PERSISTENT, Flat
 
 MAX_IN_FLIGHT = 1  # reductions in flight while the next bucket fills: core/reducer.py's constant
@@ -129,10 +129,6 @@ def _reduce_bytes(dtype: str) -> int:
     return _FP32 if dtype == "fp32" else 2
 
 
-def _padded(numel: int, world_size: int) -> int:
-    return shard_numel(numel, world_size) * world_size
-
-
 def staging_numel(targets: Sequence[Sequence[Flat]], stage: int, world_size: int, scratch: bool, out: bool) -> int:
     """Elements the staging pool holds after one backward, replayed from the engine's rule.
 
@@ -145,18 +141,18 @@ def staging_numel(targets: Sequence[Sequence[Flat]], stage: int, world_size: int
     """
     if stage == 0:
         return 0
-    block = 0 if stage == 3 else max((_padded(f.numel, world_size) for t in targets for f in t), default=0)
+    block = 0 if stage == 3 else max((padded_numel(f.numel, world_size) for t in targets for f in t), default=0)
     pool = _Pool(block)
     staged = [[] for _ in targets]
     if stage == 3 and targets:
-        staged[-1] = [pool.acquire(_padded(f.numel, world_size)) for f in targets[-1]]
+        staged[-1] = [pool.acquire(padded_numel(f.numel, world_size)) for f in targets[-1]]
     in_flight: list[list[int]] = []
     for target, taken in zip(targets, staged):
         if stage >= 2 and not taken:
-            taken = [pool.acquire(_padded(f.numel, world_size)) for f in target]
+            taken = [pool.acquire(padded_numel(f.numel, world_size)) for f in target]
         while len(in_flight) >= MAX_IN_FLIGHT:  # the previous reduction lands and gives its blocks back
             pool.release(in_flight.pop(0))
-        taken += [pool.acquire(_padded(f.numel, world_size)) for f in target if scratch]
+        taken += [pool.acquire(padded_numel(f.numel, world_size)) for f in target if scratch]
         taken += [pool.acquire(shard_numel(f.numel, world_size)) for f in target if out and stage >= 2]
         in_flight.append(taken)
     return pool.made
@@ -188,7 +184,7 @@ def gathered_numel(units: Sequence[Sequence[Flat]], world_size: int, max_live_nu
     forward's start to the backward's end), the last unit (backward's first) and the one before it,
     prefetched if the limits allow (stage3/schedule.py's rule), each flat padded; persistent flats are
     whole all along (in `params`)."""
-    sizes = [sum(_padded(f.numel, world_size) for f in unit if f.kind != PERSISTENT) for unit in units]
+    sizes = [sum(padded_numel(f.numel, world_size) for f in unit if f.kind != PERSISTENT) for unit in units]
     if not sizes:
         return 0
     live = sizes[0] + (sizes[-1] if len(sizes) > 1 else 0)

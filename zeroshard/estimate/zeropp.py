@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from zeroshard.estimate.formulas import shard_numel
+from zeroshard.estimate.formulas import padded_numel, shard_numel
 
 SCALE_BYTES = 4  # one fp32 scale per block travels with the payload
 
@@ -147,7 +147,7 @@ def hpz_secondary_bytes(flats: Iterable[Flat], world_size: int, ranks_per_node: 
     """hpZ's memory: bytes of the secondary shards a rank holds from the first forward of a window to
     the step, part 1/D of every gathered (sharded or frozen) flat's padded buffer: sum of (P / D) * e."""
     _topology(world_size, ranks_per_node, whole_nodes=True)
-    return sum(shard_numel(f.numel, world_size) * world_size // ranks_per_node * param_bytes
+    return sum(padded_numel(f.numel, world_size) // ranks_per_node * param_bytes
                for f in _checked(flats) if f.kind != PERSISTENT)
 
 
