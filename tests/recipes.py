@@ -44,6 +44,8 @@ class Case:
     offload: str = "none"  # offload_optimizer's device: "none" | "cpu" | "nvme"
     offload_params: str = "none"  # stage 3: offload_param's device
     nvme_path: str = ""  # where "nvme" swap files go
+    param_buffer: int | None = None  # offload_param buffer_count 1 x buffer_size this many elements: the shards
+    # kept in memory from a step to the next forward (None: the defaults, 5 x 1e8, every shard here)
     ratio: float = 1.0  # offload_optimizer's ratio
     delayed: int | None = None  # offload_optimizer.delayed_update on, with this many warm-up steps
     sub_group: int | None = None  # zero_optimization.sub_group_size; None: the default (one sub-group here)
@@ -84,7 +86,8 @@ class Case:
                 {"delayed_update": True, "delayed_update_warmup": self.delayed} if self.delayed is not None else {})
         if self.offload_params != "none":
             blocks["offload_param"] = {"device": self.offload_params} | (  # every shard on disk, none kept in cpu
-                {"nvme_path": self.nvme_path, "max_in_cpu": 0} if self.offload_params == "nvme" else {})
+                {"nvme_path": self.nvme_path, "max_in_cpu": 0} if self.offload_params == "nvme" else {}) | (
+                {} if self.param_buffer is None else {"buffer_count": 1, "buffer_size": self.param_buffer})
         return blocks
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from zeroshard.estimate.formulas import model_state_bytes
-from zeroshard.offload.headroom import host_headroom
+from zeroshard.offload.headroom import Headroom, host_headroom
 
 REPO = Path(__file__).resolve().parents[2]
 CGROUP_V1 = Path("/sys/fs/cgroup/memory")
@@ -84,3 +84,22 @@ def test_an_address_space_rlimit_is_the_headroom():
     assert where == "the RLIMIT_AS limit (ulimit)" and limit == cap
     assert 0 <= cap - vm_size - nbytes < 64 * 2**20, (cap, vm_size, nbytes)  # VmSize read a moment apart
     assert host_headroom().nbytes < 2**60  # this process: at least MemAvailable bounds it
+
+
+def test_a_disk_tier_hands_freed_blocks_back_only_where_host_memory_is_short():
+    """Short: some limit's free bytes are under HEAP_SLACK (2) times what its ranks would hold in memory
+    with no disk tier (their host need plus what went to disk); then freed blocks go back at once."""
+    from zeroshard.engine.memory_fit import HEAP_SLACK, _host_short, _Row
+    gib = 2**30
+    assert HEAP_SLACK == 2
+
+    def rows(free: int, needs: list[tuple[int, int]], shared: bool = True) -> list[_Row]:
+        limit = Headroom(free, "the memory cgroup /x", 64 * gib, shared)
+        return [_Row(("vm", "the memory cgroup /x" if shared else f"the limit of rank {r}"), r, need, limit, spill)
+                for r, (need, spill) in enumerate(needs)]
+
+    two_ranks = [(1 * gib, 2 * gib), (1 * gib, 2 * gib)]  # 3 GiB each without a disk tier: 6 GiB together
+    assert not _host_short(rows(12 * gib, two_ranks))  # exactly twice
+    assert _host_short(rows(12 * gib - 1, two_ranks))
+    assert not _host_short(rows(7 * gib, two_ranks, shared=False))  # each rank's own limit: 3 GiB of 7
+    assert _host_short(rows(5 * gib, two_ranks, shared=False))

@@ -39,6 +39,8 @@ def _cases(nvme: str) -> list[Case]:
         Case(stage=3, accumulation=3, offload="nvme", variant="twice", sub_group=1, **disk),
         Case(stage=3, accumulation=3, clip=0.5, offload="cpu", offload_params="cpu", variant="twice"),
         Case(stage=3, accumulation=3, offload="nvme", offload_params="nvme", variant="reentrant", **disk),
+        # No parameter shard kept in memory between the step and the next forward: every one read back.
+        Case(stage=3, accumulation=2, clip=0.5, offload="cpu", offload_params="nvme", param_buffer=1, **disk),
         Case(stage=2, accumulation=2, offload="cpu", ratio=0.5),
         Case(stage=3, accumulation=2, offload="nvme", ratio=0.5, offload_params="cpu", **disk),
         # bf16: the host sums in fp32 what the device keeps in bf16 for a one-micro-step window, rounded alike.
@@ -101,6 +103,7 @@ def test_poisoned_transfers_change_nothing(tmp_path):
     disk = {"nvme_path": str(tmp_path)}
     cases = [
         Case(stage=3, accumulation=3, clip=0.5, offload="nvme", offload_params="nvme", **disk),
+        Case(stage=3, accumulation=2, offload="nvme", offload_params="nvme", param_buffer=1, **disk),
         Case(stage=2, accumulation=2, offload="nvme", bucket=1500, sub_group=1, **disk),
         Case(stage=1, clip=0.5, offload="nvme", **disk),
     ]

@@ -24,14 +24,15 @@ BUFFER_COUNT = 4  # offload_optimizer.buffer_count's default
 KINDS = ("read", "write", "read grad", "write grad")
 
 
-def _counting() -> tuple[Counter, callable]:
-    """Count this process's optimizer swap-file bytes by (verb, step); returns the counter and an undo."""
+def _counting(prefix: str = "bucket") -> tuple[Counter, callable]:
+    """Count this process's swap-file bytes of the files named `prefix`... (the optimizer's: "bucket", the
+    parameter shards: "unit") by verb; returns the counter and an undo."""
     moved: Counter = Counter()
     originals = {verb: getattr(SwapFile, verb) for verb in ("read", "write")}
 
     def counted(verb):
         def transfer(self, tensor):
-            if self.name.startswith("bucket"):
+            if self.name.startswith(prefix):
                 moved[f"{verb} grad" if self.name.endswith(".grad") else verb] += self.nbytes
             return originals[verb](self, tensor)
         return transfer
@@ -96,3 +97,40 @@ def test_a_step_reads_only_what_the_cache_lacks(tmp_path):
             assert all(step["read"] > 0 for step in per_step)
         if cases[i].sub_group is None:
             assert all(step["read"] == 0 for step in per_step) and len(groups) == 1
+
+
+def _param_moves(rank, world, device, cases):
+    out = []
+    for case in cases:
+        plain, _ = train_zeroshard(rank, world, device, dataclasses.replace(case, offload="none",
+                                                                            offload_params="none"), STEPS)
+        moved, undo = _counting("unit")
+        try:
+            engine, losses = run_zeroshard(rank, world, device, case, 1)
+            before = Counter(moved)
+            losses += train_steps(engine, None, case, world, rank, device, range(1, STEPS))
+        finally:
+            undo()
+        shards = [b.flat.shard_swap for b in engine.buckets if b.flat.shard_swap is not None]  # build order
+        out.append((plain, losses, {v: (moved[v] - before[v]) // (STEPS - 1) for v in ("read", "write")},
+                    [(s.numel, s.nbytes) for s in shards]))
+        engine.offload.close()
+    return out
+
+
+def test_the_shards_a_step_keeps_are_not_read_by_the_next_forward(tmp_path):
+    disk = {"nvme_path": str(tmp_path), "stage": 3, "offload": "nvme", "offload_params": "nvme"}
+    budgets = [None, 1, 2500]  # every shard kept (the defaults), none, the first ones
+    cases = [Case(param_buffer=b, **disk) for b in budgets]
+    for case, (ref_losses, losses, per_step, shards) in zip(cases, run_ranks(_param_moves, 2, cases)[0]):
+        assert losses == ref_losses, f"{case}: losses differ from the run without offload"
+        budget, numel, kept = 5 * 10**8 if case.param_buffer is None else case.param_buffer, 0, 0
+        for n, nbytes in shards:  # the first shards that fit in the budget together
+            numel += n
+            if numel > budget:
+                break
+            kept += nbytes
+        total = sum(nbytes for _, nbytes in shards)
+        assert per_step == {"write": total, "read": 2 * total - kept}, (case, shards, per_step)
+        if case.param_buffer == 2500:
+            assert 0 < kept < total, f"{case}: the budget should keep some shards, not all ({shards})"

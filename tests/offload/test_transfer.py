@@ -105,21 +105,26 @@ def test_a_copy_error_is_raised_by_every_wait():
         copier.copy(torch.empty(1), torch.empty(1))
 
 
-def test_the_pool_serves_jobs_round_robin():
-    pool, order, gate = WorkerPool(1, "test"), [], threading.Event()
+def test_the_pool_serves_urgent_jobs_first_and_each_kind_in_order():
+    """A read (urgent) queued behind writes gets the next chunk; writes finish in the order they were queued,
+    the first one before the second starts (the order training waits for them), not all near the end."""
+    pool, order, started, gate = WorkerPool(1, "test"), [], threading.Event(), threading.Event()
 
     def run_a(i):
         if i == 0:
-            gate.wait()  # hold the only thread until job b is queued too
+            started.set()
+            gate.wait()  # hold the only thread until the other jobs are queued too
         order.append(f"a{i}")
 
     a = pool.submit(Job(4, run_a))
+    assert started.wait(10)
     b = pool.submit(Job(2, lambda i: order.append(f"b{i}")))
+    r = pool.submit(Job(2, lambda i: order.append(f"r{i}"), urgent=True))
     gate.set()
-    Transfer(a).wait()
-    Transfer(b).wait()
+    for job in (a, b, r):
+        Transfer(job).wait()
     pool.close()
-    assert order == ["a0", "b0", "a1", "b1", "a2", "a3"]
+    assert order == ["a0", "r0", "r1", "a1", "a2", "a3", "b0", "b1"]
 
 
 def test_a_failed_chunk_skips_the_rest_and_wait_raises_it():

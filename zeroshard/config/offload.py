@@ -146,12 +146,14 @@ class OffloadParamConfig(BaseModel):
         "(with CUDA; it changes nothing on CPU-only runs). DeepSpeed: zero_optimization.offload_param.pin_memory "
         "(default false)."))
     buffer_count: PositiveInt = Field(5, description=(
-        "No effect: a unit's shards are read from disk into pooled buffers of their own size, as many as the "
-        "gather prefetch has in flight (stage3_prefetch_bucket_size sets how far it reads ahead). "
+        "Device \"nvme\": with buffer_size, the elements of updated parameter shards (buffer_count x "
+        "buffer_size) that stay in host memory from the step to the next forward, their writes to disk landing "
+        "meanwhile: that forward takes them from memory, not from disk (the first units in build order that "
+        "fit; none where host memory is short, under 2x what the ranks would hold without a disk tier). "
         "DeepSpeed: zero_optimization.offload_param.buffer_count (default 5)."))
     buffer_size: PositiveInt = Field(100_000_000, description=(
-        "No effect: each shard read from disk gets a pooled buffer of its own size, so no shard is too large "
-        "for one. DeepSpeed: zero_optimization.offload_param.buffer_size (default 1e8)."))
+        "Device \"nvme\": elements per buffer; see buffer_count. "
+        "DeepSpeed: zero_optimization.offload_param.buffer_size (default 1e8)."))
     max_in_cpu: NonNegativeInt = Field(1_000_000_000, description=(
         "Device \"nvme\": parameter elements kept in host memory as well (the rest are read from disk when "
         "needed). DeepSpeed: zero_optimization.offload_param.max_in_cpu (default 1e9)."))

@@ -61,16 +61,20 @@ class OptimizerTiers:
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: list[Bucket], tiers: list[Tier],
                  swap: SwapDir | None = None, pool: BufferPool | None = None, sub_group_numel: int = 0,
                  buffer_count: int = 4, masters: dict[int, Swapped] | None = None, grads_on_disk: bool = False,
-                 grads: dict[int, Swapped] | None = None, write_behind: WriteBehind | None = None):
+                 grads: dict[int, Swapped] | None = None, write_behind: WriteBehind | None = None,
+                 shards_kept: frozenset[int] = frozenset()):
         """`masters`, `grads`: disk buckets' masters and gradient shards already sent to their swap files (by
         bucket index), as construction moves them out unit by unit; the others' files are made here.
-        `grads_on_disk`: stages 2-3, a disk bucket's gradient shard lives on disk too (`swap_grad`)."""
+        `grads_on_disk`: stages 2-3, a disk bucket's gradient shard lives on disk too (`swap_grad`).
+        `shards_kept`: buckets whose parameter shards (on disk) stay in memory after the step, their writes
+        landing during the next forward, whose gather then takes them from memory (`kept_shards`)."""
         self.optimizer, self.buckets, self.tiers = optimizer, buckets, tiers
         self.pool = pool
         self.ahead = max(1, buffer_count - 2)  # sub-groups read ahead; one steps, one writes behind
         self.swaps: dict[int, dict[str, Swapped]] = {}  # bucket index -> "master" and each state key
         self.write_behind = write_behind or WriteBehind(buffer_count)  # gradient shards written as reduced
         self.grad_swaps: dict[int, Swapped] = dict(grads or {})  # bucket index -> its gradient shard's file
+        self.shards_kept = shards_kept
         on_disk = [i for i, t in enumerate(tiers) if t is Tier.DISK]
         for i in on_disk:
             self.swaps[i] = self._create_swaps(i, swap, (masters or {}).get(i))
@@ -249,13 +253,17 @@ class OptimizerTiers:
                 self._finish(group, settle=False)
 
     def release(self) -> None:
-        """Finish every sub-group kept in memory (before the swap files close, or to free the buffers)."""
+        """Finish every sub-group kept in memory and the parameter shards kept (before the swap files close, or to
+        free the buffers)."""
         self._release()
+        for i in self.shards_kept:
+            self.buckets[i].settle()
 
     def _settle(self, indices: list[int]) -> None:
-        """Wait for the parameter shards written to disk after their cast (parameter offload)."""
+        """Wait for the parameter shards written to disk after their cast (parameter offload), but the kept."""
         for i in indices:
-            self.buckets[i].settle()
+            if i not in self.shards_kept:
+                self.buckets[i].settle()
 
     def _each(self, group: list[int], action, grads: bool = True, state: bool = True) -> None:
         for i in group:
@@ -300,6 +308,22 @@ def swap_grad(swap: SwapDir, index: int, bucket: Bucket, pool: BufferPool, write
     swapped = Swapped(swap, f"bucket{index}.grad", grad.numel(), grad.dtype, pool, grad)
     bucket.swap_grads(swapped, write_behind)
     return swapped
+
+
+def kept_shards(buckets: list[Bucket], budget_numel: int) -> frozenset[int]:
+    """The buckets, first in build order (the forward's), whose parameter shards on disk fit together in
+    `budget_numel` elements (offload_param's buffer_count x buffer_size): after a step their updated shards
+    stay in memory until the next forward gathers them, their writes landing meanwhile, so that forward
+    reads none of them from disk and the step waits for none of their writes."""
+    kept, numel = [], 0
+    for i, bucket in enumerate(buckets):
+        if bucket.flat.shard_swap is None:
+            continue
+        numel += bucket.flat.shard_numel
+        if numel > budget_numel:
+            break
+        kept.append(i)
+    return frozenset(kept)
 
 
 def _sub_groups(indices: list[int], numels: list[int], sub_group_numel: int) -> list[list[int]]:

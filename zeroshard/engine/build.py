@@ -103,9 +103,9 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     switches = StageSwitches.for_stage(config.stage)
     groups = trainable_groups(model, optimizer)  # before any change: a failure leaves all as it was
     check_ranks_agree(comm, model, optimizer, config.to_dict())
-    check_states_fit(comm, config, optimizer, device, [local(p) for g in groups for p in g])
+    host_short = check_states_fit(comm, config, optimizer, device, [local(p) for g in groups for p in g])
     # Opened before the units: each unit's shards go to the host or disk as soon as it is built.
-    stream = agreed(comm, lambda: OffloadBuild(config, comm, optimizer, grads_on_disk), _SETUP, device,
+    stream = agreed(comm, lambda: OffloadBuild(config, comm, optimizer, grads_on_disk, host_short), _SETUP, device,
                     undo=OffloadBuild.close)
     with stream.closed_on_error():  # a retry on the same nvme_path finds the swap directories free
         names, units, schedule, buckets, pool = _build_flats(model, optimizer, groups, config, comm, precision,

@@ -32,7 +32,7 @@ import torch
 from zeroshard.comm import Comm
 from zeroshard.config import Config
 from zeroshard.core.bucket import Bucket
-from zeroshard.core.optimizer_tiers import OptimizerTiers, Tier, swap_grad
+from zeroshard.core.optimizer_tiers import OptimizerTiers, Tier, kept_shards, swap_grad
 from zeroshard.core.swapped import BufferPool, Swapped, WriteBehind
 from zeroshard.offload import Poison, SwapDir
 from zeroshard.offload.memory import MMAP_THRESHOLD, return_freed_blocks
@@ -59,6 +59,18 @@ class Offload:
             swap.close()
 
 
+def _choose_heap(host_short: bool, log_it: bool) -> None:
+    """Host memory bounded by what is held (freed blocks back to the system at once), or glibc's heap left to
+    keep them for reuse, where memory is plentiful."""
+    if host_short and return_freed_blocks():
+        if log_it:
+            log.info("offload to disk with host memory short: freed blocks of %d bytes and more go back to the "
+                     "OS at once (glibc M_MMAP_THRESHOLD)", MMAP_THRESHOLD)
+    elif log_it:
+        log.info("offload to disk: host memory holds the disk tier's states twice over, so freed blocks stay in "
+                 "glibc's heap for reuse (no page faults for the next step's tensors)")
+
+
 def offload_choice(config: Config, trained_numel: int) -> Callable[[int], bool]:
     """`choose(numel)` for each bucket in build order: whether its optimizer state is offloaded."""
     opt = config.zero_optimization.offload_optimizer
@@ -83,9 +95,11 @@ class OffloadBuild:
     raises; the caller makes every rank raise with it (`engine/build.py`).
     """
 
-    def __init__(self, config: Config, comm: Comm, optimizer: torch.optim.Optimizer, grads_on_disk: bool = True):
+    def __init__(self, config: Config, comm: Comm, optimizer: torch.optim.Optimizer, grads_on_disk: bool = True,
+                 host_short: bool = True):
         """`grads_on_disk`: stages 2-3 with the optimizer on disk keep the gradient shards there too (not on a
-        tp/pp mesh, whose step check reads parts of them)."""
+        tp/pp mesh, whose step check reads parts of them). `host_short`: host memory could not hold the disk
+        tier's states with room to spare (`engine/memory_fit.py`): freed blocks go back to the system at once."""
         zero = config.zero_optimization
         opt, param = zero.offload_optimizer, zero.offload_param
         self.config = config
@@ -97,9 +111,10 @@ class OffloadBuild:
         self.param_swap = (_swap_dir(param.nvme_path, comm, config, poison, self.swaps)
                            if param.device == "nvme" else None)
         self.max_in_cpu = param.max_in_cpu if self.param_swap else None
-        if self.swaps and return_freed_blocks() and comm.rank == 0:  # host memory stays bounded by what is held
-            log.info("offload to disk: freed blocks of %d bytes and more go back to the OS at once (glibc "
-                     "M_MMAP_THRESHOLD)", MMAP_THRESHOLD)
+        # Host memory short: every parameter shard's write is waited for at the step's end, none kept.
+        self.kept_numel = 0 if host_short else param.buffer_count * param.buffer_size
+        if self.swaps:
+            _choose_heap(host_short, comm.rank == 0)
         self.masters: dict[int, Swapped] = {}  # bucket index -> its master's swap file, written out already
         self.grads: dict[int, Swapped] = {}  # bucket index -> its gradient shard's swap file
         self.grads_on_disk = grads_on_disk and self.opt_swap is not None
@@ -157,7 +172,8 @@ class OffloadBuild:
         optimizer_tiers = OptimizerTiers(optimizer, buckets, tiers, self.opt_swap, self.pool, zero.sub_group_size,
                                          zero.offload_optimizer.buffer_count, masters=self.masters,
                                          grads_on_disk=self.grads_on_disk, grads=self.grads,
-                                         write_behind=self.write_behind)
+                                         write_behind=self.write_behind,
+                                         shards_kept=kept_shards(buckets, self.kept_numel))
         return Offload(optimizer_tiers, self.param_tier, self.swaps, self.pool)
 
 

@@ -1,10 +1,13 @@
-"""The worker threads of offload's asynchronous work: jobs split into chunks, served round robin.
+"""The worker threads of offload's asynchronous work: jobs split into chunks, urgent ones first, in order.
 
 A job is one transfer: `count` chunks, each `run(i)` for i in range(count).
-The pool's threads take one chunk at a time from the job at the head of the
-queue and move that job to the tail, so the chunks of concurrent jobs
-interleave: a 1 GiB write does not hold back a 1 MiB read submitted after it
-for the whole GiB, only for about one chunk per thread.
+The pool's threads take one chunk at a time: from the oldest urgent job
+(a read: training waits for it) if there is one, else from the oldest
+other job (a write behind). So a 1 GiB write does not hold back a 1 MiB read
+submitted after it for more than about one chunk per thread, and jobs of a
+kind finish in the order they were submitted, which is the order they are
+waited for (the units' shards written after a step, read by the next
+forward in that order), instead of all near the end of the last one.
 
 The first exception of a chunk becomes the job's error; the chunks not
 started yet are skipped, and the job finishes only when no chunk is running,
@@ -23,11 +26,12 @@ class Job:
     """`count` chunks of work, `run(i)` each; finished when every chunk ran or was skipped after an error.
 
     `start_at` (time.monotonic() seconds) delays every chunk until then (the
-    poison mode's delay).
+    poison mode's delay). `urgent`: served before every job that is not.
     """
 
-    def __init__(self, count: int, run: Callable[[int], None], start_at: float = 0.0):
+    def __init__(self, count: int, run: Callable[[int], None], start_at: float = 0.0, urgent: bool = False):
         self.count = count
+        self.urgent = urgent
         self.start_at = start_at
         self.error: BaseException | None = None
         self._run: Callable[[int], None] | None = run
@@ -71,13 +75,13 @@ class Job:
 
 
 class WorkerPool:
-    """`threads` daemon threads serving jobs chunk by chunk, round robin over the jobs."""
+    """`threads` daemon threads serving jobs chunk by chunk, urgent jobs first, each kind in submission order."""
 
     def __init__(self, threads: int, name: str):
         if threads < 1:
             raise ValueError(f"{name}: threads must be >= 1, got {threads}")
         self._cv = threading.Condition()
-        self._jobs: deque[Job] = deque()
+        self._jobs: dict[bool, deque[Job]] = {True: deque(), False: deque()}  # urgent -> jobs with chunks left
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(threads)]
         for thread in self._threads:
@@ -88,7 +92,7 @@ class WorkerPool:
             if self._closed:
                 raise RuntimeError("the offload worker pool is closed: this object was closed; create another")
             if job.count:
-                self._jobs.append(job)
+                self._jobs[job.urgent].append(job)
                 self._cv.notify_all()
         return job
 
@@ -103,16 +107,15 @@ class WorkerPool:
 
     def _take(self) -> tuple[Job, int] | None:
         with self._cv:
-            while not self._jobs and not self._closed:
+            while not any(self._jobs.values()) and not self._closed:
                 self._cv.wait()
-            if not self._jobs:
+            jobs = self._jobs[True] or self._jobs[False]
+            if not jobs:
                 return None
-            job = self._jobs[0]
+            job = jobs[0]
             i, job._next = job._next, job._next + 1
             if job._next == job.count:
-                self._jobs.popleft()
-            else:
-                self._jobs.rotate(-1)  # the head job goes to the tail: the next chunk is another job's
+                jobs.popleft()
             return job, i
 
     def _work(self) -> None:

@@ -200,7 +200,8 @@ class SwapFile:
 
     def _start(self, kind: str, run: Callable[[int], None]) -> Transfer:
         poison = self._dir.poison
-        job = Job(self._chunks(), run, start_at=0.0 if poison is None else time.monotonic() + poison.seconds)
+        job = Job(self._chunks(), run, start_at=0.0 if poison is None else time.monotonic() + poison.seconds,
+                  urgent=kind == "read")
         transfer = Transfer(self._dir.submit(job))
         self._inflight.append((kind, transfer))
         return transfer
