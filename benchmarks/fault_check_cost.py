@@ -33,7 +33,7 @@ def _rank(rank, world, device, args):
 
     import zeroshard
     from zeroshard.app.models import GPT, PRESETS
-    from zeroshard.comm import fault_check
+    from zeroshard.comm import FaultFlags
 
     torch.set_num_threads(args.threads)
     cfg = PRESETS[args.size]
@@ -62,7 +62,7 @@ def _rank(rank, world, device, args):
     alone = []
     for _ in range(1000):
         start = time.perf_counter()
-        fault_check(comm, False, torch.device("cpu"))
+        FaultFlags(comm, False, torch.device("cpu")).failed()
         alone.append(time.perf_counter() - start)
     out["check_alone_us"] = 1e6 * statistics.median(alone)
     return out

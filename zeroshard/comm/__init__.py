@@ -10,11 +10,10 @@ from zeroshard.comm.collectives import (
     all_reduce,
     broadcast,
     divergence,
-    fault_check,
     reduce_scatter,
-    step_check,
     wait_all,
 )
+from zeroshard.comm.agreement import FaultFlags, step_check
 from zeroshard.comm.group import ensure_process_group
 from zeroshard.comm.compressed import CompressedReduction, ErrorFeedback
 from zeroshard.comm.qgz import Hops, HopsPending, qgz_reduce_scatter
@@ -25,6 +24,6 @@ from zeroshard.comm.stall import CollectiveError
 
 __all__ = [
     "OPS", "Algorithms", "BlockCodec", "CollectiveError", "Comm", "CommRecorder", "CompressedReduction",
-    "ErrorFeedback", "Hops", "HopsPending", "OpStats", "Pending", "PendingGroup", "all_gather", "all_gather_object", "all_reduce", "broadcast", "divergence",
-    "ensure_process_group", "fault_check", "qgz_reduce_scatter", "qwz_all_gather", "reduce_scatter", "step_check", "wait_all",
+    "ErrorFeedback", "FaultFlags", "Hops", "HopsPending", "OpStats", "Pending", "PendingGroup", "all_gather", "all_gather_object", "all_reduce", "broadcast", "divergence",
+    "ensure_process_group", "qgz_reduce_scatter", "qwz_all_gather", "reduce_scatter", "step_check", "wait_all",
 ]

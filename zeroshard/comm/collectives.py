@@ -349,43 +349,6 @@ def broadcast(comm: Comm, tensor: torch.Tensor, src: int = 0) -> None:
     _launch(comm, "broadcast", _nbytes(tensor), "native", call, async_op=False)
 
 
-def step_check(comm: Comm, values: torch.Tensor) -> torch.Tensor:
-    """Every rank's `values` (1-D, the same length and dtype on every rank) as rows, (N, len), in rank order.
-
-    The one collective before each optimizer step (the gradient norm, the
-    non-finite flag, the step counters): recorded as its own op, `step_check`,
-    with the gathered tensor as its logical size (N x `values` bytes).
-    """
-    return _rows(comm, "step_check", values)
-
-
-def fault_check(comm: Comm, failed: bool, device: torch.device, what: str = "") -> list[int]:
-    """The ranks whose own work just failed (`failed` on this rank), in rank order: an all-gather of one
-    int64 flag per rank, on `device` (where the backend's collectives run).
-
-    Work that can fail on one rank alone (a disk read or write of offload) is
-    followed by this check before the next collective, so that every rank
-    learns of a failure and none waits in a collective the failed rank will
-    never join. Recorded as its own op, `fault_check` (8N bytes a call).
-    """
-    flag = torch.tensor([int(failed)], dtype=torch.int64, device=device)
-    flags = _rows(comm, "fault_check", flag, what).reshape(-1).tolist()
-    return [rank for rank, f in enumerate(flags) if f]
-
-
-def _rows(comm: Comm, op: str, values: torch.Tensor, what: str = "") -> torch.Tensor:
-    """Every rank's `values` as rows (N, len), by one all-gather recorded as `op`."""
-    n = comm.world_size
-    rows = torch.empty(n * values.numel(), dtype=values.dtype, device=values.device)
-    if n == 1:
-        rows.copy_(values)
-        _launch(comm, op, _nbytes(rows), "local", _nothing, async_op=False, what=what)
-    else:
-        call = partial(dist.all_gather_single, rows, values, group=comm.group, async_op=True)
-        _launch(comm, op, _nbytes(rows), "native", call, async_op=False, what=what)
-    return rows.view(n, -1)
-
-
 def all_gather_object(comm: Comm, obj) -> list:
     """Every rank's picklable `obj`, in rank order (used to check ranks agree).
 

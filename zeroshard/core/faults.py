@@ -13,8 +13,11 @@ error as the cause. No rank runs another collective of that work first.
 
 Where it runs: at construction (opening and filling the swap files), after
 an optimizer step with swap files (before the stages 1-2 all-gather), and at
-stage 3 before each gather of a unit whose parameter shards are on disk
-(after their reads). Nothing is checked without swap files.
+stage 3 with each gather of a unit whose parameter shards are on disk (after
+their reads). There the check is in flight beside the gather (`Agreement`),
+not a wait before it: a rank whose read failed joins the gather with NaN in
+place of its shard, and every rank raises when it waits for the gather,
+before anything uses it. Nothing is checked without swap files.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from zeroshard.comm import Comm, all_gather_object, fault_check
+from zeroshard.comm import Comm, FaultFlags, all_gather_object
 from zeroshard.offload import OffloadError
 
 T = TypeVar("T")
@@ -51,15 +54,27 @@ def agreed(comm: Comm, work: Callable[[], T], what: str, device: torch.device,
 
 def agree(comm: Comm, problem: Exception | None, what: str, device: torch.device) -> None:
     """Raise OffloadError on every rank if `what` failed on any rank (`problem`: this rank's error, or None)."""
-    failed = fault_check(comm, problem is not None, device, what)
-    if not failed:
-        return
-    reports = all_gather_object(comm, None if problem is None else _report(problem))
-    which = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {', '.join(map(str, failed))}"
-    said = "; ".join(f"rank {r}: {reports[r]['text']}" for r in failed)
-    first = reports[failed[0]]
-    raise OffloadError(f"{what} failed on {which}, and every rank stops there: {said}", path=first["path"],
-                       errno=first["errno"]) from problem
+    Agreement(comm, problem, what, device).settle()
+
+
+class Agreement:
+    """`agree` in two halves: every rank's flag is sent now, and `settle()` raises on every rank if any was set.
+    Collectives every rank posts in between run meanwhile; wait for them before `settle()`."""
+
+    def __init__(self, comm: Comm, problem: Exception | None, what: str, device: torch.device):
+        self.comm, self.problem, self.what = comm, problem, what
+        self._flags = FaultFlags(comm, problem is not None, device, what)
+
+    def settle(self) -> None:
+        failed = self._flags.failed()
+        if not failed:
+            return
+        reports = all_gather_object(self.comm, None if self.problem is None else _report(self.problem))
+        which = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {', '.join(map(str, failed))}"
+        said = "; ".join(f"rank {r}: {reports[r]['text']}" for r in failed)
+        first = reports[failed[0]]
+        raise OffloadError(f"{self.what} failed on {which}, and every rank stops there: {said}",
+                           path=first["path"], errno=first["errno"]) from self.problem
 
 
 def _report(error: Exception) -> dict:

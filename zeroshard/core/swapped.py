@@ -21,7 +21,7 @@ from enum import Enum
 
 import torch
 
-from zeroshard.offload import ALIGN, SwapDir, SwapFile, Transfer, aligned_empty, completed
+from zeroshard.offload import ALIGN, SwapDir, SwapFile, Transfer, aligned_empty, completed, unreadable
 
 
 class SwapState(Enum):
@@ -110,6 +110,14 @@ class Swapped:
         if self.state in (SwapState.READING, SwapState.WRITING):
             self._transfer.wait()
             self.state = SwapState.RESIDENT
+
+    def stand_in(self) -> None:
+        """After its read failed (`wait` raised): hold NaN instead, resident, so that this rank can still take
+        part in a collective every rank has posted; the caller raises the read's error once it landed. The
+        file is unchanged, and `finish` drops the stand-in."""
+        self._transfer = completed()
+        unreadable(self.tensor)
+        self.state = SwapState.RESIDENT
 
     def bind(self, tensor: torch.Tensor) -> None:
         """Follow a new tensor object holding these values in memory (the optimizer's state after its

@@ -14,7 +14,7 @@ its destination not read. ZEROSHARD_OFFLOAD_POISON=<ms> (`Poison.from_env`)
 turns a broken rule into NaNs a test sees.
 
 - memory.py     ALIGN, aligned_empty (aligned, optionally pinned host buffers)
-- transfer.py   Transfer, completed, Poison
+- transfer.py   Transfer, completed, Poison, unreadable
 - pool.py       the worker threads: transfers cut into chunks, round robin
 - copier.py     Copier: host<->device copies (a CUDA side stream and events, or a CPU thread)
 - swap_dir.py   SwapDir: one rank's swap files (lock, O_DIRECT probe, allocation, cleanup)
@@ -30,7 +30,7 @@ from zeroshard.offload.errors import OffloadError
 from zeroshard.offload.memory import ALIGN, aligned_empty, round_up
 from zeroshard.offload.swap_dir import SwapDir
 from zeroshard.offload.swap_file import SwapFile
-from zeroshard.offload.transfer import Poison, Transfer, completed
+from zeroshard.offload.transfer import Poison, Transfer, completed, unreadable
 
 __all__ = ["ALIGN", "Copier", "OffloadError", "Poison", "SwapDir", "SwapFile", "Transfer", "aligned_empty",
-           "completed", "measure_bandwidth", "round_up"]
+           "completed", "measure_bandwidth", "round_up", "unreadable"]

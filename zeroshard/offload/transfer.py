@@ -92,9 +92,14 @@ class Poison:
 
     def fill(self, t: torch.Tensor) -> None:
         """Fill `t` with NaN (float dtypes) or 0xFF bytes (the others), on `t`'s device and current stream."""
-        if t.dtype.is_floating_point or t.dtype.is_complex:
-            t.fill_(float("nan"))
-        elif t.is_contiguous() and t.dtype != torch.bool:
-            t.reshape(-1).view(torch.uint8).fill_(0xFF)  # all bits set, in place (a view of t's bytes)
-        else:
-            t.fill_(True if t.dtype == torch.bool else -1 if t.dtype.is_signed else torch.iinfo(t.dtype).max)
+        unreadable(t)
+
+
+def unreadable(t: torch.Tensor) -> None:
+    """Fill `t` with NaN (float dtypes) or 0xFF bytes (the others): values nobody may take for data."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.fill_(float("nan"))
+    elif t.is_contiguous() and t.dtype != torch.bool:
+        t.reshape(-1).view(torch.uint8).fill_(0xFF)  # all bits set, in place (a view of t's bytes)
+    else:
+        t.fill_(True if t.dtype == torch.bool else -1 if t.dtype.is_signed else torch.iinfo(t.dtype).max)

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from zeroshard.comm import Comm, CompressedReduction, PendingGroup, broadcast
 from zeroshard.core.bucket import FP32, Bucket, StageSwitches
-from zeroshard.core.faults import agreed
+from zeroshard.core.faults import Agreement
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.precision import Precision
 from zeroshard.core.staging import StagingPool
@@ -56,6 +56,7 @@ class Unit:
         self._where = [(bi, pi) for bi, b in enumerate(buckets) for pi in range(len(b.params))]
         self.state = UnitState.SHARDED
         self._gather: PendingGroup | None = None  # in flight while GATHERING
+        self._read: Agreement | None = None  # with it: how every rank's reads of its shards went (offload)
         self.quantized = False  # the gathered buffers hold qwZ's dequantized values, not the shards' own
 
     @property
@@ -70,9 +71,10 @@ class Unit:
         """
         if self.state is UnitState.GATHERING or self.whole:
             raise RuntimeError(f"unit '{self.name}' is {self.state.value}: it cannot start another gather")
-        self._wait_shards(gathers.comm)
+        read = self._wait_shards(gathers.comm)
         self._gather = PendingGroup([gathers.start(flat, exact, what=f"unit '{self.name}'")
                                      for flat in self.gathered_flats])
+        self._read = read
         self.quantized = gathers.quantizes(exact)
         self.state = UnitState.GATHERING
 
@@ -83,20 +85,32 @@ class Unit:
                 if flat.shard_swap is not None:
                     flat.shard_swap.read()
 
-    def _wait_shards(self, comm: Comm) -> None:
-        """Shards on disk (parameter offload): wait for their reads, and agree that every rank's landed before
-        any rank starts the gather (a rank whose read failed would never join it; `core/faults.py`)."""
+    def _wait_shards(self, comm: Comm) -> Agreement | None:
+        """Shards on disk (parameter offload): wait for their reads, and tell every rank how they went, in flight
+        beside the gather (`core/faults.py`): a rank whose read failed joins the gather with NaN in place of
+        its shard, and every rank raises at `wait_gather`, before anything uses it."""
         swaps = [flat.shard_swap for flat in self.gathered_flats if flat.shard_swap is not None]
-        if swaps:
-            agreed(comm, lambda: [swap.wait() for swap in swaps],
-                   f"reading the parameter shards of unit '{self.name}' from disk", self.gathered_flats[0].device)
+        if not swaps:
+            return None
+        problem = None
+        for swap in swaps:
+            try:
+                swap.wait()
+            except Exception as exc:  # every rank must hear of it; this one still joins the gather
+                problem = problem or exc
+                swap.stand_in()
+        return Agreement(comm, problem, f"reading the parameter shards of unit '{self.name}' from disk",
+                         self.gathered_flats[0].device)
 
     def wait_gather(self) -> None:
         """GATHERING -> GATHERED."""
         if self._gather is not None:
             gather, self._gather = self._gather, None
+            read, self._read = self._read, None
             try:
                 gather.wait()
+                if read is not None:
+                    read.settle()
             except BaseException:  # nothing landed: the full buffer must not pass for gathered
                 self.forget()
                 raise
@@ -117,7 +131,7 @@ class Unit:
 
     def forget(self) -> None:
         """After a failure: back to SHARDED without waiting for a gather the other ranks may never join."""
-        self._gather = None
+        self._gather = self._read = None
         for flat in self.gathered_flats:
             flat.release_full()
         self.state = UnitState.SHARDED
