@@ -10,7 +10,8 @@ elements, overlap_comm) and reports the median step time (per step the
 slowest rank), the time inside the optimizer tiers' step, and the bytes each
 rank's swap files read and wrote per step, counted beside the formula
 (masters and optimizer state read and written once per step; stage 3's
-parameter shards read at each gather, forward and backward, written once).
+parameter shards read at each gather, forward and backward, but those the step
+keeps for the next forward, written once).
 
 The disk: `zeroshard.offload.measure_bandwidth` on `--nvme-path` at the
 engine's block size and thread count (aio.thread_count + 1 workers per rank),
@@ -231,7 +232,7 @@ def formula_bytes(run: dict) -> tuple[int, int]:
     optimizer state once; parameter shards once. Read: the masters and optimizer state of the sub-groups past
     the first `buffer_count` of the step's order (those stay in memory from the step before; the order
     alternates, so the median step reads the mean of both orders); parameter shards at both gathers (forward,
-    backward). Stages 2-3: the gradient shards of the sub-groups past the first `buffer_count` written in
+    backward), but those the step kept in memory for the next forward (offload_param's buffers). Stages 2-3: the gradient shards of the sub-groups past the first `buffer_count` written in
     backward and read back (the others stay in memory for the step). A delayed update reads the uncached
     masters once more, to cast them as it lands."""
     s = run["swapped"]
@@ -242,7 +243,8 @@ def formula_bytes(run: dict) -> tuple[int, int]:
 
     grads = uncached(s["group_grads"])
     again = uncached(s["group_masters"]) if run["variant"] == "nvme_delayed" else 0
-    return grads + uncached(s["group_bytes"]) + 2 * params + again, grads + sum(s["group_bytes"]) + params
+    read_params = 2 * params - s.get("kept_params", 0)
+    return grads + uncached(s["group_bytes"]) + read_params + again, grads + sum(s["group_bytes"]) + params
 
 
 def render(results: dict) -> str:
@@ -275,7 +277,8 @@ def render(results: dict) -> str:
         "in the ranks (the largest rank's), beside the formula: masters + optimizer state written once per step and "
         "read but for the first buffer_count sub-groups of the step's order (kept in memory from the step before), "
         "gradient shards (stages 2-3) of the sub-groups past those written and read once, parameter shards read "
-        "at each gather (forward and backward) and written once",
+        "at each gather (forward and backward) but those a step keeps in memory for the next forward "
+        "(offload_param's buffer_count x buffer_size), and written once",
         "- Disk: `zeroshard.offload.measure_bandwidth` on nvme_path at aio.block_size with the engine's I/O "
         "threads, O_DIRECT (no page cache), every rank at once (each rank's share of the disk, as in training), "
         "before and after the runs; the bound uses the best figures (the shortest I/O time)",

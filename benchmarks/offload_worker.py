@@ -121,10 +121,11 @@ def swapped_bytes(engine) -> dict:
                  + sum(g.nbytes for g in tiers.grad_swaps.values()))  # stages 2-3: the gradient shards too
     params = sum(f.shard_swap.nbytes for u in engine.units or [] for f in u.gathered_flats if f.shard_swap)
     masters = sum(swaps["master"].nbytes for swaps in tiers.swaps.values())
+    kept = sum(tiers.buckets[i].flat.shard_swap.nbytes for i in tiers.shards_kept)  # not read by the next forward
     groups = [[sum(s.nbytes for s in tiers.swaps[i].values() if s.bound) for i in g] for g in tiers.sub_groups]
     group_masters = [[tiers.swaps[i]["master"].nbytes for i in g] for g in tiers.sub_groups]
     group_grads = [sum(tiers.grad_swaps[i].nbytes for i in g if i in tiers.grad_swaps) for g in tiers.sub_groups]
-    return {"optimizer": optimizer, "params": params, "masters": masters, "budget": tiers.budget,
+    return {"optimizer": optimizer, "params": params, "kept_params": kept, "masters": masters, "budget": tiers.budget,
             "group_bytes": [sum(g) for g in groups], "group_masters": [sum(g) for g in group_masters],
             "group_grads": group_grads}
 
