@@ -104,6 +104,7 @@ def test_poisoned_transfers_change_nothing(tmp_path):
     cases = [
         Case(stage=3, accumulation=3, clip=0.5, offload="nvme", offload_params="nvme", **disk),
         Case(stage=3, accumulation=2, offload="nvme", offload_params="nvme", param_buffer=1, **disk),
+        Case(stage=3, clip=0.5, offload="cpu", offload_params="nvme", param_buffer=2500, **disk),  # some kept
         Case(stage=2, accumulation=2, offload="nvme", bucket=1500, sub_group=1, **disk),
         Case(stage=1, clip=0.5, offload="nvme", **disk),
     ]

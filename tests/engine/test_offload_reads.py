@@ -105,15 +105,18 @@ def _param_moves(rank, world, device, cases):
         plain, _ = train_zeroshard(rank, world, device, dataclasses.replace(case, offload="none",
                                                                             offload_params="none"), STEPS)
         moved, undo = _counting("unit")
+        per_step = []
         try:
             engine, losses = run_zeroshard(rank, world, device, case, 1)
-            before = Counter(moved)
-            losses += train_steps(engine, None, case, world, rank, device, range(1, STEPS))
+            for step in range(1, STEPS):
+                before = Counter(moved)
+                losses += train_steps(engine, None, case, world, rank, device, [step])
+                per_step.append({v: moved[v] - before[v] for v in ("read", "write")})
         finally:
             undo()
         shards = [b.flat.shard_swap for b in engine.buckets if b.flat.shard_swap is not None]  # build order
-        out.append((plain, losses, {v: (moved[v] - before[v]) // (STEPS - 1) for v in ("read", "write")},
-                    [(s.numel, s.nbytes) for s in shards]))
+        kept = sum(engine.buckets[i].flat.shard_swap.nbytes for i in engine.offload.tiers.shards_kept)
+        out.append((plain, losses, per_step, [(s.numel, s.nbytes) for s in shards], kept))
         engine.offload.close()
     return out
 
@@ -122,7 +125,7 @@ def test_the_shards_a_step_keeps_are_not_read_by_the_next_forward(tmp_path):
     disk = {"nvme_path": str(tmp_path), "stage": 3, "offload": "nvme", "offload_params": "nvme"}
     budgets = [None, 1, 2500]  # every shard kept (the defaults), none, the first ones
     cases = [Case(param_buffer=b, **disk) for b in budgets]
-    for case, (ref_losses, losses, per_step, shards) in zip(cases, run_ranks(_param_moves, 2, cases)[0]):
+    for case, (ref_losses, losses, per_step, shards, kept_now) in zip(cases, run_ranks(_param_moves, 2, cases)[0]):
         assert losses == ref_losses, f"{case}: losses differ from the run without offload"
         budget, numel, kept = 5 * 10**8 if case.param_buffer is None else case.param_buffer, 0, 0
         for n, nbytes in shards:  # the first shards that fit in the budget together
@@ -131,6 +134,7 @@ def test_the_shards_a_step_keeps_are_not_read_by_the_next_forward(tmp_path):
                 break
             kept += nbytes
         total = sum(nbytes for _, nbytes in shards)
-        assert per_step == {"write": total, "read": 2 * total - kept}, (case, shards, per_step)
+        assert kept_now == kept, f"{case}: the engine kept {kept_now} bytes of shards, the budget says {kept}"
+        assert per_step == [{"write": total, "read": 2 * total - kept}] * (STEPS - 1), (case, shards, per_step)
         if case.param_buffer == 2500:
             assert 0 < kept < total, f"{case}: the budget should keep some shards, not all ({shards})"

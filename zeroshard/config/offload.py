@@ -147,8 +147,9 @@ class OffloadParamConfig(BaseModel):
         "(default false)."))
     buffer_count: PositiveInt = Field(5, description=(
         "Device \"nvme\": with buffer_size, the elements of updated parameter shards (buffer_count x "
-        "buffer_size) that stay in host memory from the step to the next forward, their writes to disk landing "
-        "meanwhile: that forward takes them from memory, not from disk (the first units in build order that "
+        "buffer_size) that stay in host memory from the step to the next forward, the step waiting for none of "
+        "their writes: each unit's gather there waits for its own and takes them from memory, not from disk (the "
+        "first units in build order that "
         "fit; none where host memory is short, under 2x what the ranks would hold without a disk tier). "
         "DeepSpeed: zero_optimization.offload_param.buffer_count (default 5)."))
     buffer_size: PositiveInt = Field(100_000_000, description=(

@@ -112,11 +112,16 @@ class Swapped:
             self.state = SwapState.RESIDENT
 
     def stand_in(self) -> None:
-        """After its read failed (`wait` raised): hold NaN instead, resident, so that this rank can still take
-        part in a collective every rank has posted; the caller raises the read's error once it landed. The
-        file is unchanged, and `finish` drops the stand-in."""
+        """After its transfer failed (`wait` raised), resident all the same, so that this rank can still take
+        part in a collective every rank has posted; the caller raises the error once that landed. A failed
+        read leaves NaN in its place; a failed write the values it was writing (the file is not theirs: a
+        read of it raises). `finish` then lets go of them."""
+        if self._buffer is None:  # the read failed before it had a buffer
+            self._buffer = self.pool.acquire(self.nbytes)
+            self._point_at_buffer()
+        if self.state is not SwapState.WRITING:
+            unreadable(self.tensor)
         self._transfer = completed()
-        unreadable(self.tensor)
         self.state = SwapState.RESIDENT
 
     def bind(self, tensor: torch.Tensor) -> None:

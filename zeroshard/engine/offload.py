@@ -62,10 +62,13 @@ class Offload:
 def _choose_heap(host_short: bool, log_it: bool) -> None:
     """Host memory bounded by what is held (freed blocks back to the system at once), or glibc's heap left to
     keep them for reuse, where memory is plentiful."""
-    if host_short and return_freed_blocks():
+    if host_short:
+        handed_back = return_freed_blocks()
         if log_it:
-            log.info("offload to disk with host memory short: freed blocks of %d bytes and more go back to the "
-                     "OS at once (glibc M_MMAP_THRESHOLD)", MMAP_THRESHOLD)
+            log.info("offload to disk with host memory short: %s", (
+                f"freed blocks of {MMAP_THRESHOLD} bytes and more go back to the OS at once (glibc "
+                "M_MMAP_THRESHOLD)" if handed_back else "the C library is not glibc, so freed blocks stay in "
+                "its heap as it decides (host memory may grow beyond what offload holds)"))
     elif log_it:
         log.info("offload to disk: host memory holds the disk tier's states twice over, so freed blocks stay in "
                  "glibc's heap for reuse (no page faults for the next step's tensors)")

@@ -86,9 +86,10 @@ class Unit:
                     flat.shard_swap.read()
 
     def _wait_shards(self, comm: Comm) -> Agreement | None:
-        """Shards on disk (parameter offload): wait for their reads, and tell every rank how they went, in flight
-        beside the gather (`core/faults.py`): a rank whose read failed joins the gather with NaN in place of
-        its shard, and every rank raises at `wait_gather`, before anything uses it."""
+        """Shards on disk (parameter offload): wait for their reads (or, for shards a step kept in memory, their
+        writes), and tell every rank how they went, in flight beside the gather (`core/faults.py`): a rank
+        whose transfer failed still joins the gather (`Swapped.stand_in`), and every rank raises at
+        `wait_gather`, before anything uses it."""
         swaps = [flat.shard_swap for flat in self.gathered_flats if flat.shard_swap is not None]
         if not swaps:
             return None
@@ -99,8 +100,9 @@ class Unit:
             except Exception as exc:  # every rank must hear of it; this one still joins the gather
                 problem = problem or exc
                 swap.stand_in()
-        return Agreement(comm, problem, f"reading the parameter shards of unit '{self.name}' from disk",
-                         self.gathered_flats[0].device)
+        # The same words on every rank; the failed rank's own error says which transfer failed.
+        return Agreement(comm, problem, f"reading the parameter shards of unit '{self.name}' from disk (or "
+                         "writing them back after the step)", self.gathered_flats[0].device)
 
     def wait_gather(self) -> None:
         """GATHERING -> GATHERED."""
