@@ -382,3 +382,11 @@ def test_zero_init_remote_device_must_agree_with_the_config(tmp_path):
     with pytest.raises(UnsupportedError, match="DeepSpeed's values are"):
         deepspeed.zero.Init(remote_device="gpu", config_dict_or_path=on_cpu)
     assert declared_param_device({}) == "none" and declared_param_device(zero(3, offload_param=None)) == "none"
+
+
+@pytest.mark.parametrize("block", ["offload_optimizer", "offload_param"])
+def test_async_save_with_a_disk_tier_is_refused_when_the_config_loads(block):
+    raw = zero(3, **{block: {"device": "nvme", "nvme_path": "/x"}}) | {"checkpoint": {"async_save": True}}
+    with pytest.raises(ConfigError, match=r"checkpoint.async_save with offload device \"nvme\""):
+        Config.load(raw)
+    assert Config.load(zero(3, **{block: {"device": "cpu"}}) | {"checkpoint": {"async_save": True}})

@@ -52,8 +52,8 @@ examples:
   zeroshard estimate --params 13B --gpus 1 --dtype fp16 --gpu-mem 32GiB --host-mem 1.5TB --offload-optimizer cpu
   zeroshard estimate --model 4m --gpus 2 --dtype fp32 --compress --step-seconds 0.5
                                                              bytes per codec and the link speed where each pays
-  zeroshard estimate --params 1T --gpus 16 --dtype fp16 --offload-optimizer nvme --offload-params nvme \\
-      --gpu-mem 32GiB --host-mem 1.5TB --disk-mem 28TB         ZeRO-Infinity on one DGX-2 node
+  zeroshard estimate --params 1T --gpus 16 --gpus-per-node 16 --dtype fp16 --offload-optimizer nvme \\
+      --offload-params nvme --gpu-mem 32GiB --host-mem 1.5TB --disk-mem 28TB     ZeRO-Infinity on one DGX-2 node
 """
 
 

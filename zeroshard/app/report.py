@@ -124,8 +124,9 @@ def print_report(console: Console, engine: zeroshard.Engine, args: argparse.Name
     console.print(f"loss [bold]{result.losses[0]:.3f}[/] (first step) -> [bold]{result.losses[-1]:.3f}[/] "
                   f"(last step)")
     console.print(f"median step {median:.3f} s, {tokens / median:,.0f} tokens/s")
-    console.print(f"Ψ = {psi:,} elements in {len(engine.buckets)} buckets "
-                  f"({sum(u.flat.numel for u in engine.buckets):,} parameters + padding)")
+    count, numel = len(engine.buckets), sum(u.flat.numel for u in engine.buckets)
+    console.print(f"Ψ = {psi:,} elements in {count} bucket{'' if count == 1 else 's'} ({numel:,} parameters"
+                  + (f" + {psi - numel:,} padding)" if psi > numel else ")"))
     if result.sample:  # --sample 0 asks for none
         console.print(Text("sample: ") + Text(result.sample, style="italic"))  # Text: no markup in the sample
     memory, comm = formulas(psi, world, args, engine)
@@ -174,8 +175,9 @@ def _pools_table(formula: dict, everyone: list[dict]) -> Table:
     table = Table(title="Memory pools per rank (bytes): memory_stats(pool) beside estimate.offload_pool_bytes",
                   title_justify="left", show_edge=False, caption_justify="left",
                   caption="ok: every rank equals the formula (host staging, the aligned buffers of disk "
-                          "transfers: at most it); optimizer: AdamW's moments and a 4-byte step counter per "
-                          "master, in memory beside it")
+                          "transfers: at most it, with their alignment and the I/O threads' bounce buffers); "
+                          "optimizer: AdamW's moments and a 4-byte step counter per master, where the master is "
+                          "(its moments on disk with it, the counter in host memory)")
     for name in ("pool", "state", "measured", "formula", "ok"):
         table.add_column(name, justify="right" if name in ("measured", "formula") else "left", no_wrap=True)
     for pool in POOLS:

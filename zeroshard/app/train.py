@@ -372,8 +372,9 @@ def main(argv: list[str] | None = None) -> None:
             train_on_mesh(args, engine_config(args), lr_schedule, console)
         else:
             train(args, console)
-    except (UsageError, MeshUsageError, BatchError, zeroshard.ConfigError, zeroshard.CheckpointError) as error:
-        # Every rank says it: torchrun may stop the others before rank 0 gets to print.
+    except (UsageError, MeshUsageError, BatchError, zeroshard.ZeroshardError) as error:
+        # zeroshard's own errors name the cause and the fix: no traceback. Every rank says it: torchrun may
+        # stop the others before rank 0 gets to print.
         console.print(f"[red]error[/] (rank {rank}): {error}", highlight=False)
         raise SystemExit(2) from None
     finally:

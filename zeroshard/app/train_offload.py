@@ -119,7 +119,8 @@ def offloaded(config: zeroshard.Config) -> bool:
 
 def pool_formula(engine: zeroshard.Engine, per_element: dict[str, int]) -> dict:
     """`estimate.offload_pool_bytes` for this engine's layout, with AdamW's step counters added where each
-    master's counters live: {"device", "host", "disk": {kind: bytes}, "pinned": bytes}."""
+    master's counters live, and to the host's staging the disk buffers' alignment and bounce buffers:
+    {"device", "host", "disk": {kind: bytes}, "pinned": bytes}."""
     zero = engine.config.zero_optimization
     opt, param = zero.offload_optimizer, zero.offload_param
     psi = sum(b.flat.padded_numel for b in engine.buckets)
@@ -132,4 +133,5 @@ def pool_formula(engine: zeroshard.Engine, per_element: dict[str, int]) -> dict:
         param_pin_memory=param.pin_memory)
     for bucket in engine.buckets:
         pools["host" if bucket.offload else "device"]["optimizer"] += _STEP_COUNTER_BYTES
+    pools["host"]["staging"] += engine.offload.buffer_overhead()  # alignment and bounce buffers: rank 0's
     return pools

@@ -93,10 +93,11 @@ class OffloadOptimizerConfig(BaseModel):
         "(default false)."))
     buffer_count: PositiveInt = Field(4, description=(
         "Disk: buffers in flight (count), reading the next part of the state ahead and writing the last one "
-        "behind while the CPU steps the current one. DeepSpeed: zero_optimization.offload_optimizer.buffer_count "
-        "(default 4)."))
+        "behind while the CPU steps the current one (buffer_count - 2 sub-groups read ahead; under 3 counts as "
+        "3). DeepSpeed: zero_optimization.offload_optimizer.buffer_count (default 4)."))
     ratio: Annotated[float, BeforeValidator(_ratio)] = Field(1.0, description=(
-        "Fraction of the optimizer state (by bytes) offloaded, in (0, 1]; the rest stays on the training device "
+        "Fraction of the optimizer state offloaded, in (0, 1], by elements (so by bytes: the state is fp32), "
+        "the first buckets; the rest stays on the training device "
         "and is stepped there. DeepSpeed: zero_optimization.offload_optimizer.ratio (default 1.0)."))
     fast_init: StrictBool = Field(False, description=(
         "No effect: it chooses DeepSpeed's faster way of setting up the optimizer state on disk; zeroshard has "
@@ -156,8 +157,10 @@ class OffloadParamConfig(BaseModel):
         "Device \"nvme\": elements per buffer; see buffer_count. "
         "DeepSpeed: zero_optimization.offload_param.buffer_size (default 1e8)."))
     max_in_cpu: NonNegativeInt = Field(1_000_000_000, description=(
-        "Device \"nvme\": parameter elements kept in host memory as well (the rest are read from disk when "
-        "needed). DeepSpeed: zero_optimization.offload_param.max_in_cpu (default 1e9)."))
+        "Device \"nvme\": the first max_in_cpu elements of this rank's parameter shards stay in host memory "
+        "instead of going to disk; the rest are read from disk when needed. The default, 1e9, keeps every shard "
+        "of a rank with fewer elements on the host (a warning says so): set it lower, 0 for every shard on "
+        "disk. DeepSpeed: zero_optimization.offload_param.max_in_cpu (default 1e9)."))
 
     @property
     def enabled(self) -> bool:

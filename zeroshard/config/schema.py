@@ -298,6 +298,16 @@ class Config(BaseModel):
         raise_problems("Config", [(("communication_compression",), problem) for problem in problems])
         return self
 
+    @model_validator(mode="after")
+    def _async_save_fits(self) -> Config:
+        zero = self.zero_optimization
+        if self.checkpoint.async_save and "nvme" in (zero.offload_optimizer.device, zero.offload_param.device):
+            raise PydanticCustomError(
+                "zeroshard", "checkpoint.async_save with offload device \"nvme\": an asynchronous save would stage "
+                "the whole disk tier in host memory, which that tier is there to avoid. Set async_save to false "
+                "(the synchronous save streams the tier a sub-group at a time), or offload to \"cpu\"")
+        return self
+
     @property
     def training_dtype(self) -> TrainingDtype:
         """The dtype of parameters in forward and backward: "bf16", "fp16" or "fp32"."""

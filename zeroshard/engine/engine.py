@@ -109,8 +109,9 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.checkpointing = ActivationCheckpointing(config.activation_checkpointing,
                                                      self.cross.tp_comm() if self.cross else None)
         if self.comm.rank == 0:
-            log.info("zeroshard stage %d on %d ranks: %d buckets, %d elements", config.stage,
-                     self.comm.world_size, len(self.buckets), sum(b.flat.numel for b in self.buckets))
+            count = len(self.buckets)
+            log.info("zeroshard stage %d on %d ranks: %d bucket%s, %d elements", config.stage,
+                     self.comm.world_size, count, "" if count == 1 else "s", sum(b.flat.numel for b in self.buckets))
             for key, why in self.checkpointing.no_effect(self._device):
                 log.info("activation_checkpointing.%s has no effect here: %s", key, why)
 

@@ -34,7 +34,7 @@ from zeroshard.config import Config
 from zeroshard.core.bucket import Bucket
 from zeroshard.core.optimizer_tiers import OptimizerTiers, Tier, kept_shards, swap_grad
 from zeroshard.core.swapped import BufferPool, Swapped, WriteBehind
-from zeroshard.offload import Poison, SwapDir
+from zeroshard.offload import ALIGN, Poison, SwapDir
 from zeroshard.offload.memory import MMAP_THRESHOLD, return_freed_blocks
 from zeroshard.stage3.unit import Unit
 
@@ -58,6 +58,12 @@ class Offload:
         for swap in self.swaps.values():
             swap.close()
 
+    def buffer_overhead(self) -> int:
+        """Host bytes of `buffers()` beyond the values they hold, which the pool formula leaves out: each aligned
+        buffer's rounding up to ALIGN and its ALIGN of slack, and the I/O threads' bounce buffers."""
+        bounces = [b for swap in self.swaps.values() for b in swap.buffers()]
+        return 2 * ALIGN * len(self.pool.tensors()) + sum(b.untyped_storage().nbytes() for b in bounces)
+
 
 def _choose_heap(host_short: bool, log_it: bool) -> None:
     """Host memory bounded by what is held (freed blocks back to the system at once), or glibc's heap left to
@@ -70,8 +76,21 @@ def _choose_heap(host_short: bool, log_it: bool) -> None:
                 "M_MMAP_THRESHOLD)" if handed_back else "the C library is not glibc, so freed blocks stay in "
                 "its heap as it decides (host memory may grow beyond what offload holds)"))
     elif log_it:
-        log.info("offload to disk: host memory holds the disk tier's states twice over, so freed blocks stay in "
-                 "glibc's heap for reuse (no page faults for the next step's tensors)")
+        log.info("offload to disk: host memory has room for twice what the disk tier holds, so freed blocks stay "
+                 "in the C library's heap for reuse (no page faults for the next step's tensors)")
+
+
+def _say_where_params_went(units: list[Unit], zero, in_cpu: int | None) -> None:
+    """offload_param that moves nothing (or nothing to disk) says so, with the key that decided it."""
+    shards = sum(flat.shard_numel for unit in units for flat in unit.gathered_flats)
+    if shards == 0:
+        log.warning("offload_param: no parameter is offloaded: every one is under "
+                    "stage3_param_persistence_threshold (%d elements), so it stays whole on every rank; lower it "
+                    "(0 offloads every parameter)", zero.stage3_param_persistence_threshold)
+    elif in_cpu is not None and in_cpu >= shards:
+        log.warning("offload_param nvme: this rank's %d parameter-shard elements all fit in max_in_cpu (%d), so "
+                    "they stay in host memory and none goes to disk; set max_in_cpu lower (0: every shard on "
+                    "disk)", shards, zero.offload_param.max_in_cpu)
 
 
 def offload_choice(config: Config, trained_numel: int) -> Callable[[int], bool]:
@@ -116,8 +135,9 @@ class OffloadBuild:
         self.max_in_cpu = param.max_in_cpu if self.param_swap else None
         # Host memory short: every parameter shard's write is waited for at the step's end, none kept.
         self.kept_numel = 0 if host_short else param.buffer_count * param.buffer_size
+        self.log_it = comm.rank == 0
         if self.swaps:
-            _choose_heap(host_short, comm.rank == 0)
+            _choose_heap(host_short, self.log_it)
         self.masters: dict[int, Swapped] = {}  # bucket index -> its master's swap file, written out already
         self.grads: dict[int, Swapped] = {}  # bucket index -> its gradient shard's swap file
         self.grads_on_disk = grads_on_disk and self.opt_swap is not None
@@ -170,6 +190,8 @@ class OffloadBuild:
         for unit in units[self._units:]:
             self.unit_built(unit)
         zero = self.config.zero_optimization
+        if self.param_tier is not Tier.DEVICE and self.log_it:
+            _say_where_params_went(units, zero, self._in_cpu if self.param_swap else None)
         disk = self.opt_swap is not None
         tiers = [Tier.DEVICE if not b.offload else Tier.DISK if disk else Tier.HOST for b in buckets]
         optimizer_tiers = OptimizerTiers(optimizer, buckets, tiers, self.opt_swap, self.pool, zero.sub_group_size,

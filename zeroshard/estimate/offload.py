@@ -28,11 +28,15 @@ only; S_p = ceil((Ψ - P) / N), the sharded parameters.
   reads its own copy of the shard while the next step's backward sums into
   it (stage 1's 4O already is such a copy: the window sums on the device).
   "nvme": grads 4O at stage 1 and with `delayed_update` (0 at stages 2-3:
-  on disk), staging buffer_count × (4 + K + G) × min(sub_group_size, O)
-  (the buffers a sub-group's master, state and, at stages 2-3 without
-  `delayed_update`, gradient are read into; G = 4 there, else 0).
+  on disk), staging (4 + K + G) × min(B × min(sub_group_size, O), O),
+  B = max(buffer_count, 3) (the buffers a sub-group's master, state and, at
+  stages 2-3 without `delayed_update`, gradient are read into, as many
+  sub-groups as one reads ahead, one steps and one writes behind, never
+  more than the tier; G = 4 there, else 0).
   Parameters "cpu": params pS_p; "nvme": params p·min(max_in_cpu, S_p) and
-  staging + param_buffer_count × param_buffer_size × p (read buffers).
+  staging + p·min(param_buffer_count × param_buffer_size, S_p -
+  min(max_in_cpu, S_p)) (the shards a step keeps for the next forward and
+  the read buffers, never more than the shards on disk).
 - disk, optimizer "nvme": master 4O, optimizer KO, and at stages 2-3 grads
   4O (the gradient shard waits there between the reductions that add to
   it; not on a tp/pp mesh, where it stays on the host); parameters "nvme":
@@ -42,7 +46,10 @@ only; S_p = ceil((Ψ - P) / N), the sharded parameters.
   moments, which only the CPU step touches, stay pageable.
 
 Excluded, as in formulas.py: activations, the framework's own memory (CUDA
-context, allocator fragmentation, the OS), and per-tensor scalar optimizer
+context, allocator fragmentation, the OS), each disk buffer's alignment (up
+to 8 KiB: its size rounded up to 4 KiB, and 4 KiB to align its start) and
+the I/O threads' bounce buffers (one aio.block_size each, made when a
+transfer is not aligned), and per-tensor scalar optimizer
 state (torch's Adam keeps a 4-byte step per tensor: the caller adds it where
 its optimizer lives). Pure arithmetic: it knows no model class.
 """
@@ -164,9 +171,12 @@ def offload_pool_bytes(
     in_cpu = min(max_in_cpu, param_shard) if offload_param == "nvme" else param_shard * (offload_param == "cpu")
     grads_on_disk = stage >= 2 and not delayed_update  # the delayed update's thread reads its own copy
     grads_out = FP32_BYTES * grads_on_disk  # G: the gradient shard read with its sub-group
-    staging = {"optimizer": buffer_count * (FP32_BYTES + optimizer_bytes + grads_out) * min(sub_group_size, off)
-                            * (offload_optimizer == "nvme"),
-               "params": param_buffer_count * param_buffer_size * param_bytes * (offload_param == "nvme")}
+    # Sub-groups in memory at once: read ahead (buffer_count - 2, at least 1), stepping, written behind
+    # (core/optimizer_tiers.py); never more than the whole tier.
+    in_memory = min((max(1, buffer_count - 2) + 2) * min(sub_group_size, off), off)
+    staging = {"optimizer": (FP32_BYTES + optimizer_bytes + grads_out) * in_memory * (offload_optimizer == "nvme"),
+               "params": min(param_buffer_count * param_buffer_size, param_shard - in_cpu) * param_bytes
+                         * (offload_param == "nvme")}
     host, disk = _off_device(offload_optimizer, offload_param, off, param_bytes, optimizer_bytes, in_cpu,
                              param_shard, staging, grads_on_disk)
     pin_params = pin_memory if param_pin_memory is None else param_pin_memory
