@@ -17,6 +17,7 @@ the losses or weights, so training must still equal the run without offload.
 
 import dataclasses
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +112,17 @@ def test_poisoned_transfers_change_nothing(tmp_path):
     for i, ((ref_losses, ref_weights), (losses, weights), _) in enumerate(run_ranks(_run_poisoned, 2, cases, 2)[0]):
         assert losses == ref_losses and torch.equal(weights, ref_weights), (
             f"{cases[i]}: poisoned transfers changed the training ({relative_error(weights, ref_weights):.2e})")
+
+
+def _own_nvme_paths(rank, world, device, case, root):
+    """Each rank its own nvme_path (one NVMe drive per GPU): the ranks agree, and train as on one path."""
+    own = Path(root) / f"drive{rank}"
+    own.mkdir()
+    cases = (case, dataclasses.replace(case, nvme_path=str(own)))
+    return [train_zeroshard(rank, world, device, c, STEPS) for c in cases]
+
+
+def test_each_rank_may_offload_to_its_own_nvme_path(tmp_path):
+    case = Case(stage=3, clip=0.5, offload="nvme", offload_params="nvme", nvme_path=str(tmp_path))
+    for (shared_losses, shared_weights), (losses, weights) in run_ranks(_own_nvme_paths, 2, case, str(tmp_path)):
+        assert losses == shared_losses and torch.equal(weights, shared_weights), "per-rank nvme_paths differ"

@@ -44,8 +44,18 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict) -
         ],
         "param_groups": [[names.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups],
         "optimizer": type(optimizer).__name__,
-        "config": config,
+        "config": _shared(config),
     }
+
+
+def _shared(config: dict) -> dict:
+    """The config every rank must hold alike: all of it but the offload blocks' nvme_path, which names this
+    rank's own disk (one NVMe drive per GPU is common) and changes nothing the ranks compute."""
+    zero = dict(config.get("zero_optimization", {}))
+    for block in ("offload_optimizer", "offload_param"):
+        if isinstance(zero.get(block), dict):
+            zero[block] = {k: v for k, v in zero[block].items() if k != "nvme_path"}
+    return config | {"zero_optimization": zero} if "zero_optimization" in config else config
 
 
 def first_difference(ref: dict, other: dict) -> str | None:
@@ -78,10 +88,20 @@ def first_difference(ref: dict, other: dict) -> str | None:
     if ref["buffers"] != other["buffers"]:
         return "its module buffers differ in names, shapes or dtypes"
     if ref["config"] != other["config"]:
-        keys = sorted(k for k in set(ref["config"]) | set(other["config"])
-                      if ref["config"].get(k) != other["config"].get(k))
-        return f"its config differs in {', '.join(keys)}"
+        keys = [f"{key} ({theirs!r} there, {mine!r} on rank 0)"
+                for key, mine, theirs in _config_differences(ref["config"], other["config"])]
+        return f"its config differs in {'; '.join(keys)}"
     return None
+
+
+def _config_differences(mine, theirs, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, rank 0's value, the other's) for every leaf where two configs differ."""
+    if not (isinstance(mine, dict) and isinstance(theirs, dict)):
+        return [(prefix, mine, theirs)] if mine != theirs else []
+    out = []
+    for key in sorted(set(mine) | set(theirs), key=str):
+        out += _config_differences(mine.get(key), theirs.get(key), f"{prefix}.{key}" if prefix else str(key))
+    return out
 
 
 def check_ranks_agree(comm: Comm, model: nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> None:
