@@ -199,6 +199,11 @@ class OffloadBuild:
                                          grads_on_disk=self.grads_on_disk, grads=self.grads,
                                          write_behind=self.write_behind,
                                          shards_kept=kept_shards(buckets, self.kept_numel))
+        kept = optimizer_tiers.shards_kept
+        if kept and self.log_it:
+            log.info("offload_param nvme: %d of the disk's parameter-shard elements stay in host memory from each "
+                     "step to the next forward (offload_param.buffer_count x buffer_size, %d)",
+                     sum(buckets[i].flat.shard_numel for i in kept), self.kept_numel)
         return Offload(optimizer_tiers, self.param_tier, self.swaps, self.pool)
 
 
