@@ -13,6 +13,7 @@ raises that `ConfigError`, naming the rank.
 from __future__ import annotations
 
 import os
+import reprlib
 from typing import NoReturn
 
 import torch
@@ -88,16 +89,19 @@ def first_difference(ref: dict, other: dict) -> str | None:
     if ref["buffers"] != other["buffers"]:
         return "its module buffers differ in names, shapes or dtypes"
     if ref["config"] != other["config"]:
-        keys = [f"{key} ({theirs!r} there, {mine!r} on rank 0)"
-                for key, mine, theirs in _config_differences(ref["config"], other["config"])]
-        return f"its config differs in {'; '.join(keys)}"
+        differences = _config_differences(ref["config"], other["config"])
+        keys = [f"{key} ({reprlib.repr(theirs)} there, {reprlib.repr(mine)} on rank 0)"
+                for key, mine, theirs in differences[:5]]
+        more = f" and {len(differences) - 5} more keys" if len(differences) > 5 else ""
+        return f"its config differs in {'; '.join(keys)}{more}"
     return None
 
 
 def _config_differences(mine, theirs, prefix: str = "") -> list[tuple[str, object, object]]:
     """(dotted key, rank 0's value, the other's) for every leaf where two configs differ."""
-    if not (isinstance(mine, dict) and isinstance(theirs, dict)):
+    if not (isinstance(mine, dict) or isinstance(theirs, dict)):
         return [(prefix, mine, theirs)] if mine != theirs else []
+    mine, theirs = (side if isinstance(side, dict) else {} for side in (mine, theirs))
     out = []
     for key in sorted(set(mine) | set(theirs), key=str):
         out += _config_differences(mine.get(key), theirs.get(key), f"{prefix}.{key}" if prefix else str(key))

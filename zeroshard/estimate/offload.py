@@ -36,7 +36,10 @@ only; S_p = ceil((Ψ - P) / N), the sharded parameters.
   Parameters "cpu": params pS_p; "nvme": params p·min(max_in_cpu, S_p) and
   staging + p·min(param_buffer_count × param_buffer_size, S_p -
   min(max_in_cpu, S_p)) (the shards a step keeps for the next forward and
-  the read buffers, never more than the shards on disk).
+  the read buffers, never more than the shards on disk). Both assume a
+  sub-group and the parameter buffers at least one bucket's (unit's) shard:
+  the engine moves whole buckets, so below that it holds about three
+  bucket (unit) shards instead, which this formula does not count.
 - disk, optimizer "nvme": master 4O, optimizer KO, and at stages 2-3 grads
   4O (the gradient shard waits there between the reductions that add to
   it; not on a tp/pp mesh, where it stays on the host); parameters "nvme":
