@@ -37,9 +37,14 @@ def _measure(rank, world, device, cases):
         padded = sum(b.flat.padded_numel for b in engine.buckets)
         offloaded = sum(b.flat.shard_numel for b in engine.buckets if b.offload)
         steps = {"device": sum(not b.offload for b in engine.buckets), "host": sum(b.offload for b in engine.buckets)}
-        out.append((case, padded, offloaded, steps, pools, held, engine.offload.buffer_overhead()))
+        largest = engine.offload.largest_shard(engine.buckets, engine.units)
+        out.append((case, padded, offloaded, steps, pools, held, engine.offload.buffer_overhead(), largest))
         engine.offload.close()
     return out
+
+
+def _param_buffers(case) -> dict:
+    return {} if case.param_buffer is None else {"param_buffer_count": 1, "param_buffer_size": case.param_buffer}
 
 
 @pytest.mark.parametrize("world", [2])
@@ -53,12 +58,16 @@ def test_pools_match_formula_and_storage(world, tmp_path):
         # The delayed update's CPU step reads its own copy of the gradient shard (stage 1 has one already).
         Case(stage=1, offload="cpu", delayed=0),
         Case(stage=3, offload="nvme", offload_params="nvme", delayed=0, **disk),
+        # Sub-groups and parameter buffers smaller than a bucket's or a unit's shard: whole ones move.
+        Case(stage=2, offload="nvme", sub_group=1, **disk),
+        Case(stage=3, offload="nvme", offload_params="nvme", sub_group=1, param_buffer=1, **disk),
     ]
     cases = [dataclasses.replace(c, optimizer="adamw") for c in cases]
-    for case, padded, offloaded, steps, pools, held, overhead in run_ranks(_measure, world, cases)[0]:
+    for case, padded, offloaded, steps, pools, held, overhead, largest in run_ranks(_measure, world, cases)[0]:
         want = offload_pool_bytes(padded, world, case.stage, offload_optimizer=case.offload,
                                   offload_param=case.offload_params, offloaded_numel=offloaded, max_in_cpu=0,
-                                  delayed_update=case.delayed is not None)
+                                  delayed_update=case.delayed is not None, largest_shard=largest,
+                                  sub_group_size=case.sub_group or 10**9, **_param_buffers(case))
         for pool in ("device", "host", "disk"):
             for kind in KINDS:
                 # Adam's step counters, 4 bytes per master, in memory beside it (the host for a disk master).

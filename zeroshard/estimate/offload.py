@@ -36,10 +36,11 @@ only; S_p = ceil((Ψ - P) / N), the sharded parameters.
   Parameters "cpu": params pS_p; "nvme": params p·min(max_in_cpu, S_p) and
   staging + p·min(param_buffer_count × param_buffer_size, S_p -
   min(max_in_cpu, S_p)) (the shards a step keeps for the next forward and
-  the read buffers, never more than the shards on disk). Both assume a
-  sub-group and the parameter buffers at least one bucket's (unit's) shard:
-  the engine moves whole buckets, so below that it holds about three
-  bucket (unit) shards instead, which this formula does not count.
+  the read buffers, never more than the shards on disk). The engine moves
+  whole buckets and reads a unit's shards together: with L the largest
+  such piece (`largest_shard`), a sub-group counts as at least min(L, O)
+  and the parameter buffers as at least 3L (a unit gathered, one
+  prefetched, one read ahead).
 - disk, optimizer "nvme": master 4O, optimizer KO, and at stages 2-3 grads
   4O (the gradient shard waits there between the reductions that add to
   it; not on a tp/pp mesh, where it stays on the host); parameters "nvme":
@@ -140,6 +141,7 @@ def offload_pool_bytes(
     param_buffer_count: int = PARAM_BUFFER_COUNT, param_buffer_size: int = PARAM_BUFFER_SIZE,
     max_in_cpu: int = MAX_IN_CPU, largest_unit: int = 0, persistent_numel: int = 0, hpz_partition_size: int = 1,
     pin_memory: bool = False, param_pin_memory: bool | None = None, delayed_update: bool = False,
+    largest_shard: int = 0,
 ) -> dict:
     """Bytes one rank holds per pool and kind: {"device", "host", "disk": {kind: bytes}, "pinned": bytes}.
 
@@ -152,7 +154,10 @@ def offload_pool_bytes(
     count at stage 3 only. `pin_memory` is the optimizer block's,
     `param_pin_memory` the parameter block's (None: `pin_memory`).
     `delayed_update`: the optimizer block's; the CPU step's gradient copy
-    is host memory only the CPU reads (never pinned).
+    is host memory only the CPU reads (never pinned). `largest_shard`: the
+    elements of the largest piece the disk moves whole (a bucket's shard: a
+    sub-group holds whole buckets; a unit's parameter shards: read
+    together), when known; 0 = at most a sub-group and the parameter buffers.
     """
     shard = shard_numel(numel, world_size)
     off = 0 if offload_optimizer == "none" else (shard if offloaded_numel is None else offloaded_numel)
@@ -173,13 +178,11 @@ def offload_pool_bytes(
     } | ({"hpz_secondary": base["hpz_secondary"]} if "hpz_secondary" in base else {})
     in_cpu = min(max_in_cpu, param_shard) if offload_param == "nvme" else param_shard * (offload_param == "cpu")
     grads_on_disk = stage >= 2 and not delayed_update  # the delayed update's thread reads its own copy
-    grads_out = FP32_BYTES * grads_on_disk  # G: the gradient shard read with its sub-group
-    # Sub-groups in memory at once: read ahead (buffer_count - 2, at least 1), stepping, written behind
-    # (core/optimizer_tiers.py); never more than the whole tier.
-    in_memory = min((max(1, buffer_count - 2) + 2) * min(sub_group_size, off), off)
-    staging = {"optimizer": (FP32_BYTES + optimizer_bytes + grads_out) * in_memory * (offload_optimizer == "nvme"),
-               "params": min(param_buffer_count * param_buffer_size, param_shard - in_cpu) * param_bytes
-                         * (offload_param == "nvme")}
+    per_element = FP32_BYTES + optimizer_bytes + FP32_BYTES * grads_on_disk  # G: the gradient read with them
+    staging = {"optimizer": per_element * _in_flight(off, buffer_count, sub_group_size, largest_shard)
+                            * (offload_optimizer == "nvme"),
+               "params": min(max(param_buffer_count * param_buffer_size, 3 * largest_shard), param_shard - in_cpu)
+                         * param_bytes * (offload_param == "nvme")}
     host, disk = _off_device(offload_optimizer, offload_param, off, param_bytes, optimizer_bytes, in_cpu,
                              param_shard, staging, grads_on_disk)
     pin_params = pin_memory if param_pin_memory is None else param_pin_memory
@@ -187,6 +190,15 @@ def offload_pool_bytes(
               + pin_params * (host["params"] + staging["params"]))
     host["grads"] += FP32_BYTES * off * (delayed_update and stage >= 2)
     return {"device": device, "host": host, "disk": disk, "pinned": int(pinned)}
+
+
+def _in_flight(off: int, buffer_count: int, sub_group_size: int, largest_shard: int) -> int:
+    """Elements of the disk tier in memory at once: sub-groups read ahead (buffer_count - 2, at least 1), one
+    stepping, one written behind (core/optimizer_tiers.py), each at least a whole bucket; never more than the
+    tier. (The parameter shards' line beside it: those kept for the next forward, or the units read at once,
+    gathered, prefetched and read ahead, stage3/schedule.py; never more than the shards on disk.)"""
+    group = max(min(sub_group_size, off), min(largest_shard, off))
+    return min((max(1, buffer_count - 2) + 2) * group, off)
 
 
 def _off_device(offload_optimizer: str, offload_param: str, off: int, param_bytes: int, optimizer_bytes: int,
