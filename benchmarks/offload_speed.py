@@ -259,7 +259,8 @@ def render(results: dict) -> str:
         "",
         f"- Date: {', '.join(dates)}",
         f"- Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']:.0f} GiB RAM, no GPU; 1-minute load average "
-        f"{load.get('min', 0):.1f} to {load.get('max', 0):.1f} during the runs (the ranks and their I/O threads count in it)",
+        f"{load.get('min', 0):.1f} to {load.get('max', 0):.1f} during the runs (the ranks and their I/O threads "
+        "count in it)",
         f"- Software: Python {m['python']}, torch {m['torch']}",
         f"- Ranks: {m['world']} processes on this machine, gloo, 1 compute thread per rank",
         f"- Workload: GPT {m['size']} ({params / 1e6:.1f}M parameters), per-rank micro batch {m['micro_batch']} x "
