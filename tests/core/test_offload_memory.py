@@ -37,7 +37,7 @@ def _measure(rank, world, device, cases):
         padded = sum(b.flat.padded_numel for b in engine.buckets)
         offloaded = sum(b.flat.shard_numel for b in engine.buckets if b.offload)
         steps = {"device": sum(not b.offload for b in engine.buckets), "host": sum(b.offload for b in engine.buckets)}
-        largest = engine.offload.largest_shard(engine.buckets, engine.units)
+        largest = engine.offload.largest_shard(engine.units)
         out.append((case, padded, offloaded, steps, pools, held, engine.offload.buffer_overhead(), largest))
         engine.offload.close()
     return out

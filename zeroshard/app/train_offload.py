@@ -130,7 +130,7 @@ def pool_formula(engine: zeroshard.Engine, per_element: dict[str, int]) -> dict:
         reduce_bucket_size=zero.reduce_bucket_size, reduce_bytes=engine.precision.reduce_dtype.itemsize,
         buffer_count=opt.buffer_count, sub_group_size=zero.sub_group_size, param_buffer_count=param.buffer_count,
         param_buffer_size=param.buffer_size, max_in_cpu=param.max_in_cpu, pin_memory=opt.pin_memory,
-        param_pin_memory=param.pin_memory, largest_shard=engine.offload.largest_shard(engine.buckets, engine.units))
+        param_pin_memory=param.pin_memory, largest_shard=engine.offload.largest_shard(engine.units))
     for bucket in engine.buckets:
         pools["host" if bucket.offload else "device"]["optimizer"] += _STEP_COUNTER_BYTES
     pools["host"]["staging"] += engine.offload.buffer_overhead()  # alignment and bounce buffers: rank 0's

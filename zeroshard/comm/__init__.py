@@ -13,7 +13,7 @@ from zeroshard.comm.collectives import (
     reduce_scatter,
     wait_all,
 )
-from zeroshard.comm.agreement import FaultFlags, step_check
+from zeroshard.comm.checks import FaultFlags, step_check
 from zeroshard.comm.group import ensure_process_group
 from zeroshard.comm.compressed import CompressedReduction, ErrorFeedback
 from zeroshard.comm.qgz import Hops, HopsPending, qgz_reduce_scatter

@@ -73,7 +73,7 @@ def check_states_fit(comm: Comm, config: Config, optimizer: torch.optim.Optimize
             '{"device": "cpu"} or {"device": "nvme", "nvme_path": ...}) and at stage 3 the parameters '
             "(offload_param), train on more ranks or nodes, or a smaller model; `zeroshard estimate` "
             "(--host-mem, --disk-mem) gives the largest model that fits")
-    return _host_short([row for row in everyone if row.spill])
+    return _host_short([row for row in everyone if row.spill])  # the host limits of ranks with a disk tier
 
 
 def _host_short(rows: list[_Row]) -> bool:

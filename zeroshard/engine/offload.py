@@ -58,10 +58,10 @@ class Offload:
         for swap in self.swaps.values():
             swap.close()
 
-    def largest_shard(self, buckets: list[Bucket], units: list[Unit] | None) -> int:
+    def largest_shard(self, units: list[Unit] | None) -> int:
         """Elements of the largest piece the disk moves whole: a disk bucket's shard, or a unit's parameter shards
         on disk (`estimate.offload_pool_bytes`'s `largest_shard`)."""
-        disk = [buckets[i].flat.shard_numel for i in self.tiers.swaps]
+        disk = [self.tiers.buckets[i].flat.shard_numel for i in self.tiers.swaps]
         disk += [sum(f.shard_numel for f in u.gathered_flats if f.shard_swap is not None) for u in units or ()]
         return max(disk, default=0)
 

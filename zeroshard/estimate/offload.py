@@ -179,6 +179,8 @@ def offload_pool_bytes(
     in_cpu = min(max_in_cpu, param_shard) if offload_param == "nvme" else param_shard * (offload_param == "cpu")
     grads_on_disk = stage >= 2 and not delayed_update  # the delayed update's thread reads its own copy
     per_element = FP32_BYTES + optimizer_bytes + FP32_BYTES * grads_on_disk  # G: the gradient read with them
+    # Parameter shards: those kept for the next forward, or the units read at once (gathered, prefetched, read
+    # ahead: stage3/schedule.py), whichever is more; never more than the shards on disk.
     staging = {"optimizer": per_element * _in_flight(off, buffer_count, sub_group_size, largest_shard)
                             * (offload_optimizer == "nvme"),
                "params": min(max(param_buffer_count * param_buffer_size, 3 * largest_shard), param_shard - in_cpu)
@@ -195,8 +197,7 @@ def offload_pool_bytes(
 def _in_flight(off: int, buffer_count: int, sub_group_size: int, largest_shard: int) -> int:
     """Elements of the disk tier in memory at once: sub-groups read ahead (buffer_count - 2, at least 1), one
     stepping, one written behind (core/optimizer_tiers.py), each at least a whole bucket; never more than the
-    tier. (The parameter shards' line beside it: those kept for the next forward, or the units read at once,
-    gathered, prefetched and read ahead, stage3/schedule.py; never more than the shards on disk.)"""
+    tier."""
     group = max(min(sub_group_size, off), min(largest_shard, off))
     return min((max(1, buffer_count - 2) + 2) * group, off)
 

@@ -1,4 +1,4 @@
-"""The ranks' agreements: all-gathers of a few figures per rank, recorded as ops of their own.
+"""The ranks' checks: all-gathers of a few figures per rank, recorded as ops of their own.
 
 `step_check`: the one collective before each optimizer step (core/grad_norm.py).
 `FaultFlags`: after work that can fail on one rank alone (core/faults.py).
