@@ -37,6 +37,7 @@ VARIANTS = [
     "single", "ddp", "zero_redundancy", "fsdp1_shard_grad_op", "fsdp2", "fsdp1_full_shard", "fsdp2_reshard",
     "deepspeed_z0", "deepspeed_z1", "deepspeed_z2", "deepspeed_z3",
     "zeroshard_s0", "zeroshard_s1", "zeroshard_s2", "zeroshard_s3", "zeroshard_s1_overlap", "zeroshard_s2_overlap",
+    "zeroshard_s3_reuse1", "zeroshard_s3_reuse",
 ]  # fmt: skip
 GROUPS = {"all": VARIANTS, "peers": [v for v in VARIANTS if not v.startswith("zeroshard_")],
           "zeroshard": [v for v in VARIANTS if v.startswith("zeroshard_")]}

@@ -16,6 +16,8 @@ LABELS = {
     **{f"deepspeed_z{s}": f"DeepSpeed ZeRO-{s}" for s in range(4)},
     **{f"zeroshard_s{s}": f"zeroshard stage {s}" for s in range(4)},
     **{f"zeroshard_s{s}_overlap": f"zeroshard stage {s}, overlap_param_gather" for s in (1, 2)},
+    "zeroshard_s3_reuse1": "zeroshard stage 3, stage3_max_reuse_distance 1",
+    "zeroshard_s3_reuse": "zeroshard stage 3, stage3_max_reuse_distance 1e9 (DeepSpeed's default)",
 }
 # Peers that keep the same model states per rank as each zeroshard stage.
 SAME_STAGE = {

@@ -143,14 +143,18 @@ def build_deepspeed(stage: int) -> Callable[[nn.Module, Settings], StepFn]:
     return build
 
 
-def build_zeroshard(stage: int, overlap_param_gather: bool | None = None) -> Callable[[nn.Module, Settings], StepFn]:
-    """`overlap_param_gather`: that key set (stages 1-2); None: its default."""
+def build_zeroshard(stage: int, overlap_param_gather: bool | None = None, reuse_distance: int | None = None
+                    ) -> Callable[[nn.Module, Settings], StepFn]:
+    """`overlap_param_gather` (stages 1-2), `reuse_distance` (stage 3's stage3_max_reuse_distance): those keys
+    set; None: their defaults."""
     def build(model: nn.Module, s: Settings) -> StepFn:
         import zeroshard
 
         zero = {"stage": stage, "reduce_bucket_size": s.bucket_elems, "overlap_comm": True}
         if overlap_param_gather is not None:
             zero["overlap_param_gather"] = overlap_param_gather
+        if reuse_distance is not None:
+            zero["stage3_max_reuse_distance"] = reuse_distance
         config = ({} if s.dtype == "fp32" else {s.dtype: {"enabled": True}}) | {
             "zero_optimization": zero,
             "train_micro_batch_size_per_gpu": s.micro_batch,
@@ -185,6 +189,8 @@ BUILDERS: dict[str, Callable[[nn.Module, Settings], StepFn]] = {
     **{f"deepspeed_z{stage}": build_deepspeed(stage) for stage in range(4)},
     **{f"zeroshard_s{stage}": build_zeroshard(stage) for stage in range(4)},
     **{f"zeroshard_s{stage}_overlap": build_zeroshard(stage, overlap_param_gather=True) for stage in (1, 2)},
+    "zeroshard_s3_reuse1": build_zeroshard(3, reuse_distance=1),  # the units backward needs first stay whole
+    "zeroshard_s3_reuse": build_zeroshard(3, reuse_distance=10**9),  # DeepSpeed's default reuse distance
 }
 # The library each variant imports, so a rank can import it before its baseline RSS reading.
 LIBRARY = {name: "torch.distributed.fsdp" for name in BUILDERS if name.startswith("fsdp")}

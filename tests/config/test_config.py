@@ -42,6 +42,7 @@ DEFAULTS = {
         "stage3_auto_wrap_min_params": 1_000_000,
         "stage3_param_persistence_threshold": 100_000,
         "stage3_max_live_parameters": 1_000_000_000,
+        "stage3_max_reuse_distance": 0,
         "stage3_prefetch_bucket_size": 50_000_000,
         "offload_optimizer": {"device": "none", "nvme_path": None, "pin_memory": False, "buffer_count": 4,
                               "ratio": 1.0, "fast_init": False, "pipeline_read": False, "pipeline_write": False,

@@ -34,7 +34,7 @@ OVERRIDE = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0}
 NO_EFFECT = {
     "ds_config_zero2.json": ["zero_optimization.allgather_partitions", "zero_optimization.contiguous_gradients",
                              "steps_per_print", "wall_clock_breakdown"],
-    "ds_config_zero3.json": ["zero_optimization.contiguous_gradients", "zero_optimization.stage3_max_reuse_distance",
+    "ds_config_zero3.json": ["zero_optimization.contiguous_gradients",
                              "zero_optimization.stage3_gather_fp16_weights_on_model_save",
                              "steps_per_print", "wall_clock_breakdown"],
 }

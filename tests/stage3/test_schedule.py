@@ -1,4 +1,5 @@
-"""Stage 3's gather schedule: on demand in the first step, then prefetching the next unit, within its limits.
+"""Stage 3's gather schedule: on demand in the first step, then prefetching the next unit, within its limits,
+and keeping from forward to backward the units reused within `stage3_max_reuse_distance`.
 
 The tiny GPT with each Block a unit (`wrap=[Block]`) has three units:
 the root (embeddings, final norm, tied head), blocks.0 and blocks.1.
@@ -7,6 +8,9 @@ blocks.1, blocks.0. References: those orders, read off the model's
 structure; each unit's size, counted here from the model's parameters; the
 limits, applied by hand to the units live at each moment; and the
 single-process training of tests/recipes.py for the losses and weights.
+A unit's reuse distance is counted here by hand from those orders: forwards
+end as blocks.0, blocks.1, root, so the root is reused at once (0), blocks.1
+after the root (ROOT_N), blocks.0 after blocks.1 and the root.
 Every gather is recorded as (unit, prefetch?): a gather started inside
 the schedule's `need(i)` for that same unit is on demand, any other is a
 prefetch.
@@ -49,7 +53,7 @@ SIZES = unit_sizes(WORLD)
 ROOT_N, BLOCK_N = SIZES[ROOT], SIZES[B0]
 assert SIZES[B1] == BLOCK_N and ROOT_N < BLOCK_N
 
-# name -> zero_optimization keys
+# name -> zero_optimization keys (by default every unit is released after its forward)
 LIMITS = {
     "default": {},
     "prefetch_below_block": {"stage3_prefetch_bucket_size": BLOCK_N - 1},
@@ -57,6 +61,12 @@ LIMITS = {
     "live_below_two_units": {"stage3_max_live_parameters": ROOT_N + BLOCK_N - 1},
     "live_below_root_and_two_blocks": {"stage3_max_live_parameters": ROOT_N + 2 * BLOCK_N - 1},
     "live_at_root_and_two_blocks": {"stage3_max_live_parameters": ROOT_N + 2 * BLOCK_N},
+    "reuse_at_once": {"stage3_max_reuse_distance": 1},
+    "reuse_below_block": {"stage3_max_reuse_distance": ROOT_N + 1},
+    "reuse_at_root_and_block": {"stage3_max_reuse_distance": ROOT_N + BLOCK_N},
+    "reuse_all": {"stage3_max_reuse_distance": ROOT_N + BLOCK_N + 1},
+    "reuse_within_live_of_two_units": {"stage3_max_reuse_distance": 10**9,
+                                       "stage3_max_live_parameters": ROOT_N + BLOCK_N},
 }
 
 ON_DEMAND = {"forward": [(ROOT, False), (B0, False), (B1, False)],
@@ -67,10 +77,17 @@ PREFETCHED = {"forward": [(ROOT, False), (B0, True), (B1, True)],
 # first block after it fits beside it (root + block); the next would make root + 2 blocks.
 FIRST_ONLY = {"forward": [(ROOT, False), (B0, True), (B1, False)],
               "backward": [(ROOT, False), (B1, True), (B0, False)]}
+# Kept units are not gathered again in backward; the unit after a kept one is prefetched in its stead.
+KEPT_ROOT = {"forward": PREFETCHED["forward"], "backward": [(B1, True), (B0, True)]}
+KEPT_ROOT_AND_B1 = {"forward": PREFETCHED["forward"], "backward": [(B0, True)]}
+KEPT_ALL = {"forward": PREFETCHED["forward"], "backward": []}
+# Live limit root + block: the root and blocks.1 are kept (reused soonest), so blocks.0 never fits beside them.
+KEPT_WITHIN_LIVE = {"forward": FIRST_ONLY["forward"], "backward": [(B0, False)]}
 AFTER_FIRST_STEP = {
     "default": PREFETCHED, "prefetch_below_block": ON_DEMAND, "prefetch_at_block": PREFETCHED,
     "live_below_two_units": ON_DEMAND, "live_below_root_and_two_blocks": FIRST_ONLY,
-    "live_at_root_and_two_blocks": PREFETCHED,
+    "live_at_root_and_two_blocks": PREFETCHED, "reuse_at_once": KEPT_ROOT, "reuse_below_block": KEPT_ROOT_AND_B1,
+    "reuse_at_root_and_block": KEPT_ROOT_AND_B1, "reuse_all": KEPT_ALL, "reuse_within_live_of_two_units": KEPT_WITHIN_LIVE,
 }
 
 

@@ -136,8 +136,6 @@ RULES: dict[str, Rule] = {
         "offload_optimizer offloads as ZeRO-Offload does (docs/offload.md)", _is(False), FALSE),
     "zero_optimization.offload_optimizer.cpuadam_cores_perc": no_effect(
         "it sets the CPU cores of SuperOffload's CPU Adam, which zeroshard has not"),
-    "zero_optimization.stage3_max_reuse_distance": no_effect(
-        "units are freed after use and prefetched in order; stage3_max_live_parameters bounds what is gathered"),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": no_effect(
         "engine.save_16bit_model and engine.save_pretrained always gather the full weights"),
     "zero_optimization.stage3_gather_fp16_weights_on_model_save": no_effect(

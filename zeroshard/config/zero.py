@@ -102,6 +102,15 @@ class ZeroConfig(BaseModel):
         "Stage 3: prefetching stops when it would bring the gathered elements over this number "
         "(a unit that forward or backward needs now is always gathered). "
         "DeepSpeed: zero_optimization.stage3_max_live_parameters (default 1e9)."))
+    stage3_max_reuse_distance: NonNegativeInt = Field(0, description=(
+        "Stage 3: a unit whose parameters the step uses again within this many elements of other units' "
+        "parameters (after its forward, before its backward) stays whole between the two, so backward does not "
+        "gather it again; the units kept hold at most stage3_max_live_parameters together. 0 (the default): "
+        "every unit is released after its forward and gathered again in backward (ZeRO's 3 gathers of Ψ a "
+        "step, FSDP's reshard_after_forward); 1: only units whose backward needs no other unit's gather first "
+        "(the last block, a root unit) stay whole, as FSDP keeps its root. DeepSpeed: "
+        "zero_optimization.stage3_max_reuse_distance (default 1e9, which keeps every unit of a model under 1e9 "
+        "elements whole from forward to backward: faster, with the memory of stage 2's parameters)."))
     stage3_prefetch_bucket_size: PositiveInt = Field(50_000_000, description=(
         "Stage 3: the largest unit (elements) that is gathered ahead of its use. "
         "DeepSpeed: zero_optimization.stage3_prefetch_bucket_size (default 5e7)."))

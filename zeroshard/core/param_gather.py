@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from zeroshard.comm import CollectiveError, Comm, Pending
+from zeroshard.comm import CollectiveError, Comm, Pending, wait_all
 from zeroshard.core.bucket import Bucket
 
 
@@ -74,15 +74,13 @@ class PostStepGather:
 
     def wait_for(self, indices) -> None:
         """Wait for the gathers in flight of the buckets `indices` (indices into `buckets`)."""
+        indices = [i for i in indices if i in self._pending]
+        try:
+            wait_all([self._pending[i] for i in indices])
+        except CollectiveError as exc:
+            self._on_failure(f"the all-gather of the parameters after the step failed ({exc})")
+            raise
         for i in indices:
-            pending = self._pending.get(i)
-            if pending is None:
-                continue
-            try:
-                pending.wait()
-            except CollectiveError as exc:
-                self._on_failure(f"the all-gather of the parameters after the step failed ({exc})")
-                raise
             del self._pending[i]
 
     def install(self, model: nn.Module) -> None:

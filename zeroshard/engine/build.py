@@ -199,7 +199,8 @@ def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Con
         materialize([m for m in model.modules() if any(b.is_meta for b in m.buffers(recurse=False))], [])
     # The units' flat buffers were broadcast before sharding, one by one.
     broadcast_from_rank0(comm, model, [], [f for u in units for f in u.flats])
-    schedule = GatherSchedule(units, gathers, zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size)
+    schedule = GatherSchedule(units, gathers, zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size,
+                              zero.stage3_max_reuse_distance)
     schedule.install(model)
     ModuleStateHooks(model, schedule).install()  # module.state_dict() gives full tensors, never empty ones
     sync_generation(model, comm)  # ranks that stop generating at different lengths keep gathering together

@@ -324,6 +324,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         for bucket in self.buckets:
             bucket.zero_grad(self.pool)
         if self.schedule is not None:  # hpZ's secondary shards live for one step, applied or skipped
+            self.schedule.release_kept()
             self.schedule.drop_secondaries()
         step = self.global_steps
         self.global_steps += 1

@@ -31,13 +31,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from zeroshard.estimate.formulas import model_state_bytes, padded_numel, shard_numel, state_bytes_per_element
+from zeroshard.estimate.reuse import kept_units
 from zeroshard.estimate.zeropp import FROZEN, PERSISTENT, Flat
 
 MAX_IN_FLIGHT = 1  # reductions in flight while the next bucket fills: core/reducer.py's constant
 _FP32 = 4
-# DeepSpeed's defaults, the config's: stage3_max_live_parameters, stage3_prefetch_bucket_size (elements)
+# The config's defaults: stage3_max_live_parameters, stage3_prefetch_bucket_size (elements; DeepSpeed's),
+# stage3_max_reuse_distance (zeroshard's: every unit released after its forward; DeepSpeed's is 1e9)
 MAX_LIVE_NUMEL = 1_000_000_000
 PREFETCH_NUMEL = 50_000_000
+MAX_REUSE_DISTANCE = 0
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,8 @@ class StepPeak:
 def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: str = "bf16", *,
               buckets: Sequence[int] = (), units: Sequence[Sequence[Flat]] = (), recompute: int = 0,
               largest_param: int = 0, activation_grad: int = 0, accumulation: int = 1, scratch: bool = True,
-              max_live_numel: int = MAX_LIVE_NUMEL, prefetch_numel: int = PREFETCH_NUMEL) -> StepPeak:
+              max_live_numel: int = MAX_LIVE_NUMEL, prefetch_numel: int = PREFETCH_NUMEL,
+              max_reuse_distance: int = MAX_REUSE_DISTANCE) -> StepPeak:
     """The peak bytes of one training step on one rank, by part (see the module's docstring).
 
     `numel`: Ψ, trained elements; `activations`: bytes one micro-batch's forward saves (`count_saved`,
@@ -98,8 +102,8 @@ def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: 
     activations without it; `largest_param`: elements of the largest parameter; `activation_grad`: bytes of
     the largest tensor the forward saves without checkpointing (`ActivationCount.largest`); `accumulation`:
     micro-steps per step; `scratch`: the reduce-scatter runs as an all-to-all into a scratch buffer
-    (gloo; NCCL's native one needs none); `max_live_numel`, `prefetch_numel`: stage 3's
-    stage3_max_live_parameters and stage3_prefetch_bucket_size.
+    (gloo; NCCL's native one needs none); `max_live_numel`, `prefetch_numel`, `max_reuse_distance`: stage 3's
+    stage3_max_live_parameters, stage3_prefetch_bucket_size and stage3_max_reuse_distance.
     """
     per_element = state_bytes_per_element(dtype, None, accumulation, stage)
     tensors = len(buckets) if stage < 3 else sum(f.kind != FROZEN for u in units for f in u)
@@ -115,7 +119,8 @@ def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: 
     # a micro-step after the window's first reduces into a shard-sized block, then adds it to the sum
     staging = reduce_bytes * staging_numel(targets, stage, world_size, scratch and world_size > 1,
                                            out=accumulation > 1)
-    gathered = param_bytes * gathered_numel(units, world_size, max_live_numel, prefetch_numel) if stage == 3 else 0
+    gathered = param_bytes * gathered_numel(units, world_size, max_live_numel, prefetch_numel,
+                                            max_reuse_distance) if stage == 3 else 0
     temporaries = 0
     if per_element["master_bytes"]:  # 16-bit gradients: an fp32 copy of each gradient shard for the optimizer
         temporaries = 0 if fp32_sum and stage >= 2 else _FP32 * (numel if stage == 0 else shard_numel(numel, world_size))
@@ -179,15 +184,23 @@ class _Pool:
 
 
 def gathered_numel(units: Sequence[Sequence[Flat]], world_size: int, max_live_numel: int = MAX_LIVE_NUMEL,
-                   prefetch_numel: int = PREFETCH_NUMEL) -> int:
-    """Stage 3: elements whole beyond the shards at the start of backward: the root unit (gathered from the
-    forward's start to the backward's end), the last unit (backward's first) and the one before it,
-    prefetched if the limits allow (stage3/schedule.py's rule), each flat padded; persistent flats are
-    whole all along (in `params`)."""
+                   prefetch_numel: int = PREFETCH_NUMEL, max_reuse_distance: int = MAX_REUSE_DISTANCE) -> int:
+    """Stage 3: elements whole beyond the shards once backward's second unit is gathered, replayed from
+    stage3/schedule.py's rules for a model of blocks (forwards end block by block, then the root unit; backward
+    needs the root unit, then the blocks from the last): the units kept from forward to backward
+    (estimate/reuse.py), then each of backward's first two units and the prefetch of the next unit not kept
+    after each (none if that one is gathering already), within the limits. The root unit holds the embedding, so it stays whole to the backward's end.
+    Each flat is padded; persistent flats are whole all along (in `params`)."""
     sizes = [sum(padded_numel(f.numel, world_size) for f in unit if f.kind != PERSISTENT) for unit in units]
     if not sizes:
         return 0
-    live = sizes[0] + (sizes[-1] if len(sizes) > 1 else 0)
-    if len(sizes) > 2 and sizes[-2] <= prefetch_numel and live + sizes[-2] <= max_live_numel:
-        live += sizes[-2]
-    return live
+    needed = [0, *range(len(sizes) - 1, 0, -1)]
+    kept = kept_units([*range(1, len(sizes)), 0], needed, sizes, max_reuse_distance, max_live_numel)
+    live = set(kept)
+    for at, unit in enumerate(needed[:2]):
+        live.add(unit)
+        after = next((u for u in needed[at + 1:] if u not in kept), None)  # a unit gathering already: none
+        if after is not None and after not in live and sizes[after] <= prefetch_numel and \
+                sum(sizes[u] for u in live) + sizes[after] <= max_live_numel:
+            live.add(after)
+    return sum(sizes[u] for u in live)

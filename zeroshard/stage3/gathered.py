@@ -63,7 +63,7 @@ def gathered_parameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_
         _check_masters_free(placed, units)
     if units or (modifier_rank is not None and placed):  # collectives follow: every rank must be here
         enter(placed[0].comm, "gathered_parameters")
-    gathered_here = [(schedule, i) for schedule, i in units if not schedule.units[i].whole]
+    gathered_here = [(schedule, i) for schedule, i in units if not schedule.in_use(i)]
     for schedule, i in units:
         schedule.need(i)
     try:
@@ -157,7 +157,7 @@ def gathered_copies(schedule, listed: dict[int, list[tuple[str, torch.Tensor]]],
 def whole_unit(schedule, i: int):
     """Unit `i` whole for the block; released after it unless it was whole before (an outer block, a
     forward keeps it)."""
-    was_whole = schedule.units[i].whole
+    was_whole = schedule.in_use(i)
     schedule.need(i)
     yield schedule.units[i]
     if not was_whole:

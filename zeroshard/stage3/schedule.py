@@ -1,11 +1,13 @@
 """GatherSchedule: when each stage-3 unit is gathered, prefetched and released.
 
 - forward: a unit is gathered in its module's forward pre-hook and released
-  in its forward hook; the unit that followed it on the first training step
-  is prefetched meanwhile;
-- backward: a hook on the unit's outputs gathers it again before its
-  backward runs (prefetching the unit that followed it in the first
-  backward), and it is released once its gradients are reduced;
+  in its forward hook, unless the step reuses it soon (a training forward:
+  its reuse distance is under `max_reuse_distance`, estimate/reuse.py), in
+  which case it stays whole for its backward; the unit that followed it on
+  the first training step is prefetched meanwhile;
+- backward: a hook on the unit's outputs gathers it again (if it was
+  released) before its backward runs, prefetching the next unit backward
+  needs that is not whole, and it is released once its gradients are reduced;
 - recomputation under activation checkpointing happens inside backward and
   releases nothing: the unit is needed for the backward that follows.
 
@@ -14,6 +16,9 @@ the order recorded on the first step, so ranks that run the same control flow
 prefetch alike. A unit is prefetched only if it has at most
 `max_prefetch_numel` elements and the gathered elements stay within
 `max_live_numel`; a gather that forward or backward needs now always proceeds.
+A unit kept from its forward holds the values that forward used (qwZ's
+dequantized ones): an exact gather (a state dict, `gathered_parameters`)
+releases it and gathers the shards' own values; the step releases it too.
 
 Under torch.compile the forward hooks run eagerly (`torch.compiler.disable`),
 each a graph break: traced, their collectives and the swaps of parameter
@@ -31,6 +36,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
+from zeroshard.estimate.reuse import kept_units
 from zeroshard.stage3.gathers import Gathers
 from zeroshard.stage3.unit import Unit, UnitState
 
@@ -43,15 +49,20 @@ class Pass(Enum):
 
 
 class GatherSchedule:
-    def __init__(self, units: list[Unit], gathers: Gathers, max_live_numel: int, max_prefetch_numel: int):
+    def __init__(self, units: list[Unit], gathers: Gathers, max_live_numel: int, max_prefetch_numel: int,
+                 max_reuse_distance: int = 0):
         self.units, self.gathers, self.comm = units, gathers, gathers.comm
         self.max_live_numel = max_live_numel
         self.max_prefetch_numel = max_prefetch_numel
+        self.max_reuse_distance = max_reuse_distance
         self.phase = Pass.FORWARD
         self._next_forward: dict[int, int] | None = None  # from the first step: unit -> the unit after it
         self._next_backward: dict[int, int] | None = None
         self._forward_seen: list[int] = []
+        self._forward_done: list[int] = []  # the first step's units in the order their forwards ended
         self._backward_seen: list[int] = []
+        self._reused: set[int] = set()  # from the first step: the units kept whole from forward to backward
+        self.kept: set[int] = set()  # those kept now, from a training forward, until backward or the step
 
     def install(self, model: nn.Module) -> None:
         for i, unit in enumerate(self.units):
@@ -74,10 +85,15 @@ class GatherSchedule:
     def _post_forward(self, i: int, module, args, output) -> None:
         if self.phase is Pass.BACKWARD:
             return
+        if self._next_backward is None and i not in self._forward_done:
+            self._forward_done.append(i)
         if torch.is_grad_enabled():
             for t in tree_flatten(output)[0]:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(partial(self._pre_backward, i))
+            if i in self._reused:  # its backward comes soon: keep it rather than gather it again
+                self.kept.add(i)
+                return
         self.release(i)
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
@@ -87,7 +103,7 @@ class GatherSchedule:
 
     def _after_model_forward(self, module, args, output) -> None:
         if self.phase is Pass.FORWARD:
-            self.release_all()
+            self.release_all(keep=self.kept)
 
     def _note_backward(self, i: int) -> None:
         if self._next_backward is None and i not in self._backward_seen:
@@ -100,9 +116,12 @@ class GatherSchedule:
         """Make unit `i`'s parameters whole now: wait for its gather, starting it if needed.
 
         `exact` (outside training: state dicts, gathered_parameters): the shards' own values, never
-        ZeRO++'s quantized or node-local gathers. A unit whole already is used as it is.
+        ZeRO++'s quantized or node-local gathers. A unit whole already is used as it is, except one kept
+        from a forward, which an exact need gathers anew.
         """
         unit = self.units[i]
+        if exact and i in self.kept:
+            self.release(i)
         if unit.whole:
             return
         if unit.state is not UnitState.GATHERING:
@@ -110,16 +129,23 @@ class GatherSchedule:
         unit.wait_gather()
 
     def _prefetch_after(self, i: int, following: dict[int, int] | None) -> None:
-        if following is None or i not in following:
+        j = None if following is None else following.get(i)
+        for _ in self.units:  # past the units kept whole: the next one to gather
+            if j is None or j not in self.kept:
+                break
+            j = following.get(j)
+        if j is None or self.units[j].state is not UnitState.SHARDED:
             return
-        unit = self.units[following[i]]
-        if unit.state is not UnitState.SHARDED:
-            return
-        numel = unit.gathered_numel
+        numel = self.units[j].gathered_numel
         if numel <= self.max_prefetch_numel and self.live_numel() + numel <= self.max_live_numel:
-            unit.start_gather(self.gathers, exact=False)
-            if following[i] in following:  # shards on disk: read the unit after it meanwhile
-                self.units[following[following[i]]].read_shards()
+            self.units[j].start_gather(self.gathers, exact=False)
+            if j in following:  # shards on disk: read the unit after it meanwhile
+                self.units[following[j]].read_shards()
+
+    def in_use(self, i: int) -> bool:
+        """Whether unit `i` is whole for a forward, a backward or an outer block (not only kept for a backward,
+        which an exact need replaces with the shards' own values and lets go after it)."""
+        return self.units[i].whole and i not in self.kept
 
     def live_numel(self) -> int:
         """Elements of the units gathered or being gathered now."""
@@ -127,11 +153,19 @@ class GatherSchedule:
 
     def release(self, i: int) -> None:
         self.units[i].release()  # a prefetch never used lands first
+        self.kept.discard(i)
 
-    def release_all(self) -> None:
-        for unit in self.units:
-            if unit.state is not UnitState.SHARDED:
+    def release_all(self, keep: set[int] = frozenset()) -> None:
+        """Release every unit but those in `keep`."""
+        for i, unit in enumerate(self.units):
+            if i not in keep and unit.state is not UnitState.SHARDED:
                 unit.release()
+        self.kept &= set(keep)
+
+    def release_kept(self) -> None:
+        """The step changes the shards: what a forward kept for a backward that never came is stale."""
+        for i in sorted(self.kept):
+            self.release(i)
 
     def drop_secondaries(self) -> None:
         """hpZ: after the step (or a load) the shards changed; the next gather goes over the whole group."""
@@ -142,12 +176,14 @@ class GatherSchedule:
         """After a failure: drop every gather, landed or not, without waiting for the other ranks."""
         for unit in self.units:
             unit.forget()
+        self.kept.clear()
         self.phase = Pass.FORWARD
 
     # -- backward bookkeeping --------------------------------------------------
 
     def begin_backward(self) -> None:
         self.phase = Pass.BACKWARD
+        self.kept.clear()  # backward's own now: each is released once reduced
 
     def on_reduced(self, i: int) -> None:
         """Unit `i`'s gradients are on their way: its backward is over, its parameters can go.
@@ -165,6 +201,9 @@ class GatherSchedule:
         if self._next_backward is None and self._backward_seen:
             self._next_forward = _following(self._forward_seen)
             self._next_backward = _following(self._backward_seen)
+            self._reused = kept_units(self._forward_done, self._backward_seen,
+                                      [u.gathered_numel for u in self.units], self.max_reuse_distance,
+                                      self.max_live_numel)
 
 
 def _eager(hook):

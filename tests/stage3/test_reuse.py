@@ -1,0 +1,70 @@
+"""Units kept whole from forward to backward (`stage3_max_reuse_distance`): what they change and what not.
+
+References: the same training with every unit released after its forward
+(the default), bit for bit; the state dict read before the forward (the
+shards' own values); the all-gather bytes of the default run, less the
+units the rule keeps (counted here from the units' sizes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tests.distributed import run_ranks
+from tests.recipes import Case, make_engine, micro_batch
+
+WORLD, STEPS = 2, 3
+CASE = Case(stage=3, dtype="bf16", optimizer="adamw1_slow")
+KEEP_ALL = {"stage3_max_reuse_distance": 10**9}
+
+
+def _engine(device, zero: dict):
+    config = CASE.config()
+    config["zero_optimization"] |= zero
+    return make_engine(CASE, config=config, device=device)
+
+
+def _run(rank, world, device, zero: dict, read_between: bool):
+    """Train STEPS steps; with `read_between`, read the full state dict between each forward and its backward."""
+    engine = _engine(device, zero)
+    losses, reads = [], []
+    for step in range(STEPS):
+        x, y = (t.to(device) for t in micro_batch(step, CASE, world, rank, 0))
+        before = engine.full_state_dict()
+        gathered = engine.comm_stats()["all_gather"].bytes
+        loss = engine(x, y)
+        if read_between:
+            reads.append(all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items()))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        step_bytes = engine.comm_stats()["all_gather"].bytes - gathered
+    weights = torch.cat([t.reshape(-1).float().cpu() for t in engine.full_state_dict().values()])
+    kept = engine.schedule._reused
+    return {"losses": losses, "weights": weights, "reads": reads, "step_bytes": step_bytes,
+            "kept": sorted(kept), "sizes": [u.gathered_numel for u in engine.units]}
+
+
+def _variants(rank, world, device):
+    qwz = {"zero_quantized_weights": True}
+    runs = {"release": ({}, False), "keep": (KEEP_ALL, False), "keep_read": (KEEP_ALL, True),
+            "qwz": (qwz, False), "qwz_keep_read": (qwz | KEEP_ALL, True)}
+    return {name: _run(rank, world, device, zero, read) for name, (zero, read) in runs.items()}
+
+
+def test_kept_units_train_bit_for_bit_as_released_ones_and_gather_less():
+    for out in run_ranks(_variants, WORLD):
+        release, keep = out["release"], out["keep"]
+        assert keep["losses"] == release["losses"] and torch.equal(keep["weights"], release["weights"])
+        assert release["kept"] == [] and keep["kept"] == [i for i, n in enumerate(keep["sizes"]) if n]
+        # bf16 parameters: 2 bytes an element; the step's own gathers, plus the full state dict's exact ones
+        saved = 2 * sum(keep["sizes"][i] for i in keep["kept"])
+        assert release["step_bytes"] - keep["step_bytes"] == saved
+
+
+def test_an_exact_read_between_forward_and_backward_sees_the_shards_values_and_changes_nothing():
+    for out in run_ranks(_variants, WORLD):
+        assert all(out["keep_read"]["reads"]) and all(out["qwz_keep_read"]["reads"])
+        for plain, read in (("keep", "keep_read"), ("qwz", "qwz_keep_read")):
+            assert out[read]["losses"] == out[plain]["losses"], read
+            assert torch.equal(out[read]["weights"], out[plain]["weights"]), read
