@@ -78,16 +78,15 @@ ZEROPP = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_qu
 # variant -> (library, extra zero_optimization keys)
 VARIANTS: dict[str, tuple[str, dict]] = {
     "zeroshard_s3": ("zeroshard", {}),
-    "zeroshard_s3_zeropp": ("zeroshard", ZEROPP),
-    "zeroshard_s3_zeropp_compiled": ("zeroshard", ZEROPP | {"zeropp_compile_quantizers": True}),
+    "zeroshard_s3_zeropp": ("zeroshard", ZEROPP),  # its quantizers compiled where a compiler is (the default)
+    "zeroshard_s3_zeropp_eager": ("zeroshard", ZEROPP | {"zeropp_compile_quantizers": False}),
     "zeroshard_s3_hpz": ("zeroshard", {"zero_hpz_partition_size": 2}),
     "deepspeed_z3": ("deepspeed", {}),
     "deepspeed_z3_hpz": ("deepspeed", {"zero_hpz_partition_size": 2}),
     "zeroshard_s3_qwz_qgz": ("zeroshard", {"zero_quantized_weights": True, "zero_quantized_gradients": True}),
     "zeroshard_s3_zeropp_int4": ("zeroshard", ZEROPP | {"zeropp_gradient_bits": 4}),
-    "zeroshard_s3_zeropp_int4_compiled": ("zeroshard", ZEROPP | {"zeropp_gradient_bits": 4,
-                                                                  "zeropp_gradient_hadamard": False,
-                                                                  "zeropp_compile_quantizers": True}),
+    "zeroshard_s3_zeropp_int4_unrotated": ("zeroshard", ZEROPP | {"zeropp_gradient_bits": 4,
+                                                                   "zeropp_gradient_hadamard": False}),
     "zeroshard_s3_qwz": ("zeroshard", {"zero_quantized_weights": True}),
     "zeroshard_s3_qgz": ("zeroshard", {"zero_quantized_gradients": True}),
 }

@@ -56,7 +56,7 @@ DEFAULTS = {
         "zeropp_block_size": 128,
         "zeropp_gradient_bits": 8,
         "zeropp_gradient_hadamard": None,
-        "zeropp_compile_quantizers": False,
+        "zeropp_compile_quantizers": None,
         "zeropp_ranks_per_node": None,
     },
     "bf16": {"enabled": False},
@@ -416,6 +416,7 @@ def test_precision_typo_suggests_spelling():
     ({"stage": 3, "zero_hpz_partition_size": 4, "zeropp_ranks_per_node": 2}, "differs from zeropp_ranks_per_node"),
     ({"stage": 3, "zeropp_gradient_bits": 4}, "zeropp_gradient_bits \\(needs zero_quantized_gradients\\)"),
     ({"stage": 3, "zeropp_gradient_bits": 3, "zero_quantized_gradients": True}, "must be 4 or 8"),
+    ({"stage": 3, "zeropp_compile_quantizers": True}, "zeropp_compile_quantizers \\(needs zero_quantized_weights"),
 ])
 def test_zeropp_combinations_that_cannot_be_honoured_are_errors(zero, words):
     with pytest.raises(ConfigError, match=words):
@@ -430,3 +431,7 @@ def test_zeropp_defaults_survive_a_round_trip_and_follow_the_bits():
     assert four.zero_optimization.gradient_hadamard is True
     assert four.zero_optimization.gradient_format == "int4"
     assert Config.load(Config.load({}).to_dict()) == Config.load({})
+    # Compiling is on where a compiler is (null); switching it off needs no quantizer to be on.
+    assert Config.load({"zero_optimization": {"stage": 3}}).zero_optimization.zeropp_compile_quantizers is None
+    off = Config.load({"zero_optimization": {"stage": 3, "zeropp_compile_quantizers": False}})
+    assert off.zero_optimization.zeropp_compile_quantizers is False

@@ -26,11 +26,16 @@ from zeroshard.estimate.zeropp import ZeroPP, hpz_secondary_bytes, stage3_comm_b
 WORLD, PER_NODE = 4, 2
 ALL3 = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
 QWZ, HPZ = {"zero_quantized_weights": True}, {"zero_hpz_partition_size": 2}
+# The quantizers' arithmetic, eagerly: compiled it gives the same values (tests/comm/test_quantize.py and the
+# default's own test below), and compiling takes seconds in every rank.
+EAGER = {"zeropp_compile_quantizers": False}
 
 
-def _engine(case: Case, device, zeropp: dict, model=None):
+def _engine(case: Case, device, zeropp: dict, model=None, default_compile: bool = False):
     config = case.config()
-    config["zero_optimization"] |= {"zeropp_ranks_per_node": PER_NODE} | zeropp
+    config["zero_optimization"] |= {"zeropp_ranks_per_node": PER_NODE} | ({} if default_compile else EAGER) | zeropp
+    if not (zeropp.get("zero_quantized_weights") or zeropp.get("zero_quantized_gradients")):
+        config["zero_optimization"].pop("zeropp_compile_quantizers", None)  # only with a quantizer on
     return make_engine(case, model=model, config=config, device=device)
 
 
@@ -231,3 +236,26 @@ def test_qgz_without_known_nodes_names_the_key_on_every_rank(monkeypatch):
     assert failure.value.errors.keys() == {0, 1}
     assert all("zero_hpz_partition_size" in e["error"] and "TopologyError" in e["error"]
                for e in failure.value.errors.values())
+
+
+def _compile_default(rank, world, device):
+    from zeroshard.comm.quantize import compile_unavailable
+
+    out = {"compiler": compile_unavailable(device) is None}
+    case = Case(stage=3, dtype="bf16", optimizer="adamw1_slow")
+    for name, default_compile in (("default", True), ("eager", False)):
+        engine = _engine(case, device, ALL3, default_compile=default_compile)
+        losses = _train(engine, case, world, rank, 2)
+        reducer = next(b.compressed for u in engine.units for b in u.buckets if b.compressed is not None)
+        out[name] = {"losses": losses, "weights": torch.cat([t.float().reshape(-1).cpu() for t in
+                                                             engine.full_state_dict().values()]),
+                     "compiled": (engine.schedule.gathers.weights.compiled, reducer.codec.compiled)}
+    return out
+
+
+def test_quantizers_compile_by_default_where_a_compiler_is_present_with_the_eager_values():
+    for out in run_ranks(_compile_default, WORLD):
+        assert out["default"]["compiled"] == (out["compiler"], out["compiler"])
+        assert out["eager"]["compiled"] == (False, False)
+        assert out["default"]["losses"] == out["eager"]["losses"]
+        assert torch.equal(out["default"]["weights"], out["eager"]["weights"])

@@ -39,6 +39,7 @@ that compiles for a few seconds (`benchmarks/zeropp_collectives.py`).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from zeroshard.dtypes import FP8_DTYPES, WIRE_BITS, WIRE_FORMATS, WireFormat
 from zeroshard.errors import ZeroshardError
 from zeroshard.estimate.zeropp import quantized_bytes
 
+log = logging.getLogger(__name__)
 SCALE_DTYPE = torch.float32
 HADAMARD = "+hadamard"  # a codec's name with the rotation: "int4+hadamard"
 
@@ -198,12 +200,44 @@ def _dequantize_blocks(payload: torch.Tensor, scales: torch.Tensor, fp8: torch.d
 
 @functools.cache
 def _compiled(kernel):
-    return torch.compile(kernel, dynamic=True)
+    """`kernel` as torch.compile generates it; if compiling (or a compiled call) fails, `kernel` itself from then
+    on, with a warning: the same arithmetic, so the same values on every rank whichever runs."""
+    fast, failed = torch.compile(kernel, dynamic=True), []
+
+    def run(*args):
+        if not failed:
+            try:
+                return fast(*args)
+            except Exception as exc:  # the compiler's own errors are of many kinds
+                failed.append(exc)
+                log.warning("the quantizer %s could not run compiled (%s: %.200s); it runs eagerly from now on, "
+                            "with the same values (zeropp_compile_quantizers: false skips the attempt)",
+                            kernel.__name__, type(exc).__name__, exc)
+        return kernel(*args)
+
+    return run
 
 
 def _kernel(kernel, compiled: bool):
     """`kernel` as it is, or as torch.compile generates it (one fused loop instead of a tensor per step)."""
     return _compiled(kernel) if compiled else kernel
+
+
+def compile_unavailable(device: torch.device) -> str | None:
+    """Why torch.compile cannot build the quantizers' kernels for `device` on this machine; None when it can."""
+    try:
+        if device.type == "cuda":
+            from torch.utils._triton import has_triton
+
+            return None if has_triton() else "Triton is not installed"
+        if device.type == "cpu":
+            from torch._inductor.cpp_builder import get_cpp_compiler
+
+            get_cpp_compiler()  # raises when no C++ compiler is found
+            return None
+    except Exception as exc:  # torch's own checks raise several kinds
+        return f"no C++ compiler for torch.compile ({type(exc).__name__}: {exc})"
+    return f"torch.compile builds no kernels for {device.type} devices"
 
 
 def _padded_blocks(x: torch.Tensor, codec: BlockCodec) -> torch.Tensor:

@@ -28,6 +28,10 @@ _SUPPORTED_STAGES = (0, 1, 2, 3)
 ZEROPP_KEYS = ("zero_quantized_weights", "zero_hpz_partition_size", "zero_quantized_gradients")
 
 
+# A key whose default (null) resolves to on or off may also be switched off without its part of ZeRO++.
+_OFF = {"zeropp_compile_quantizers": False}
+
+
 def _optional_positive_int(value: Any) -> int | None:
     return None if value is None else _positive_int(value)
 
@@ -160,12 +164,12 @@ class ZeroConfig(BaseModel):
         "ZeRO++ qgZ: rotate each block by the Walsh-Hadamard matrix before quantizing gradients "
         "(zeropp_block_size must be a power of two); it halves int4's error on heavy-tailed gradients. "
         "null = on with 4 bits, off with 8. DeepSpeed: none (zeroshard only)."))
-    # Off by default: each process compiles for seconds to a minute at its first gathers, and on CPU needs a
-    # C++ compiler; long runs on CPU gain the most (docs/zeropp.md).
-    zeropp_compile_quantizers: StrictBool = Field(False, description=(
-        "ZeRO++: run the quantizers as kernels torch.compile generates (the same values; on CPU several "
-        "times faster once compiled, which takes seconds per process at the first gathers and a C++ "
-        "compiler). DeepSpeed: none (zeroshard only; DeepSpeed's are CUDA kernels)."))
+    zeropp_compile_quantizers: StrictBool | None = Field(None, description=(
+        "ZeRO++: run the quantizers as kernels torch.compile generates (the same values; on CPU about 10x "
+        "faster, after seconds of compiling per process at the first gathers). null: on where torch.compile "
+        "can build them (a C++ compiler for the CPU, Triton for CUDA), else off with a log line saying why; "
+        "a compile that fails falls back to the same arithmetic eagerly, with a warning. "
+        "DeepSpeed: none (zeroshard only; DeepSpeed's are CUDA kernels)."))
     zeropp_ranks_per_node: Annotated[int | None, BeforeValidator(_optional_positive_int)] = Field(
         None, description=(
             "Data-parallel ranks per node, for hpZ and qgZ and for bytes by scope in comm_stats(); "
@@ -186,8 +190,8 @@ class ZeroConfig(BaseModel):
                  "zeropp_compile_quantizers": ("zero_quantized_weights or zero_quantized_gradients",
                                                self.zero_quantized_weights or self.zero_quantized_gradients)}
         fields = type(self).model_fields
-        unused = [f"{key} (needs {part})" for key, (part, on) in needs.items()
-                  if not on and getattr(self, key) != fields[key].default]  # defaults: a to_dict() round trip
+        unused = [f"{key} (needs {part})" for key, (part, on) in needs.items()  # defaults: a to_dict() round trip
+                  if not on and getattr(self, key) not in (fields[key].default, _OFF.get(key))]
         if unused:
             raise PydanticCustomError("zeroshard", "{keys} changed from its default, but the part of ZeRO++ it configures is off: "
                                       "switch that part on or remove the key", {"keys": "; ".join(unused)})

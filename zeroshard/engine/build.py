@@ -134,7 +134,7 @@ def _build_flats(model: nn.Module, optimizer: torch.optim.Optimizer, groups: lis
     names = {id(p): name for name, p in model.named_parameters()}
     units, schedule = [], None
     choose = offload_choice(config, sum(local(p).numel() for g in groups for p in g))
-    codecs = wire(comm, config)
+    codecs = wire(comm, config, device)
     if switches.shard_params:
         built = ((lambda unit: agreed(comm, lambda: stream.unit_built(unit), _SETUP, device))
                  if stream.streams else None)
