@@ -130,8 +130,8 @@ class GatherSchedule:
 
     def _prefetch_after(self, i: int, following: dict[int, int] | None) -> None:
         j = None if following is None else following.get(i)
-        for _ in self.units:  # past the units kept whole: the next one to gather
-            if j is None or j not in self.kept:
+        for _ in self.units:  # past the units whole already (kept from the forward): the next one to gather
+            if j is None or not self.units[j].whole:
                 break
             j = following.get(j)
         if j is None or self.units[j].state is not UnitState.SHARDED:
