@@ -43,10 +43,11 @@ THREAD_JOIN_S = 2.0  # how long a case's own threads get to end once the case is
 RESET = {"zeroshard.comm.collectives": ("_created",), "zeroshard.offload.memory": ("_warned",),
          "zeroshard.deepspeed.checkpointing": ("_configured", "_TRACKER")}
 KEPT = {  # (module, name): why it may outlive a case
-    ("zeroshard.comm.collectives", "_gloo_exit_drain_registered"):
+    ("zeroshard.comm.gloo_exit", "_gloo_exit_drain_registered"):
         "it pairs with the atexit registration it guards, which lasts as long as the process",
     ("zeroshard.comm.quantize", "_compiled"):
-        "a pure cache of torch.compile wrappers; torch.compiler.reset() drops what they compiled",
+        "a cache of torch.compile wrappers, each with whether compiling failed in this process (then the "
+        "process runs that kernel eagerly); torch.compiler.reset() drops what they compiled",
 }
 LIMITS = [getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")]
 CUDA_DEFAULT_SEED = 67280421310721  # c10's default_rng_seed_val: a fresh process's CUDA generators start there

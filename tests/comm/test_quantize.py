@@ -154,3 +154,34 @@ def test_compiled_quantizers_give_the_eager_values_bit_for_bit(fmt):
     out_eager, out_compiled = dequantize(q_eager, torch.bfloat16), dequantize(q_compiled, torch.bfloat16)
     kept = out_eager.isfinite()
     assert torch.equal(out_compiled.isfinite(), kept) and torch.equal(out_compiled[kept], out_eager[kept])
+
+
+def test_a_failed_compile_falls_back_to_the_eager_values_and_bad_input_keeps_compiling(monkeypatch, caplog):
+    # A compiler that fails (none installed, a crash in it) is stood in for by a torch.compile whose kernels
+    # raise; the reference is the eager codec's output.
+    import zeroshard.comm.quantize as quantize_module
+
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
+    want = quantize(x, BlockCodec("int8", 64))
+    calls = []
+
+    def broken_compile(kernel, dynamic=None):
+        def run(*args):
+            calls.append(kernel.__name__)
+            raise RuntimeError("no working C++ compiler")
+        return run
+
+    monkeypatch.setattr(quantize_module.torch, "compile", broken_compile)
+    quantize_module._compiled.cache_clear()
+    try:
+        kernel = quantize_module._compiled(quantize_module._quantize_blocks)
+        with pytest.raises(IndexError):  # input the kernel cannot take: its own error, and no fallback for it
+            kernel(torch.ones(64), 127.0, None, False, False)
+        assert not caplog.records and calls == ["_quantize_blocks"]
+        got = quantize(x, BlockCodec("int8", 64, compiled=True))  # the compiler fails: a warning, eager values
+        assert torch.equal(got.payload, want.payload) and torch.equal(got.scales, want.scales)
+        assert "runs eagerly from now on" in caplog.text and calls == ["_quantize_blocks"] * 2
+        quantize(x, BlockCodec("int8", 64, compiled=True))  # not tried again
+        assert calls == ["_quantize_blocks"] * 2
+    finally:
+        quantize_module._compiled.cache_clear()

@@ -125,3 +125,29 @@ def test_a_dead_peer_is_named_as_gone_with_the_restart_advice():
     assert "--max-restarts" in message and "control flow" not in message, message
     diverged = explain(0, 2, trace, 0, RuntimeError("Timed out waiting 3000ms"), timeout_s=0.2, store=dist.HashStore())
     assert "control flow" in diverged and "is gone" not in diverged, diverged  # a timeout alone: the old advice
+
+
+def _diverge_inside_a_shared_wait(rank, world, device) -> dict:
+    """Two gathers waited together (`wait_all`, one job of the waiting thread): the first is the same on both
+    ranks, the second differs in size (rank 1 gathers another buffer). Only the second stalls."""
+    import time
+
+    from zeroshard.comm import CollectiveError, Comm, CommRecorder, all_gather, wait_all
+
+    comm = Comm.create(dist.group.WORLD, CommRecorder(), timeout_s=600.0, rank_check_timeout_s=2.0)
+    first = all_gather(comm, torch.zeros(8, device=device), what="buffer 'common'")
+    second = all_gather(comm, torch.zeros(8 + 2 * rank, device=device), what=f"buffer '{'ab'[rank]}'")
+    start = time.monotonic()
+    try:
+        wait_all([first, second])
+    except CollectiveError as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+def test_ranks_that_differ_inside_a_shared_wait_are_told_apart_long_before_the_timeout():
+    # The collective timeout is 600 s; the stall is looked at after a grace of 0.5 s (a quarter of the
+    # rank-check timeout), and the ranks' records, compared there, name the second gather.
+    for result in run_ranks(_diverge_inside_a_shared_wait, 2, timeout_s=120):
+        assert result["error"] is not None and result["seconds"] < 60, result
+        assert "buffer 'a'" in result["error"] and "buffer 'b'" in result["error"], result["error"]

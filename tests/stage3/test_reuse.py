@@ -8,6 +8,8 @@ units the rule keeps (counted here from the units' sizes).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from tests.distributed import run_ranks
@@ -68,3 +70,60 @@ def test_an_exact_read_between_forward_and_backward_sees_the_shards_values_and_c
         for plain, read in (("keep", "keep_read"), ("qwz", "qwz_keep_read")):
             assert out[read]["losses"] == out[plain]["losses"], read
             assert torch.equal(out[read]["weights"], out[plain]["weights"]), read
+
+
+def _read_in_second_use(rank, world, device, zero: dict):
+    """The first block runs twice a forward (Case variant "twice") and, inside its second run, reads its own
+    weight whole with `gathered_parameters`: kept from its first run, it is in use again there."""
+    import zeroshard
+
+    case = replace(CASE, variant="twice")
+    config = case.config()
+    config["zero_optimization"] |= zero
+    engine = make_engine(case, config=config, device=device)
+    block = engine.module.blocks[0]
+    runs = [0]
+
+    def read_own_weight(module, args):
+        runs[0] += 1
+        if runs[0] % 2 == 0:
+            with zeroshard.gathered_parameters(module.attn.qkv.weight):
+                pass
+
+    block.register_forward_pre_hook(read_own_weight)
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.to(device) for t in micro_batch(step, case, world, rank, 0))
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _flush_after_forward(rank, world, device, zero: dict):
+    """With the update delayed, a forward (grad on, no backward), then `flush_update`: the units that forward
+    kept hold the weights before the update, which the next training forward must not use."""
+    case = replace(CASE, dtype="fp32", optimizer="adamw1", offload="cpu", delayed=0)
+    config = case.config()
+    config["zero_optimization"] |= zero
+    engine = make_engine(case, config=config, device=device)
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.to(device) for t in micro_batch(step, case, world, rank, 0))
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(engine(x, y).item())  # a forward of its own, grad on
+        engine.flush_update()
+    return losses
+
+
+def test_a_kept_unit_used_again_in_a_forward_is_in_use_there():
+    kept, released = (run_ranks(_read_in_second_use, WORLD, zero) for zero in (KEEP_ALL, {}))
+    assert kept == released
+
+
+def test_a_landed_delayed_update_releases_what_a_forward_kept():
+    kept, released = (run_ranks(_flush_after_forward, WORLD, zero) for zero in (KEEP_ALL, {}))
+    assert kept == released

@@ -31,7 +31,6 @@ With one rank every collective is the identity, and nothing is sent.
 
 from __future__ import annotations
 
-import atexit
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -42,38 +41,11 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import positions
+from zeroshard.comm.gloo_exit import drain_gloo_at_exit
 from zeroshard.comm.recorder import CommRecorder, Scope
 from zeroshard.comm.stall import CollectiveError, Trace, differ, explain
 
 _created: dict[str, int] = {}  # comms made per group name in this process, in the same order on every rank
-_GLOO_EXIT_DRAIN_S = 0.05  # how long the main thread lets go of the GIL at exit, for gloo's worker threads
-_gloo_exit_drain_registered = False
-
-
-def _let_gloo_workers_finish() -> None:
-    """At exit, before the interpreter finalizes: give gloo's worker threads the GIL to drop their last works.
-
-    A gloo worker thread (`ProcessGroupGloo::runLoop`) destroys each work it ran, and with it the work's
-    tensors; when the Python side has already dropped its handle (any `async_op=False` collective, such as
-    `generate(synced_gpus=True)`'s all_reduce), that destruction releases the tensors' Python objects and
-    takes the GIL on the worker thread. If the script ends just after its last collective, the worker
-    waits for the GIL while the main thread goes on into interpreter finalization; CPython (3.11) then
-    ends the worker with pthread_exit inside `~AsyncWork`, a noexcept destructor, and the process aborts
-    with "terminate called without an active exception" (exit code -6, no Python frame). Destroying the
-    group would join the workers, but the engine's comms keep a reference to it, so
-    `dist.destroy_process_group()` alone does not. Sleeping releases the GIL: a worker waiting for it
-    takes it, drops its work, and goes back to waiting for work, before finalization starts.
-    """
-    time.sleep(_GLOO_EXIT_DRAIN_S)
-
-
-def _drain_gloo_at_exit() -> None:
-    global _gloo_exit_drain_registered
-    if not _gloo_exit_drain_registered:
-        _gloo_exit_drain_registered = True
-        atexit.register(_let_gloo_workers_finish)
-
-
 @dataclass(frozen=True)
 class Algorithms:
     """How the logical reduce-scatter and all-gather run on this group's backend."""
@@ -113,7 +85,7 @@ class Comm:
                rank_check_timeout_s: float = 60.0, scope: Scope | None = None) -> "Comm":
         gloo = dist.get_backend(group) == "gloo"
         if gloo:
-            _drain_gloo_at_exit()  # this comm keeps the group, and its worker threads, alive until exit
+            drain_gloo_at_exit()  # this comm keeps the group, and its worker threads, alive until exit
         name = dist.distributed_c10d._get_process_group_name(group)
         _created[name] = uid = _created.get(name, 0) + 1
         comm = cls(group, recorder, Algorithms.for_group(group), timeout_s=timeout_s if gloo else None,
@@ -171,11 +143,15 @@ class Pending(Landing):
         # Backend work handles: one per collective, several for a batch of sends and receives.
         self._works = work if isinstance(work, list) else [w for w in (work,) if w is not None]
         self._failure: CollectiveError | None = None
+        # Waited with other collectives as one job (`wait_all`): that job, and the number whose record covers
+        # them all (the last), under which a stall is watched and explained.
+        self._shared: positions.Waited | None = None
+        self._watched = number
 
     def waits_in_thread(self) -> bool:
         """Whether its wait goes through the comm's `Waiter` (gloo's point-to-point work, still in flight)."""
         return bool(self._works) and not self._done and self._failure is None and not self._pollable \
-            and self._comm.timeout_s is not None
+            and self._comm.timeout_s is not None and self._shared is None
 
     def wait(self) -> None:
         if self._failure is not None:  # waited once and failed: it never lands
@@ -184,8 +160,10 @@ class Pending(Landing):
             return
         start = time.perf_counter()
         comm = self._comm
-        works = self._works
-        if comm.timeout_s is not None and not self._pollable and works:
+        works = self._works  # this thread keeps them until they land: it, not the Waiter, destroys them
+        if self._shared is not None:
+            works = [self._shared]
+        elif comm.timeout_s is not None and not self._pollable and works:
             comm.waiter = comm.waiter or positions.Waiter()
             works = [comm.waiter.submit(works, comm.timeout_s)]
         for work in works:
@@ -193,14 +171,14 @@ class Pending(Landing):
                 if comm.timeout_s is None:
                     work.wait()
                 else:
-                    positions.wait_watched(work, comm, self._number)
+                    positions.wait_watched(work, comm, self._watched)
             except CollectiveError as error:
                 self._failure = error
                 raise
             except RuntimeError as error:
-                self._failure = CollectiveError(_explain(comm, self._number, error))
+                self._failure = CollectiveError(_explain(comm, self._watched, error))
                 raise self._failure from error
-        self._works = []
+        self._works, self._shared = [], None
         self._comm.recorder.add_seconds(self._op, time.perf_counter() - start)
         self._landed()
 
@@ -225,16 +203,18 @@ def wait_all(pendings: list) -> None:
 
 def _share_wait(pendings: list[Pending]) -> None:
     """Point-to-point work of one comm, waited in its `Waiter` thread as one job: a hand-over between
-    threads per batch rather than per collective (each costs context switches on a busy CPU). The
-    first collective's wait polls the job, as its own would; the others find it landed."""
+    threads per batch rather than per collective (each costs context switches on a busy CPU). The first
+    collective's wait polls the job, watched under the last one's number, whose record covers the whole batch:
+    ranks that ran other collectives anywhere in it differ there. The others find it landed."""
     threaded = [p for p in pendings if isinstance(p, Pending) and p.waits_in_thread()]
     for comm in {id(p._comm): p._comm for p in threaded}.values():
         mine = [p for p in threaded if p._comm is comm]
         if len(mine) > 1:
             comm.waiter = comm.waiter or positions.Waiter()
             waited = comm.waiter.submit([w for p in mine for w in p._works], comm.timeout_s)
+            last = max(p._number for p in mine)
             for p in mine:
-                p._works, p._pollable = [waited], True
+                p._shared, p._watched = waited, last
 
 
 def _explain(comm: Comm, number: int, error: BaseException) -> str:
@@ -315,23 +295,17 @@ def reduce_scatter(
 
 
 def _sum_in_rank_order(shard: torch.Tensor, own: torch.Tensor, received: torch.Tensor, rank: int) -> None:
-    """shard = the chunks of every rank (this one's `own`, the others' in `received`), summed in rank order.
+    """shard = `torch.sum` over the chunks of every rank (this one's `own`, the others' in `received`).
 
-    Pairwise adds where they equal `torch.sum` over the chunks bit for bit (two chunks, or fp32), since
-    `torch.sum(dim=0)` over a few long rows runs about 4x slower on the CPU; 16-bit chunks of three or more
-    ranks go through `torch.sum`, which accumulates them in fp32 and rounds once.
+    Two chunks are one add, the same bits as `torch.sum` over them and about 4x faster on the CPU; more go
+    through `torch.sum` itself, whose order of adding (and fp32 accumulation of 16-bit values) an add chain
+    would not repeat.
     """
-    n = len(received)
-    if n > 2 and shard.element_size() < 4:
-        received[rank].copy_(own)
-        torch.sum(received, dim=0, out=shard)
+    if len(received) == 2:
+        torch.add(own, received[1 - rank], out=shard)
         return
-    if rank >= 2 and shard.data_ptr() == own.data_ptr():  # in place: the first add would overwrite it
-        own = received[rank].copy_(own)
-    chunks = [own if peer == rank else received[peer] for peer in range(n)]
-    torch.add(chunks[0], chunks[1], out=shard)
-    for chunk in chunks[2:]:
-        shard.add_(chunk)
+    received[rank].copy_(own)
+    torch.sum(received, dim=0, out=shard)
 
 
 def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True, what: str = "", encoding: str = "",

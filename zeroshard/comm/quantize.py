@@ -205,15 +205,17 @@ def _compiled(kernel):
     fast, failed = torch.compile(kernel, dynamic=True), []
 
     def run(*args):
-        if not failed:
-            try:
-                return fast(*args)
-            except Exception as exc:  # the compiler's own errors are of many kinds
-                failed.append(exc)
-                log.warning("the quantizer %s could not run compiled (%s: %.200s); it runs eagerly from now on, "
-                            "with the same values (zeropp_compile_quantizers: false skips the attempt)",
-                            kernel.__name__, type(exc).__name__, exc)
-        return kernel(*args)
+        if failed:
+            return kernel(*args)
+        try:
+            return fast(*args)
+        except Exception as exc:  # the compiler's own errors are of many kinds
+            out = kernel(*args)  # an error of the input (or of memory) is raised as it is, compiling stays on
+            failed.append(exc)
+            log.warning("the quantizer %s could not run compiled (%s: %.200s); it runs eagerly from now on, "
+                        "with the same values (zeropp_compile_quantizers: false skips the attempt)",
+                        kernel.__name__, type(exc).__name__, exc)
+            return out
 
     return run
 

@@ -111,8 +111,8 @@ class ZeroConfig(BaseModel):
         "parameters (after its forward, before its backward) stays whole between the two, so backward does not "
         "gather it again; the units kept hold at most stage3_max_live_parameters together. 0 (the default): "
         "every unit is released after its forward and gathered again in backward (ZeRO's 3 gathers of Ψ a "
-        "step, FSDP's reshard_after_forward); 1: only units whose backward needs no other unit's gather first "
-        "(the last block, a root unit) stay whole, as FSDP keeps its root. DeepSpeed: "
+        "step, FSDP's reshard_after_forward); 1: only units with no other unit's parameters used between their "
+        "forward's end and their backward stay whole (a root unit, as FSDP keeps its root). DeepSpeed: "
         "zero_optimization.stage3_max_reuse_distance (default 1e9, which keeps every unit of a model under 1e9 "
         "elements whole from forward to backward: faster, with the memory of stage 2's parameters)."))
     stage3_prefetch_bucket_size: PositiveInt = Field(50_000_000, description=(

@@ -323,9 +323,8 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.activations.end_window()
         for bucket in self.buckets:
             bucket.zero_grad(self.pool)
-        if self.schedule is not None:  # hpZ's secondary shards live for one step, applied or skipped
-            self.schedule.release_kept()
-            self.schedule.drop_secondaries()
+        if self.schedule is not None:  # kept units and hpZ's secondary shards live for one step, applied or skipped
+            self.schedule.shards_changed()
         step = self.global_steps
         self.global_steps += 1
         if self.scaler is not None:
@@ -369,8 +368,8 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
             self.schedule.release_all()
 
     def gather_params(self) -> None:
-        if self.schedule is not None:  # hpZ's secondary shards are stale after a step or a load
-            self.schedule.drop_secondaries()
+        if self.schedule is not None:  # kept units and hpZ's secondary shards are stale after a step or a load
+            self.schedule.shards_changed()
         self.post_step.start(wait=True)
 
     def wait_for_params(self) -> None:

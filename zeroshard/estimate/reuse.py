@@ -8,8 +8,10 @@ backward gathers nothing (DeepSpeed's `stage3_max_reuse_distance`); the
 units kept are those reused soonest, while together they hold at most
 `stage3_max_live_parameters` elements. 0, the default, releases every unit
 after its forward (ZeRO's 3Ψ a step; FSDP's reshard_after_forward); 1 keeps
-only the units backward needs with no gather before them (a root unit, the
-last block); DeepSpeed's default, 1e9, keeps every unit of a smaller model.
+only the units with no other unit's parameters used between their forward's
+end and their backward (a root unit; the last block too when the root unit
+gathers nothing); DeepSpeed's default, 1e9, keeps every unit of a smaller
+model.
 
 The engine (stage3/schedule.py) applies this to the order it recorded on the
 first step; the estimate (peak.py) to the order a model of blocks runs in.

@@ -11,7 +11,7 @@
   gather until the step is an all-gather of those parts inside the node,
   so the backward gathers never cross nodes. The parts are copies of the
   gathered (dequantized) values: backward sees exactly the forward's weights.
-  `drop_secondaries` ends them after the step (or any change of the shards).
+  `GatherSchedule.shards_changed` ends them after the step (or any change of the shards).
 
 An exact gather (`exact=True`: full state dicts, gathered_parameters,
 saving) is always the plain one and neither reads nor leaves a secondary:

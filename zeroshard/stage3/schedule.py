@@ -18,7 +18,8 @@ prefetch alike. A unit is prefetched only if it has at most
 `max_live_numel`; a gather that forward or backward needs now always proceeds.
 A unit kept from its forward holds the values that forward used (qwZ's
 dequantized ones): an exact gather (a state dict, `gathered_parameters`)
-releases it and gathers the shards' own values; the step releases it too.
+releases it and gathers the shards' own values; a step, a load or a delayed
+update landing releases it too (`shards_changed`).
 
 Under torch.compile the forward hooks run eagerly (`torch.compiler.disable`),
 each a graph break: traced, their collectives and the swaps of parameter
@@ -78,6 +79,7 @@ class GatherSchedule:
         if self.phase is Pass.BACKWARD:  # recomputation (activation checkpointing)
             self._note_backward(i)
             return
+        self.kept.discard(i)  # in use again (a module called twice, the next micro-batch): its forward's own
         if self._next_forward is None:
             self._forward_seen.append(i)
         self._prefetch_after(i, self._next_forward)
@@ -162,13 +164,12 @@ class GatherSchedule:
                 unit.release()
         self.kept &= set(keep)
 
-    def release_kept(self) -> None:
-        """The step changes the shards: what a forward kept for a backward that never came is stale."""
+
+    def shards_changed(self) -> None:
+        """After a step, a load or a delayed update landing: what a forward kept for a backward that never came
+        is stale, and so are hpZ's secondary shards (the next gather goes over the whole group)."""
         for i in sorted(self.kept):
             self.release(i)
-
-    def drop_secondaries(self) -> None:
-        """hpZ: after the step (or a load) the shards changed; the next gather goes over the whole group."""
         for unit in self.units:
             unit.drop_secondaries()
 
