@@ -20,10 +20,22 @@ CASE = Case(stage=3, dtype="bf16", optimizer="adamw1_slow")
 KEEP_ALL = {"stage3_max_reuse_distance": 10**9}
 
 
-def _engine(device, zero: dict):
-    config = CASE.config()
+def _engine(device, zero: dict, case: Case = CASE):
+    config = case.config()
     config["zero_optimization"] |= zero
-    return make_engine(CASE, config=config, device=device)
+    return make_engine(case, config=config, device=device)
+
+
+def _train(engine, case: Case, world: int, rank: int, device, after=None) -> list[float]:
+    """STEPS training steps: each one's loss, or what `after(x, y)` returns once the step is over."""
+    out = []
+    for step in range(STEPS):
+        x, y = (t.to(device) for t in micro_batch(step, case, world, rank, 0))
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        out.append(loss.item() if after is None else after(x, y))
+    return out
 
 
 def _run(rank, world, device, zero: dict, read_between: bool):
@@ -78,10 +90,7 @@ def _read_in_second_use(rank, world, device, zero: dict):
     import zeroshard
 
     case = replace(CASE, variant="twice")
-    config = case.config()
-    config["zero_optimization"] |= zero
-    engine = make_engine(case, config=config, device=device)
-    block = engine.module.blocks[0]
+    engine = _engine(device, zero, case)
     runs = [0]
 
     def read_own_weight(module, args):
@@ -90,33 +99,22 @@ def _read_in_second_use(rank, world, device, zero: dict):
             with zeroshard.gathered_parameters(module.attn.qkv.weight):
                 pass
 
-    block.register_forward_pre_hook(read_own_weight)
-    losses = []
-    for step in range(STEPS):
-        x, y = (t.to(device) for t in micro_batch(step, case, world, rank, 0))
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    engine.module.blocks[0].register_forward_pre_hook(read_own_weight)
+    return _train(engine, case, world, rank, device)
 
 
 def _flush_after_forward(rank, world, device, zero: dict):
     """With the update delayed, a forward (grad on, no backward), then `flush_update`: the units that forward
     kept hold the weights before the update, which the next training forward must not use."""
     case = replace(CASE, dtype="fp32", optimizer="adamw1", offload="cpu", delayed=0)
-    config = case.config()
-    config["zero_optimization"] |= zero
-    engine = make_engine(case, config=config, device=device)
-    losses = []
-    for step in range(STEPS):
-        x, y = (t.to(device) for t in micro_batch(step, case, world, rank, 0))
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(engine(x, y).item())  # a forward of its own, grad on
+    engine = _engine(device, zero, case)
+
+    def forward_then_flush(x, y):
+        loss = engine(x, y).item()  # a forward of its own, grad on
         engine.flush_update()
-    return losses
+        return loss
+
+    return _train(engine, case, world, rank, device, after=forward_then_flush)
 
 
 def test_a_kept_unit_used_again_in_a_forward_is_in_use_there():
