@@ -94,7 +94,7 @@ def test_a_failed_wait_fails_again_and_runs_nothing_after_it():
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_the_reduce_scatter_sums_chunks_as_torch_sum_does_in_place_or_not(world, dtype):
     # gloo's reduce-scatter adds the chunks of every rank into this rank's shard: bit for bit torch.sum over them.
-    from zeroshard.comm.collectives import _sum_in_rank_order
+    from zeroshard.comm.collectives import _sum_chunks
 
     chunk = 1001
     for rank in range(world):
@@ -104,7 +104,7 @@ def test_the_reduce_scatter_sums_chunks_as_torch_sum_does_in_place_or_not(world,
         chunks[rank] = full[rank]
         want = torch.sum(chunks, dim=0)
         out = torch.empty(chunk, dtype=dtype)
-        _sum_in_rank_order(out, full[rank], received.clone(), rank)
+        _sum_chunks(out, full[rank], received.clone(), rank)
         assert torch.equal(out, want), (rank, "separate")
-        _sum_in_rank_order(full[rank], full[rank], received.clone(), rank)  # the shard is its own chunk of full
+        _sum_chunks(full[rank], full[rank], received.clone(), rank)  # the shard is its own chunk of full
         assert torch.equal(full[rank], want), (rank, "in place")
