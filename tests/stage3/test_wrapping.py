@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tests.recipes import make_model
+from zeroshard.errors import ModelError
 from zeroshard.stage3.wrapping import plan_units, unit_modules
 
 
@@ -22,12 +23,18 @@ class Encoder(nn.Module):
         self.emb = nn.Embedding(10, 4)
         self.proj = nn.Linear(4, 4)
 
+    def forward(self, x):
+        return self.proj(self.emb(x))
+
 
 class Decoder(nn.Module):
     def __init__(self):
         super().__init__()
         self.norm = nn.LayerNorm(4)
         self.head = nn.Linear(4, 10, bias=False)
+
+    def forward(self, x):
+        return self.head(self.norm(x))
 
 
 class TiedSeq2Seq(nn.Module):
@@ -45,6 +52,9 @@ class Half(nn.Module):
         super().__init__()
         self.lin = nn.Linear(3, 3)
 
+    def forward(self, x):
+        return self.lin(x)
+
 
 class Pair(nn.Module):
     """Two child units sharing one weight; the pair's own parameter sits beside them."""
@@ -55,6 +65,9 @@ class Pair(nn.Module):
         self.right = Half()
         self.right.lin.weight = self.left.lin.weight
         self.gate = nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.gate(self.right(self.left(x)))
 
 
 class Stack(nn.Module):
@@ -193,3 +206,48 @@ def test_wrap_classes_that_match_no_module_are_an_error_naming_them_and_the_clas
     assert "classes present: Decoder, Embedding, Encoder, LayerNorm, Linear, TiedSeq2Seq" in message
     with pytest.raises(ValueError, match=r"\['Block'\] match no module"):
         unit_modules(model, ("Block",), 1)
+
+
+class Leaf(nn.Module):
+    """10 x 10 + 10 = 110 elements."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(10, 10)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class Containers(nn.Module):
+    """A ModuleList of leaves (330), a ModuleList of ModuleDicts of leaves (440), a ParameterList (7), own (5)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Leaf() for _ in range(3))
+        self.nested = nn.ModuleList(nn.ModuleDict({"a": Leaf(), "b": Leaf()}) for _ in range(2))
+        self.extra = nn.ParameterList([nn.Parameter(torch.zeros(7))])
+        self.own = nn.Parameter(torch.zeros(5))
+
+
+@pytest.mark.parametrize("min_numel, units", [
+    # Each container reaches 200 while no leaf does: their leaves that run are units, the ParameterList's 7 and
+    # the root's 5 stay with the root.
+    (200, {"", "blocks.0", "blocks.1", "blocks.2", "nested.0.a", "nested.0.b", "nested.1.a", "nested.1.b"}),
+    # Only nested (440) reaches 400: its ModuleDicts (220 each) do not run either, so their leaves are units.
+    (400, {"", "nested.0.a", "nested.0.b", "nested.1.a", "nested.1.b"}),
+    # Each Linear (110) reaches 100 on its own: the innermost subtree is the unit, as before.
+    (100, {"", "blocks.0.lin", "blocks.1.lin", "blocks.2.lin", "nested.0.a.lin", "nested.0.b.lin", "nested.1.a.lin",
+           "nested.1.b.lin"}),
+    (441, {""}),  # no container reaches it: the root takes all 782
+])
+def test_a_container_that_reaches_the_size_makes_units_of_its_children_that_run(min_numel, units):
+    model = Containers()
+    assert set(unit_modules(model, (), min_numel)) == units
+    homes = _check_partition(model, plan_units(model, unit_modules(model, (), min_numel)))
+    assert homes[id(model.extra[0])] == homes[id(model.own)] == "(root)"
+
+
+def test_wrap_classes_that_never_run_are_refused():
+    with pytest.raises(ModelError, match=r"\['ModuleList'\] have no forward of their own"):
+        unit_modules(Containers(), ("ModuleList", "Leaf"), 1)

@@ -59,6 +59,7 @@ from zeroshard.errors import ZeroshardError
 from zeroshard.offload import OffloadError
 from zeroshard.parallel.activation_checkpointing import ActivationCheckpointing, running_forward
 from zeroshard.parallel.mesh import Mesh
+from zeroshard.stage3.sharded_use import sharded_use
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +153,13 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         except OffloadError as exc:  # a unit's shards on disk could not be read (every rank raised it)
             self.fail(f"a parameter shard on disk could not be read in forward ({exc})")
             raise
-        except BaseException:  # the model's own error (every rank's, or the stall watch says): free the units
-            if self.schedule is not None:
-                self.schedule.release_all()
+        except BaseException as exc:  # the model's own error (every rank's, or the stall watch says): free the units
+            if self.schedule is None:
+                raise
+            named = sharded_use(exc, self.module, self.schedule.units) if isinstance(exc, Exception) else None
+            self.schedule.release_all()  # after the look: which units were whole when it failed counts
+            if named is not None:
+                raise named from exc
             raise
         finally:
             if self.state is TrainingState.FORWARD:

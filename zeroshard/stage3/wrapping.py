@@ -5,6 +5,12 @@ and backward. Units nest: the root module is always a unit and takes what no
 inner unit holds. A parameter used by several modules (a tied embedding and
 output head) belongs to the innermost unit that contains all of its users,
 so it is gathered whenever any of them runs.
+
+A unit must be a module that runs: its forward hooks gather it. A container
+without a forward of its own (`nn.ModuleList`, `nn.ModuleDict`,
+`nn.ParameterList`) is never called, so it is never a unit: the size policy
+makes units of its children that run instead, and what it holds directly
+goes to the nearest enclosing unit.
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ def unit_modules(model: nn.Module, wrap: tuple[str, ...], min_numel: int) -> dic
     """Qualified name -> module for every unit module, the root ("") included.
 
     `wrap`: class names (as `type(m).__name__`); empty means the size policy:
-    a module becomes a unit when the parameters it holds outside inner units
-    number at least `min_numel` elements.
+    a module that runs becomes a unit when the parameters it holds outside inner
+    units number at least `min_numel` elements; a container that reaches it
+    makes units of its children that run and hold elements outside inner units.
     """
     if wrap:
         found = {type(m).__name__ for m in model.modules()}
@@ -37,6 +44,11 @@ def unit_modules(model: nn.Module, wrap: tuple[str, ...], min_numel: int) -> dic
         if missing:
             raise ModelError(f"stage 3 wrap classes {missing} match no module of the model; classes present: "
                              f"{', '.join(sorted(found))}")
+        containers = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in wrap and not runs(m)})
+        if containers:
+            raise ModelError(f"stage 3 wrap classes {containers} have no forward of their own (containers): they "
+                             "are never called, so their parameters would never be gathered; name the classes of "
+                             "the modules inside them that run (the blocks), or leave wrap out")
         units = {name: m for name, m in model.named_modules() if type(m).__name__ in wrap}
     else:
         units = {}
@@ -45,15 +57,42 @@ def unit_modules(model: nn.Module, wrap: tuple[str, ...], min_numel: int) -> dic
     return units
 
 
-def _pick_by_size(module: nn.Module, name: str, min_numel: int, units: dict[str, nn.Module]) -> int:
-    """Post-order: returns the elements of `module`'s subtree not yet in a unit."""
-    free = sum(p.numel() for p in module.parameters(recurse=False))
-    for child_name, child in module.named_children():
-        free += _pick_by_size(child, f"{name}.{child_name}" if name else child_name, min_numel, units)
-    if name and free >= min_numel:
-        units[name] = module
-        return 0
-    return free
+def runs(module: nn.Module) -> bool:
+    """Whether calling `module` runs a forward of its own (a container's is nn.Module's, which raises)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _pick_by_size(module: nn.Module, name: str, min_numel: int, units: dict[str, nn.Module],
+                  free: dict[str, int] | None = None) -> int:
+    """Post-order: returns the elements of `module`'s subtree not yet in a unit (`free`: the same, by name)."""
+    free = {} if free is None else free
+    children = {f"{name}.{child_name}" if name else child_name: child for child_name, child in module.named_children()}
+    total = sum(p.numel() for p in module.parameters(recurse=False))
+    total += sum(_pick_by_size(child, qualified, min_numel, units, free) for qualified, child in children.items())
+    if name and total >= min_numel:
+        if runs(module):
+            units[name] = module
+            total = 0
+        else:
+            total -= _split(children, free, units)
+    free[name] = total
+    return total
+
+
+def _split(children: dict[str, nn.Module], free: dict[str, int], units: dict[str, nn.Module]) -> int:
+    """A container's hooks would never fire: its children that run become units instead, the children of a
+    container inside it in turn. Returns the elements they took."""
+    taken = 0
+    for qualified, child in children.items():
+        if not free[qualified]:
+            continue
+        if runs(child):
+            units[qualified] = child
+            taken += free[qualified]
+        else:
+            grandchildren = {f"{qualified}.{n}": c for n, c in child.named_children()}
+            taken += _split(grandchildren, free, units)
+    return taken
 
 
 def plan_units(model: nn.Module, units: dict[str, nn.Module]) -> list[UnitPlan]:
