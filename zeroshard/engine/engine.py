@@ -52,6 +52,7 @@ from zeroshard.engine.delayed_update import DelayedUpdateMethods, delayed_update
 from zeroshard.engine.deepspeed_api import DeepSpeedMethods
 from zeroshard.engine.export import ExportMethods
 from zeroshard.engine.grad_sync import GradSyncMethods
+from zeroshard.engine.placement import log_placement
 from zeroshard.engine.reports import ReportMethods
 from zeroshard.engine.state import EngineStateError, TrainingState
 from zeroshard.engine.validate import check_mesh_config
@@ -110,9 +111,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self.checkpointing = ActivationCheckpointing(config.activation_checkpointing,
                                                      self.cross.tp_comm() if self.cross else None)
         if self.comm.rank == 0:
-            count = len(self.buckets)
-            log.info("zeroshard stage %d on %d ranks: %d bucket%s, %d elements", config.stage,
-                     self.comm.world_size, count, "" if count == 1 else "s", sum(b.flat.numel for b in self.buckets))
+            log_placement(self.placement())  # what is sharded, kept whole and frozen; the warning if nothing is
             for key, why in self.checkpointing.no_effect(self._device):
                 log.info("activation_checkpointing.%s has no effect here: %s", key, why)
 

@@ -6,6 +6,7 @@ import torch
 
 from zeroshard.comm import CollectiveError, OpStats
 from zeroshard.core.memory import model_state_bytes, total, with_activations
+from zeroshard.engine.placement import ParamPlacement, param_placement
 from zeroshard.stage3.gathered import full_state_dict
 
 
@@ -43,6 +44,16 @@ class ReportMethods:
         if pool not in by_pool:
             raise ValueError(f"memory_stats(pool={pool!r}): the pools are {', '.join(map(repr, by_pool))}")
         return by_pool[pool]
+
+    def placement(self) -> ParamPlacement:
+        """Where this rank's parameters live, in elements and bytes: sharded (stage 3's units, gathered on
+        demand), persistent (kept whole: at stage 3 each parameter under stage3_param_persistence_threshold,
+        below stage 3 every trained one), frozen (stage 3's sharded frozen flat buffers, and parameters left
+        as they are), and stage 3's units one by one (engine/placement.py). Counted on this rank, no
+        collective; `.total.bytes` equals `memory_stats()["params"]` while no unit is gathered."""
+        zero = self.config.zero_optimization
+        return param_placement(self.config.stage, self.comm.world_size, self.comm.rank, self.module, self.buckets,
+                               self.units, self._names, zero.stage3_param_persistence_threshold)
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The complete model state dict (full tensors, copies): on every rank, or on rank 0 only.
