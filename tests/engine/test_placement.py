@@ -124,6 +124,14 @@ def _check_line(placement, params, lines, rank):
         assert lines == []
         return
     assert len(infos) == 1, lines
+    made = re.search(r": (\d+) units? \(largest '([^']+)': ([\d,]+) elements gathered on demand, ([\d,]+) "
+                     r"persistent\), ", infos[0])
+    if placement.units:
+        largest = max(placement.units, key=lambda u: u.gathered + u.persistent)
+        assert made.group(1, 2) == (str(len(placement.units)), largest.name)
+        assert numbers(made.group(3) + " " + made.group(4)) == [largest.gathered, largest.persistent]
+    else:
+        assert made is None
     stage, world, total, trainable, frozen, held, kinds = LINE.match(infos[0]).groups()
     assert (int(stage), int(world)) == (placement.stage, placement.world_size)
     assert [int(n.replace(",", "")) for n in (total, trainable, frozen, held)] == [
@@ -157,6 +165,10 @@ def test_stage3_units_persistent_and_frozen_equal_the_hand_count_and_memory_stat
             assert placement.total.elements == sum(p.numel() for p in LoraNet().parameters())
             assert (placement.trainable.elements, placement.frozen.elements) == (TRAINABLE, FROZEN)
             _check_line(placement, params, lines, rank)
+            if rank == 0:  # by hand: the root unit 1,023 + 649 elements, each block 1,089 + 33
+                largest = ("'blocks.0': 0 elements gathered on demand, 1,122 persistent" if under_default
+                           else "'(root)': 1,023 elements gathered on demand, 649 persistent")
+                assert f"3 units (largest {largest})" in lines[0][1]
             warnings = [text for level, text in lines if level == "WARNING"]
             assert len(warnings) == (1 if under_default and rank == 0 else 0), lines
             if warnings:

@@ -131,9 +131,9 @@ def log_placement(placement: ParamPlacement) -> None:
     p = placement
     made = [f"{p.buckets:,} bucket{'' if p.buckets == 1 else 's'}"]
     if p.units:
-        largest = max(p.units, key=lambda u: u.gathered)
-        made.insert(0, f"{len(p.units):,} unit{'' if len(p.units) == 1 else 's'} (largest '{largest.name}', "
-                       f"{largest.gathered:,} elements gathered on demand)")
+        largest = max(p.units, key=lambda u: u.gathered + u.persistent)  # the first of equals
+        made.insert(0, f"{len(p.units):,} unit{'' if len(p.units) == 1 else 's'} (largest '{largest.name}': "
+                       f"{largest.gathered:,} elements gathered on demand, {largest.persistent:,} persistent)")
     if p.stage == 3:
         held = (f"{p.sharded.bytes:,} sharded (of {p.sharded.full_bytes:,} in full), "
                 f"{p.persistent.bytes:,} persistent (each parameter under stage3_param_persistence_threshold "
