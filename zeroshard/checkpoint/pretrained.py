@@ -39,6 +39,7 @@ from zeroshard.checkpoint.safetensors_files import WEIGHTS_FILE, Entry, entries,
 from zeroshard.errors import ModelError
 from zeroshard.stage3.gathered import keys_by_tensor
 from zeroshard.stage3.meta import own_init
+from zeroshard.stage3.meta_edits import pending
 
 _INDEX = WEIGHTS_FILE + ".index.json"
 
@@ -84,7 +85,8 @@ class Pretrained:
             if not found:
                 missing.append(keys[0])
             for key, file_key in found.items():
-                if tuple(shapes[file_key]) != tuple(tensors[key].shape):
+                # A pending value (an edit before initialize: a resized embedding) replaces the file's.
+                if tuple(shapes[file_key]) != tuple(tensors[key].shape) and pending(tensors[key]) is None:
                     mismatched.append(f"{key} (file {tuple(shapes[file_key])}, model {tuple(tensors[key].shape)})")
                 source[key] = file_key
             for key in keys:  # a tied parameter is read under the name the files have

@@ -47,6 +47,7 @@ from zeroshard.stage3.materialize import (
 )
 from zeroshard.stage3.meta import recorded_init
 from zeroshard.stage3.module_state import ModuleStateHooks
+from zeroshard.stage3.resize import refuse_resize
 from zeroshard.stage3.schedule import GatherSchedule
 from zeroshard.stage3.unit import Unit, build_units
 from zeroshard.stage3.wrapping import plan_units, unit_modules
@@ -204,6 +205,7 @@ def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Con
     schedule.install(model)
     ModuleStateHooks(model, schedule).install()  # module.state_dict() gives full tensors, never empty ones
     sync_generation(model, comm)  # ranks that stop generating at different lengths keep gathering together
+    refuse_resize(model)  # resize_token_embeddings would have to rebuild the embedding's unit
     return units, schedule
 
 

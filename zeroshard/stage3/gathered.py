@@ -14,6 +14,10 @@ Entering runs collectives whenever a unit is gathered or `modifier_rank` is
 given, so the ranks first meet in the store (`comm/entry.py`): a rank that
 enters alone raises `CollectiveError` within `rank_check_timeout`, naming
 the ranks that did not, instead of hanging.
+
+Before `initialize`, on a model built under `meta_init` (DeepSpeed's
+`zero.Init`), the meta parameters are materialised for the block and the
+edits kept until `initialize` applies them (`meta_edits.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.nn as nn
 from zeroshard.comm import Comm, broadcast
 from zeroshard.comm.entry import enter
 from zeroshard.errors import ModelError
+from zeroshard.stage3.meta_edits import whole_before_initialize
 
 _PLACEMENT = "_zeroshard_placement"
 
@@ -54,6 +59,10 @@ def gathered_parameters(params: nn.Parameter | Iterable[nn.Parameter], modifier_
     """Make `params` whole for the duration of the block (a no-op for parameters already whole)."""
     params = [params] if isinstance(params, torch.Tensor) else list(params)
     _check_arguments(params, modifier_rank)
+    if any(p.is_meta and getattr(p, _PLACEMENT, None) is None for p in params):  # before initialize
+        with whole_before_initialize(params, modifier_rank):
+            yield
+        return
     placements = [getattr(p, _PLACEMENT, None) for p in params]
     units = list(dict.fromkeys((pl.schedule, pl.unit) for pl in placements if pl and pl.unit is not None))
     placed = [pl for pl in placements if pl is not None]

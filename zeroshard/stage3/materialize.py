@@ -13,6 +13,12 @@ buffer still on the meta device is replaced by one; a parameter or buffer
 under `zeroshard.meta_init()` uses its own initialisation (`meta.py`).
 `init` may also be an object with `for_model(model) -> fn` (such as
 `zeroshard.pretrained(path)`), for an initialisation that needs the names.
+
+Edits made before `initialize` (`meta_edits.py`) are kept: a parameter's
+pending value is written after `fn`, and a real parameter among meta ones
+(assigned after `meta_init`, a resized head) is put on meta with its values
+pending first, so it keeps them. An in-place change of a meta parameter
+after `meta_init` went nowhere: `check_materializable` names it.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import torch.nn as nn
 from zeroshard.comm.group import this_rank_gpu
 from zeroshard.core.flat import give_memory
 from zeroshard.errors import ModelError
-from zeroshard.stage3.meta import built_by_meta_init, own_init
+from zeroshard.stage3.meta import built_by_meta_init, changed_on_meta, own_init
+from zeroshard.stage3.meta_edits import keep_as_pending, pending
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -48,20 +55,26 @@ class Materializer:
         self._meta_params = {id(p) for p in model.parameters() if p.is_meta}
         self._param_names = {id(p): name for name, p in model.named_parameters()}
         self._module_names = {id(m): name for name, m in model.named_modules()}
+        # Read now: giving a parameter memory swaps its attributes out.
+        self._pending = {id(p): pending(p) for p in model.parameters() if pending(p) is not None}
         # Children before parents, as nn.Module.apply and transformers' initialisation visit them; with
         # the parameters each holds directly and in its subtree.
         self._modules = [(m, {id(p) for p in m.parameters(recurse=False)}, {id(p) for p in m.parameters()})
                          for m in _post_order(model)]
 
     @classmethod
-    def for_model(cls, model: nn.Module, init, device: torch.device) -> "Materializer":
+    def for_model(cls, model: nn.Module, init, device: torch.device, keep_real: bool = True) -> "Materializer":
         """`init` as given to `initialize`: a function of one module, an object with `for_model`, or None
         for a model built under `meta_init` (its own initialisation).
 
         The model's real buffers (a model built under `meta_init` keeps them on the CPU) move to `device`
-        first, where the model will run: buffers are no unit's, so nothing else moves them.
+        first, where the model will run: buffers are no unit's, so nothing else moves them. With
+        `keep_real`, its real parameters go to meta with their values pending, so that they keep them.
         """
         _buffers_to(model, device)
+        for p in model.parameters() if keep_real else []:
+            if not p.is_meta:
+                keep_as_pending(p, p.detach().cpu())
         if init is None:
             init = own_init(model)
         elif hasattr(init, "for_model"):
@@ -89,6 +102,10 @@ class Materializer:
                        for name, b in m.named_buffers(recurse=False) if b.is_meta]
             for module in modules:
                 self.init(module)
+            for p in params:  # edits made before initialize, after the model's own initialisation
+                value = self._pending.pop(id(p), None)
+                if value is not None:
+                    p.copy_(value)
         self._check(params, buffers)
 
     def _sentinel_buffer(self, module: nn.Module, name: str) -> tuple[nn.Module, str, torch.Tensor, int]:
@@ -170,6 +187,14 @@ def check_materializable(model: nn.Module, init) -> None:
                              "parameters are real; drop init= or build the model under "
                              "zeroshard.meta_init()")
         return
+    changed = changed_on_meta(model)
+    if changed:
+        raise ModelError(
+            f"parameter(s) {', '.join(repr(n) for n in changed)} were changed in place after "
+            f"zeroshard.meta_init() (deepspeed.zero.Init) while on the meta device, which holds no values: the "
+            f"change is lost. Make the edit inside zeroshard.gathered_parameters(param, modifier_rank=0) "
+            f"(deepspeed.zero.GatheredParameters) before initialize, which keeps it, or assign a new "
+            f"nn.Parameter after the block")
     if init is None and not built_by_meta_init(model):
         raise ModelError("the model is on the meta device but was not built under zeroshard.meta_init(), so "
                          "its buffers are lost and zeroshard cannot tell how to initialise it: build it under "

@@ -18,21 +18,33 @@ Parameters are created on the CPU first and moved to meta one by one, so
 construction holds at most one parameter in memory. The patch of
 `nn.Module.register_parameter` is process-wide while the block runs: build
 one model at a time.
+
+Edits between the block and `initialize` (`stage3/meta_edits.py`): each
+meta parameter knows its model (the outermost module built in the block)
+and the version counter it left the block with, so that
+`gathered_parameters` can materialise it for a block and an in-place change
+to a meta tensor (lost: it holds no values) is named by `initialize`. A
+parameter replaced inside the block by a new real one would lose its values
+the same way, so that is an error at the assignment.
 """
 
 from __future__ import annotations
 
 import sys
+import weakref
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.module import register_module_module_registration_hook
 
 from zeroshard.errors import ModelError
 
 _BUILT_ON_META = "_zeroshard_meta_init"  # on each module that meta_init gave a meta parameter
 _INIT = "_zeroshard_init"  # on a model whose weights come from elsewhere: the init= that fills them
+_MODEL = "_zeroshard_meta_model"  # on each meta parameter: a weak reference to the model built in the block
+_VERSION = "_zeroshard_meta_version"  # on each meta parameter: its version counter when it was last left on meta
 
 
 @contextmanager
@@ -45,8 +57,12 @@ def meta_init(enabled: bool = True) -> Iterator[None]:
         yield
         return
     register = nn.Module.register_parameter
+    params: list[nn.Parameter] = []
+    children: set[int] = set()
+    parents: dict[int, nn.Module] = {}
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        _refuse_real_replacement(module, name, param)
         register(module, name, param)
         if param is None:
             return
@@ -54,14 +70,69 @@ def meta_init(enabled: bool = True) -> Iterator[None]:
             meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
             meta.__dict__.update(param.__dict__)
             module._parameters[name] = meta
+            params.append(meta)
         module.__dict__[_BUILT_ON_META] = True
+        parents[id(module)] = module
+
+    def child_registered(module: nn.Module, name: str, child: nn.Module | None) -> None:
+        parents[id(module)] = module
+        if child is not None:
+            children.add(id(child))
 
     nn.Module.register_parameter = register_on_meta
+    hook = register_module_module_registration_hook(child_registered)
     try:
         with _refusing_from_pretrained():
             yield
     finally:
         nn.Module.register_parameter = register
+        hook.remove()
+    _mark_built([m for i, m in parents.items() if i not in children], params)
+
+
+def _refuse_real_replacement(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    """A new real parameter in place of one the module holds already: its values would go to meta, lost."""
+    old = module._parameters.get(name)
+    if old is None or param is None or param is old or param.is_meta:
+        return
+    raise ModelError(
+        f"the parameter {name!r} of a {type(module).__name__} was replaced inside zeroshard.meta_init() "
+        f"(deepspeed.zero.Init) by a new nn.Parameter: inside the block every parameter goes to the meta device "
+        f"and the new one's values would be lost. Assign it after the block (a real parameter among meta ones "
+        f"keeps its values at initialize), or change the values after the block inside "
+        f"zeroshard.gathered_parameters(param, modifier_rank=0) (deepspeed.zero.GatheredParameters)")
+
+
+def _mark_built(roots: list[nn.Module], params: list[nn.Parameter]) -> None:
+    """Each meta parameter made in the block learns its model and its version counter (`meta_edits.py`); a
+    transformers model's `resize_token_embeddings` runs on materialised embeddings (`stage3/resize.py`)."""
+    from zeroshard.stage3.resize import resize_on_materialised  # it imports this module: imported here
+
+    made = {id(p) for p in params}
+    for root in roots:
+        for p in root.parameters():
+            if id(p) in made and p.is_meta:
+                p.__dict__[_MODEL] = weakref.ref(root)
+                mark_version(p)
+        resize_on_materialised(root)
+
+
+def mark_version(param: nn.Parameter) -> None:
+    """Remember the meta parameter's version counter: a later in-place change on meta moves it."""
+    param.__dict__[_VERSION] = param._version
+
+
+def model_of(param: nn.Parameter) -> nn.Module | None:
+    """The model `meta_init` built this meta parameter in, if it is still alive; else None."""
+    ref = param.__dict__.get(_MODEL)
+    return ref() if ref is not None else None
+
+
+def changed_on_meta(model: nn.Module) -> list[str]:
+    """Names of the meta parameters changed in place since `meta_init` (or `gathered_parameters`) left them:
+    an edit of a meta tensor, which holds no values."""
+    return [name for name, p in model.named_parameters()
+            if p.is_meta and _VERSION in p.__dict__ and p._version != p.__dict__[_VERSION]]
 
 
 @contextmanager

@@ -1,0 +1,67 @@
+"""transformers' `resize_token_embeddings` on a model zeroshard holds on the meta device or shards.
+
+Before `initialize`, on a model built under `meta_init` (DeepSpeed's
+`zero.Init`): the resize runs on real values. The model's own method runs
+inside `gathered_parameters([embeddings and output head], modifier_rank=0)`
+(`meta_edits.py`), so the old rows are the model's initialisation (or the
+files' weights under `from_pretrained`), transformers initialises the new
+rows from them (`mean_resizing`) on the CPU, and rank 0's resized values are
+what `initialize` gives every rank. A new output head transformers builds
+is a real module among meta ones: `initialize` keeps its values.
+
+After `initialize` at stage 3 the embedding's parameters live in their
+unit's flat buffer and the optimizer's shard, which a resize would have to
+rebuild: the call is a `ModelError` saying to resize before `initialize`.
+
+Both replace the method on that model instance only, as
+`stage3/generation.py` does for `generate`.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from functools import partial
+
+import torch.nn as nn
+
+from zeroshard.errors import ModelError
+
+
+def _resizable(model: nn.Module):
+    """The class's `resize_token_embeddings` of a transformers model; else None."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, transformers.PreTrainedModel):
+        return None
+    return type(model).resize_token_embeddings
+
+
+def resize_on_materialised(model: nn.Module) -> None:
+    """A `meta_init` model's `resize_token_embeddings` runs on its materialised embeddings."""
+    resize = _resizable(model)
+    if resize is not None:
+        model.resize_token_embeddings = types.MethodType(partial(_resize_gathered, resize), model)
+
+
+def _resize_gathered(resize, model: nn.Module, *args, **kwargs):
+    from zeroshard.stage3.gathered import gathered_parameters  # it imports meta.py, which installs this
+
+    heads = [model.get_input_embeddings(), model.get_output_embeddings()]
+    params = list({id(p): p for head in heads if head is not None for p in head.parameters(recurse=False)}.values())
+    with gathered_parameters(params, modifier_rank=0):
+        return resize(model, *args, **kwargs)
+
+
+def refuse_resize(model: nn.Module) -> None:
+    """At stage 3, after `initialize`: `resize_token_embeddings` is a `ModelError` naming the fix."""
+    if _resizable(model) is not None:
+        model.resize_token_embeddings = types.MethodType(_refused, model)
+
+
+def _refused(model: nn.Module, *args, **kwargs):
+    raise ModelError(
+        f"{type(model).__name__}.resize_token_embeddings() after zeroshard.initialize at ZeRO stage 3: the "
+        f"embedding's parameters are sharded over the ranks in their unit and in the optimizer's shard, which a "
+        f"resize would have to rebuild. Resize before initialize: on the plain model, or under "
+        f"zeroshard.meta_init() / deepspeed.zero.Init (it runs on the materialised embeddings), then build the "
+        f"optimizer and call initialize")
