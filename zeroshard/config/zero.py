@@ -96,8 +96,9 @@ class ZeroConfig(BaseModel):
         "(e.g. [\"Block\"]); empty = by size (stage3_auto_wrap_min_params). Same as "
         "initialize(..., wrap=[Block]). DeepSpeed: none (it gathers module by module)."))
     stage3_auto_wrap_min_params: PositiveInt = Field(1_000_000, description=(
-        "Stage 3 without wrap classes: a module becomes a unit once it holds this many parameter "
-        "elements outside inner units. DeepSpeed: none (FSDP's size_based_auto_wrap_policy)."))
+        "Stage 3 without wrap classes: a module that runs becomes a unit once it holds this many parameter "
+        "elements outside inner units (a container that reaches it, such as a ModuleList, makes units of its "
+        "children that run). DeepSpeed: none (FSDP's size_based_auto_wrap_policy)."))
     stage3_param_persistence_threshold: NonNegativeInt = Field(100_000, description=(
         "Stage 3: parameters with fewer elements stay whole on every rank (gathered after each "
         "step, like stage 2), saving many small gathers; 0 = shard every parameter. "
