@@ -49,6 +49,7 @@ FRAGMENTS = {
     "checkpoints-consolidate-api": ("docs/checkpoints.md", "a checkpoint 'ck' and model of the page's commands"),
     "checkpoints-load-module-only": ("docs/checkpoints.md", "a pretraining job's checkpoint"),
     "checkpoints-load-strict-false": ("docs/checkpoints.md", "a pretraining job's checkpoint, model and config"),
+    "checkpoints-exclude-frozen": ("docs/checkpoints.md", "a training script's engine; the user's base and adapters"),
 }
 
 

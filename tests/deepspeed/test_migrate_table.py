@@ -59,8 +59,6 @@ CALLS = {
     "deepspeed.zero.Init(dtype=...)": lambda: deepspeed.zero.Init(dtype=torch.bfloat16),
     "engine.set_train_batch_size": lambda: _engine().set_train_batch_size(8),
     "engine.no_sync() at stage 2 or 3": lambda: _enter(_engine(2).no_sync()),
-    "engine.save_checkpoint(exclude_frozen_parameters=True)":
-        lambda: _engine().save_checkpoint("unused", exclude_frozen_parameters=True),
     "engine.load_checkpoint(load_module_strict=False)": lambda: _engine().load_checkpoint("unused", None, False),
     "engine.load_checkpoint(custom_load_fn=...)": lambda: _engine().load_checkpoint("unused", custom_load_fn=print),
 }

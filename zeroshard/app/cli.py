@@ -23,6 +23,8 @@ from zeroshard.app.train_offload import OffloadFlagError
 from zeroshard.app.train_mesh import flag_error, resolve_defaults
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.consolidate import write
+from zeroshard.checkpoint.files import parse_manifest, resolve
+from zeroshard.checkpoint.frozen import describe, excluded
 from zeroshard.checkpoint.verify import verify
 from zeroshard.config import Config, ConfigError, ConfigFacts, ConfigWarning
 from zeroshard.dtypes import DTYPES
@@ -153,6 +155,8 @@ def run_consolidate(args: argparse.Namespace) -> int:
             print(f"zeroshard consolidate: {_one_line(problem)}", file=sys.stderr)
         return 1
     print(f"wrote {count} tensors to {files[0]}" + "".join(f", {f.name} beside it" for f in files[1:]))
+    _say_what_it_holds(resolve(args.checkpoint, args.tag), "the file holds no more: load it onto the base model "
+                       "with model.load_state_dict(state, strict=False); no config.json was written")
     return 0
 
 
@@ -182,7 +186,16 @@ def run_checkpoint_verify(args: argparse.Namespace) -> int:
               "do not load it (restore the files named, or load an earlier tag)", file=sys.stderr)
         return 1
     print(f"{where}: every file is whole (sizes, checksums, save id, dtypes, keys)")
+    _say_what_it_holds(path, "it resumes with load_checkpoint into an engine over the same base model, loaded "
+                       "again")
     return 0
+
+
+def _say_what_it_holds(path: Path, then: str) -> None:
+    """A checkpoint saved without its frozen parameters says so, in a line of its own (others: nothing)."""
+    manifest = parse_manifest(path)
+    if excluded(manifest):
+        print(f"{path}: {describe(manifest)}; {then}")
 
 
 def _one_line(text: str) -> str:

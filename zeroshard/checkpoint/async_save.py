@@ -55,11 +55,13 @@ log = logging.getLogger(__name__)
 
 
 def save_async(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None = None,
-               client_state: dict | None = None, save_latest: bool = True) -> "AsyncSave":
+               client_state: dict | None = None, save_latest: bool = True,
+               exclude_frozen_parameters: bool = False) -> "AsyncSave":
     """Begin a save of the trainer's state at this step and return once it is staged in host memory; the
-    rank file is written by a background thread and the tag published at a later step boundary (`poll`)."""
+    rank file is written by a background thread and the tag published at a later step boundary (`poll`).
+    `exclude_frozen_parameters`: as `saving.save`'s."""
     _check_tiers(trainer)
-    began = begin(trainer, save_dir, tag, client_state)
+    began = begin(trainer, save_dir, tag, client_state, exclude_frozen_parameters)
     staged: dict[str, torch.Tensor] = {}
     metadata: dict[str, str] = {}
 

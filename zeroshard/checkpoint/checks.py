@@ -86,16 +86,16 @@ def first_not_plain(value, where: str) -> str | None:
 def mismatch(optimizer: torch.optim.Optimizer, held: Holdings, manifest: dict, reader: PieceReader,
              with_optimizer: bool) -> str | None:
     """Why this checkpoint cannot be loaded into this engine, or None."""
-    error = _model_mismatch(held, manifest)
+    error = _model_mismatch(held, manifest) or _left_out_but_trained(held)
     if error is None and with_optimizer:
         error = _optimizer_mismatch(optimizer, held, manifest)
     if error is not None:
         return error
     kinds = ["param"] + (["optim." + k for k in manifest["optimizer_state"]] if with_optimizer else [])
     needs = [(k, r.name, r.start, r.numel) for t in held.trained for k in kinds for r in t.held.runs()]
-    needs += [("param", r.name, r.start, r.numel) for _, span in held.frozen for r in span.runs()]
+    needs += [("param", r.name, r.start, r.numel) for _, span in held.frozen for r in held.stored_runs(span)]
     needs += [(kind, name, 0, tensor.numel()) for kind, named in (("param", held.whole), ("buffer", held.buffers))
-              for name, tensor in named]
+              for name, tensor in named if kind == "buffer" or name not in held.not_stored]
     for kind, name, start, numel in needs:
         why = reader.missing(kind, name, start, numel)
         if why is not None:
@@ -122,6 +122,17 @@ def _model_mismatch(held: Holdings, manifest: dict) -> str | None:
     return ("the checkpoint was written for another model: " + "; ".join(parts) +
             ". Build the model the checkpoint was saved from, or load the weights you want into this model "
             "(model.load_state_dict(..., strict=False)) before zeroshard.initialize")
+
+
+def _left_out_but_trained(held: Holdings) -> str | None:
+    """A parameter trained here that the checkpoint left out as frozen (it has no values of it to load)."""
+    trained = [name for t in held.trained for name in t.held.names if name in held.not_stored]
+    if not trained:
+        return None
+    return (f"the checkpoint was saved without its frozen parameters (exclude_frozen_parameters=True), and "
+            f"{len(trained)} parameters frozen then are trained here: {', '.join(trained[:5])}"
+            f"{' and more' if len(trained) > 5 else ''}; it holds no values of them. Freeze them as the saving "
+            "run did (requires_grad=False before initialize), or load a checkpoint saved with its frozen parameters")
 
 
 def _optimizer_mismatch(optimizer: torch.optim.Optimizer, held: Holdings, manifest: dict) -> str | None:

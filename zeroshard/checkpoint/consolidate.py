@@ -10,7 +10,10 @@ directory that gets `model.safetensors`, and for a Hugging Face model
 is verified first, as a load verifies it (`verify.py`: sizes, headers, save
 ids, checksums), so a damaged one is refused, not joined. Trained
 parameters come from the fp32 masters; `dtype` casts floating-point
-values. `full_tensors` gives any stored kind by parameter name (the
+values. A checkpoint saved with `exclude_frozen_parameters=True` gives the
+trained parameters and the buffers only (no frozen parameter, no
+config.json): an adapter's weights, which `load_state_dict(state,
+strict=False)` puts onto the base model. `full_tensors` gives any stored kind by parameter name (the
 optimizer's `optim.exp_avg`, say). The command itself is the app's
 (zeroshard/app/cli.py).
 """
@@ -23,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from zeroshard.checkpoint.files import CheckpointError, parse_manifest, resolve
+from zeroshard.checkpoint.frozen import excluded
 from zeroshard.checkpoint.model_config import check_config_target, write_config
 from zeroshard.checkpoint.pieces import PieceReader
 from zeroshard.checkpoint.safetensors_files import WEIGHTS_FILE
@@ -51,10 +55,10 @@ def verified(path: Path) -> dict:
 
 def _whole(reader: PieceReader, path: Path, manifest: dict, kind: str) -> dict[str, torch.Tensor]:
     table = manifest["buffers"] if kind == "buffer" else manifest["params"]
-    out = {}
+    out, left_out = {}, excluded(manifest) if kind == "param" else frozenset()
     for name, entry in table.items():
-        if kind.startswith("optim.") and entry.get("group") is None:
-            continue  # frozen: no optimizer state
+        if (kind.startswith("optim.") and entry.get("group") is None) or name in left_out:
+            continue  # frozen: no optimizer state; left out of the checkpoint (exclude_frozen_parameters)
         shape = entry["shape"]
         numel = int(torch.Size(shape).numel())
         why = reader.missing(kind, name, 0, numel)
@@ -74,7 +78,9 @@ def _stored_dtype(kind: str, entry: dict) -> torch.dtype:
 
 
 def consolidate(load_dir: str | Path, tag: str | None = None, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The model's full state dict (every key of `model.state_dict()`; tied keys are separate copies)."""
+    """The model's full state dict (every key of `model.state_dict()`; tied keys are separate copies). Of a
+    checkpoint saved with exclude_frozen_parameters, every key but the frozen parameters': the trained ones
+    and the buffers, for `model.load_state_dict(state, strict=False)` onto the base model."""
     return _consolidate(resolve(load_dir, tag), dtype)[0]
 
 
@@ -86,6 +92,8 @@ def _consolidate(path: Path, dtype: torch.dtype | None,
         stored = _whole(reader, path, manifest, "param") | _whole(reader, path, manifest, "buffer")
     out, used = {}, set()
     for key, name in manifest["state_dict"].items():
+        if name not in stored:
+            continue  # a frozen parameter the checkpoint left out
         tensor = stored[name]
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
@@ -111,12 +119,15 @@ def write(load_dir: str | Path, out: str | Path, tag: str | None = None, dtype: 
     `out` ending in .safetensors is the file (its directory is created); any
     other `out` is a directory, created, that gets model.safetensors. Beside
     the weights goes config.json when the checkpoint carries a Hugging Face
-    config. `verified`: the caller has just verified the checkpoint
+    config, unless the checkpoint left out its frozen parameters (the file
+    then holds the trained parameters and buffers only, and is no model
+    `from_pretrained` loads). `verified`: the caller has just verified the checkpoint
     (`verify.verify`), so it is not read twice.
     """
     path = resolve(load_dir, tag)
     state, manifest = _consolidate(path, dtype, verify=not verified)
-    config = manifest.get("hf_config")
+    # No config.json without the frozen base: from_pretrained would fill the missing weights at random.
+    config = manifest.get("hf_config") if not excluded(manifest) else None
     if config is not None:  # a transformers model: a tied parameter written once, as its save_pretrained does
         state = _each_tensor_once(state, manifest)
     out = Path(out)

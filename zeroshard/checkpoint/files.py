@@ -6,6 +6,8 @@ save_dir/
   <tag>/
     manifest.json           what was saved: parameters (name, shape, dtype), buffers,
                             state-dict keys, the writing job (world size, stage, dtype),
+                            the frozen parameters left out, if any, with their
+                            fingerprints (`frozen_excluded`, `frozen.py`),
                             the save id, and for every other file its size, crc32 and
                             (rank files) each tensor's dtype and length; sealed by a crc32
                             of its own content
@@ -315,7 +317,10 @@ def _malformed(manifest: dict) -> str | None:
               "params": table, "buffers": table, "state_dict": lambda v: isinstance(v, dict) and all(
                   isinstance(k, str) and isinstance(n, str) for k, n in v.items()),
               "files": lambda v: isinstance(v, dict) and (manifest["version"] == 1 or table(v, None)),
-              "save_id": lambda v: manifest["version"] == 1 or isinstance(v, str)}
+              "save_id": lambda v: manifest["version"] == 1 or isinstance(v, str),
+              # exclude_frozen_parameters' fingerprints (`frozen.py`), of frozen parameters the table lists
+              "frozen_excluded": lambda v: v is None or isinstance(v, dict) and all(
+                  isinstance(f, str) and manifest["params"].get(n, {}).get("group", 0) is None for n, f in v.items())}
     for key, ok in checks.items():
         if not ok(manifest.get(key)):
             return f"'{key}' as {json.dumps(manifest.get(key))[:80]}, which no save writes"

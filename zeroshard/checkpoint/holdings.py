@@ -11,7 +11,7 @@ reads back whatever range its tensors hold in the new job.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -84,6 +84,9 @@ class Holdings:
     whole: list[tuple[str, torch.Tensor]]  # parameters in no flat buffer (frozen): replicated; their local tensors
     buffers: list[tuple[str, torch.Tensor]]  # the module's persistent buffers: replicated
     order: tuple[str, ...]  # parameter names as the module registers them, for tables and messages
+    # Frozen parameters a checkpoint leaves out (`exclude_frozen_parameters=True`, `frozen.py`): a save does
+    # not write them, a load keeps the engine's own values of them.
+    not_stored: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, module: nn.Module, buckets: list[Bucket], frozen_flats: list[FlatParams],
@@ -96,6 +99,15 @@ class Holdings:
         params = {id(p) for p in module.parameters()}
         buffers = [(k, t) for k, t in module.state_dict(keep_vars=True).items() if id(t) not in params]
         return cls(trained, frozen, whole, buffers, tuple(names[id(p)] for p in module.parameters()))
+
+    def without_frozen(self, names: frozenset[str] | None = None) -> "Holdings":
+        """These holdings with the frozen parameters `names` (default: every frozen one) not stored."""
+        frozen = frozenset(n for n, p in self.param_table().items() if p["group"] is None)
+        return replace(self, not_stored=frozen if names is None else names)
+
+    def stored_runs(self, span: Span) -> list[Run]:
+        """The runs of `span` a checkpoint holds: not those of the frozen parameters it leaves out."""
+        return [run for run in span.runs() if run.name not in self.not_stored]
 
     def param_table(self) -> dict[str, dict]:
         """name -> shape, dtype and param group (None: frozen) of every parameter, in the module's order."""

@@ -5,7 +5,9 @@ nothing. First every rank reads and checks everything it will need, without
 changing anything: the manifest and its seal, every file's presence, size
 and header (save id, tensors, dtypes), state.pt's parts, the model and
 optimizer against the checkpoint, its share of the checksums (`verify.py`),
-and that the files hold every element it will read. Then the ranks agree:
+and that the files hold every element it will read (a checkpoint saved
+without its frozen parameters: that the engine's frozen base is the one it
+was saved on, `frozen.py`). Then the ranks agree:
 on any problem every rank raises the same `CheckpointError` and the trainer
 is bit for bit what it was. Only then does each rank read exactly the
 elements its own shards need (byte ranges of the rank files) into the
@@ -37,6 +39,7 @@ from zeroshard.checkpoint.files import (
     read_state,
     resolve,
 )
+from zeroshard.checkpoint.frozen import excluded, load_check
 from zeroshard.checkpoint.holdings import Holdings, Trained
 from zeroshard.checkpoint.pieces import PieceReader
 from zeroshard.checkpoint.protocol import Counters, Trainer
@@ -83,6 +86,7 @@ class _Plan:
     path: Path
     manifest: dict
     state: dict
+    held: Holdings  # the trainer's, less the frozen parameters the checkpoint leaves out
     reader: PieceReader
     optimizer: _OptimizerPlan | None  # None: keep the trainer's optimizer state
 
@@ -118,7 +122,9 @@ def load(trainer: Trainer, load_dir: str | Path, tag: str | int | float | None =
                  f"{DAMAGED_FIX}")
     try:
         agree(comm, error)
-        _apply_everywhere(trainer, held, plan, parts)
+        if plan.held.not_stored:  # saved without its frozen parameters: is the engine's base the one saved on?
+            agree(comm, load_check(plan.held, plan.manifest, comm))
+        _apply_everywhere(trainer, plan.held, plan, parts)
     finally:
         if plan is not None:
             plan.reader.close()
@@ -132,6 +138,7 @@ def _prepare(trainer: Trainer, held: Holdings, load_dir: str | Path, tag: str | 
     """Read and check everything the load needs; raises CheckpointError with the first problem."""
     path = resolve(load_dir, tag)
     manifest = read_manifest(path)
+    held = held.without_frozen(excluded(manifest)) if excluded(manifest) else held
     state = read_state(path)
     raise_first(state_problems(path / STATE, manifest, state))
     reader = PieceReader(path, manifest)
@@ -144,7 +151,7 @@ def _prepare(trainer: Trainer, held: Holdings, load_dir: str | Path, tag: str | 
     except BaseException:
         reader.close()
         raise
-    return _Plan(path, manifest, state, reader, optimizer)
+    return _Plan(path, manifest, state, held, reader, optimizer)
 
 
 def _scaler_problems(trainer: Trainer, path: Path, state: dict, parts: _Parts) -> list[str]:
@@ -189,8 +196,8 @@ def _apply(trainer: Trainer, held: Holdings, plan: _Plan, parts: _Parts) -> None
 
 def _load_values(trainer: Trainer, held: Holdings, plan: _Plan) -> None:
     """Masters and their optimizer state a group of buckets at a time (offload: each group written back to
-    disk before the next ones are read), frozen parameters and buffers; then the replicated parameters
-    are gathered (each bucket's own part took its master in its turn)."""
+    disk before the next ones are read), frozen parameters (those the checkpoint holds) and buffers; then
+    the replicated parameters are gathered (each bucket's own part took its master in its turn)."""
     trainer.release_gathered()  # shards change under the gathered buffers
     reader = plan.reader
     with closing(trainer.resident_buckets(write=True)) as turns:
@@ -199,10 +206,12 @@ def _load_values(trainer: Trainer, held: Holdings, plan: _Plan) -> None:
                 saved = plan.optimizer is not None and plan.optimizer.scalars[i] is not None
                 _load_trained(trainer.optimizer, held.trained[i], reader, plan.optimizer.keys if saved else [])
     for flat, span in held.frozen:
-        for run in span.runs():
+        for run in held.stored_runs(span):
             reader.read_into("param", run.name, run.start, flat.shard_data[run.at : run.at + run.numel])
     for kind, tensors in (("param", held.whole), ("buffer", held.buffers)):
         for name, tensor in tensors:
+            if kind == "param" and name in held.not_stored:
+                continue  # left out of the checkpoint: the engine's own value, checked by `load_check`
             values = torch.empty(tensor.numel(), dtype=tensor.dtype)
             reader.read_into(kind, name, 0, values)
             with torch.no_grad():

@@ -14,6 +14,10 @@ draws and every file carries, so a load tells a damaged file, or a file of
 another save, from a good one. A save whose master weights or optimizer
 state hold a non-finite value is refused on every rank before anything is
 written: it would replace a good checkpoint with a diverged one.
+
+With `exclude_frozen_parameters=True` no frozen parameter is written, only
+their fingerprints in the manifest (`frozen.py`): the checkpoint holds the
+trainable state, and resumes onto the base model loaded again.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from zeroshard.checkpoint.files import (
     window_key,
     write_bytes,
 )
+from zeroshard.checkpoint.frozen import EXCLUDED, save_record
 from zeroshard.checkpoint.holdings import Holdings, Span
 from zeroshard.checkpoint.model_config import hf_config
 from zeroshard.checkpoint.rank_state import rank_state
@@ -63,15 +68,16 @@ log = logging.getLogger(__name__)
 
 
 def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None = None,
-         client_state: dict | None = None, save_latest: bool = True) -> Path:
+         client_state: dict | None = None, save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Path:
     """Write the trainer's training state to `save_dir/tag` (default tag: global_step<N>); returns that path.
 
     A number as tag (DeepSpeed's getting-started loop passes `loss.item()`) names the directory `str(tag)`.
     Ranks that ask for different tags (each its own loss) follow the config's `checkpoint.tag_validation`,
     as DeepSpeed's: "Warn" (default) writes rank 0's with a warning on rank 0, "Ignore" writes rank 0's
     silently, "Fail" raises `CheckpointError` on every rank before anything is written.
+    `exclude_frozen_parameters`: the trainable state only, no frozen parameter (`frozen.py`).
     """
-    began = begin(trainer, save_dir, tag, client_state)
+    began = begin(trainer, save_dir, tag, client_state, exclude_frozen_parameters)
     comm, entries = trainer.comm, {}
 
     def write_shard() -> None:
@@ -105,15 +111,18 @@ class Began:
 
 
 def begin(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None,
-          client_state: dict | None) -> Began:
+          client_state: dict | None, exclude_frozen: bool = False) -> Began:
     """Everything of a save before a rank file is written, agreed by every rank: the checks (boundary, tag,
-    finite state, plain client_state), rank 0's state.pt and manifest of this step, the partial directory."""
+    finite state, plain client_state), rank 0's state.pt and manifest of this step, the partial directory.
+    `exclude_frozen`: the frozen parameters are not written, their fingerprints go into the manifest."""
     trainer.check_checkpoint_boundary("save_checkpoint")
     if not isinstance(save_dir, (str, os.PathLike)):
         raise CheckpointError(f"save_dir must be a path (str or pathlib.Path); got {type(save_dir).__name__}")
     tag = f"global_step{trainer.counters().global_steps}" if tag is None else tag
     save_dir = Path(save_dir)
     comm, held = trainer.comm, holdings(trainer)
+    held = held.without_frozen() if exclude_frozen else held
+    left_out = save_record(held, comm) if exclude_frozen else None  # every rank: one gather
     save_id = uuid.uuid4().hex if comm.rank == 0 else None  # rank 0's, shared with the tag below
     state, manifest, error = None, None, None
     try:
@@ -124,7 +133,7 @@ def begin(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None,
     error = error or unfit
     if comm.rank == 0 and error is None:
         state, error = _serialized_state(trainer, held, surveyed, client_state, save_id)
-        manifest = _manifest(trainer, held, surveyed, save_id)
+        manifest = _manifest(trainer, held, surveyed, save_id) | ({EXCLUDED: left_out} if exclude_frozen else {})
     agree(comm, error)
     tag, save_id = _agreed_tag(comm, tag, save_id, trainer.config.checkpoint.tag_validation)
     partial = partial_dir(save_dir, tag)
@@ -254,13 +263,14 @@ class _Window:
 def windows_of(trainer: Trainer, held: Holdings, surveyed: list[Surveyed]
              ) -> tuple[dict[str, _Window], dict[str, list]]:
     """This rank's tensors (its shard of masters, optimizer state and frozen flats; rank 0 adds the
-    replicated; its own PowerSGD state, `rank_state.py`) and the runs of parameters each holds. CPU tensors are written as they are, no copy."""
+    replicated; its own PowerSGD state, `rank_state.py`) and the runs of parameters each holds, less the
+    frozen parameters the save leaves out (`held.not_stored`). CPU tensors are written as they are, no copy."""
     windows: dict[str, _Window] = {}
     runs: dict[str, list] = {}
 
     def add(kind: str, window: str, span: Span, dtype: torch.dtype, numel: int, turn: int, get) -> None:
-        entries = [[r.name, r.start, r.at, r.numel] for r in span.runs()]
-        if entries:  # a shard of padding only holds nothing
+        entries = [[r.name, r.start, r.at, r.numel] for r in held.stored_runs(span)]
+        if entries:  # a shard of padding only (or of frozen parameters left out) holds nothing
             key = window_key(kind, window)
             windows[key] = _Window(dtype, numel, turn, get)
             runs[key] = entries

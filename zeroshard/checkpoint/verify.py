@@ -35,6 +35,7 @@ from zeroshard.checkpoint.files import (
     read_state,
     resolve,
 )
+from zeroshard.checkpoint.frozen import excluded
 from zeroshard.checkpoint.pieces import PieceReader, file_runs, open_rank_file
 from zeroshard.checkpoint.writer import SAFETENSORS_DTYPES
 from zeroshard.dtypes import MASTER_DTYPE, from_torch_name
@@ -214,13 +215,14 @@ def state_problems(file: Path, manifest: dict, state) -> list[str]:
 
 
 def coverage_problems(path: Path, manifest: dict, reader: PieceReader) -> list[str]:
-    """Every element of every parameter (its value, and its optimizer state if trained) and buffer is held."""
-    problems = []
+    """Every element of every parameter (its value, and its optimizer state if trained) and buffer is held;
+    not the frozen parameters a checkpoint saved with exclude_frozen_parameters leaves out."""
+    problems, left_out = [], excluded(manifest)
     for kind, table in [("param", manifest["params"]), ("buffer", manifest["buffers"])] + [
             ("optim." + key, manifest["params"]) for key in manifest["optimizer_state"]]:
         for name, entry in table.items():
-            if kind.startswith("optim.") and entry.get("group") is None:
-                continue  # frozen: no optimizer state
+            if entry.get("group") is None and (kind.startswith("optim.") or name in left_out):
+                continue  # frozen: no optimizer state (and left out: no value)
             numel = 1
             for size in entry["shape"]:
                 numel *= size

@@ -32,7 +32,9 @@ class CheckpointMethods:
         `str(tag)`) and point `save_dir/latest` at it (unless `save_latest` is false); returns the tag's
         directory. Every rank must call it, at an accumulation boundary. `client_state`: your own plain data
         (tensors, numbers, strings, lists, dicts, `Path`, `Namespace`), given back by `load_checkpoint`;
-        rank 0's is the one stored. `exclude_frozen_parameters=True` is not supported yet (an error).
+        rank 0's is the one stored. `exclude_frozen_parameters=True` (DeepSpeed's argument): the trainable
+        state only, no parameter with requires_grad False; it resumes onto the same base model loaded again,
+        and a load onto another base is refused (`zeroshard/checkpoint/frozen.py`).
         See `zeroshard/checkpoint/saving.py`. Called on some ranks only, it raises `CheckpointError` on
         them within `rank_check_timeout` (comm/entry.py) and writes nothing.
 
@@ -41,29 +43,30 @@ class CheckpointMethods:
         `engine.step()` once every rank's file is complete (`checkpoint/async_save.py`); a failed write
         raises `CheckpointError` on every rank at that step. A save in flight is completed first.
         """
-        self.check_checkpoint_options(exclude_frozen_parameters=exclude_frozen_parameters)
         asynchronous = self.config.checkpoint.async_save if asynchronous is None else asynchronous
         self._enter("save_checkpoint", CheckpointError, checkpoint_call=True)
         self._land_update()  # a delayed update in flight, first: the state written is the whole of it
         self.wait_for_checkpoint()  # a second save waits for the first
         if self.mesh is None and not asynchronous:
-            return checkpoint.save(self, save_dir, tag, client_state, save_latest)
+            return checkpoint.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         if self.mesh is None:
-            self._async_save = save_async(self, save_dir, tag, client_state, save_latest)
+            self._async_save = save_async(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
             return self._async_save.path
         if asynchronous:
             raise CheckpointError("an asynchronous save on a dp x tp x pp mesh is not supported yet: save with "
                                   "asynchronous=False (config checkpoint.async_save false); nothing was written")
-        return self._save_parts(save_dir, tag, client_state, save_latest)
+        return self._save_parts(save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
-    def _save_parts(self, save_dir: str | Path, tag, client_state: dict | None, save_latest: bool) -> Path:
+    def _save_parts(self, save_dir: str | Path, tag, client_state: dict | None, save_latest: bool,
+                    exclude_frozen: bool) -> Path:
         """On a mesh: each model part writes its tag; only once every part's is complete does any part's
         `latest` move to it, so the parts' `latest` never name different steps after a failed save."""
         if dist.get_rank() == 0:
             write_mesh(save_dir, self.mesh)
         where, path, error = part_dir(save_dir, self.mesh), None, None
         try:
-            path = checkpoint.save(self, where, tag, client_state, save_latest=False)
+            path = checkpoint.save(self, where, tag, client_state, save_latest=False,
+                                   exclude_frozen_parameters=exclude_frozen)
         except CheckpointError as exc:  # raised in this part's dp group only: the other parts must hear it
             error = str(exc)
         self._every_part_agrees(error)

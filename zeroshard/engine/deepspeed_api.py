@@ -177,8 +177,7 @@ class DeepSpeedMethods:
 
     # -- checkpoints -------------------------------------------------------------
 
-    def check_checkpoint_options(self, load_module_strict: bool = True, custom_load_fn=None,
-                                 exclude_frozen_parameters: bool = False) -> None:
+    def check_checkpoint_options(self, load_module_strict: bool = True, custom_load_fn=None) -> None:
         """The DeepSpeed checkpoint options zeroshard does not implement yet: an error on every rank."""
         if not load_module_strict:
             raise CheckpointError("load_module_strict=False is not supported yet: a zeroshard checkpoint loads "
@@ -187,7 +186,3 @@ class DeepSpeedMethods:
                                   f"({_MIGRATE})")
         if custom_load_fn is not None:
             raise CheckpointError(f"custom_load_fn is not supported yet ({_MIGRATE})")
-        if exclude_frozen_parameters:
-            raise CheckpointError("exclude_frozen_parameters=True is not supported yet: zeroshard checkpoints hold "
-                                  "every parameter, frozen ones included; save without it "
-                                  f"({_MIGRATE})")
