@@ -254,6 +254,18 @@ def _peft_lora(rank, world, device):
         logger.setLevel(level)
 
 
+def test_placement_is_a_public_frozen_dataclass():
+    import dataclasses
+
+    from zeroshard.engine import ParamPlacement, ParamShare, UnitPlacement
+
+    share = ParamShare(3, 2, 8, 16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        share.bytes = 0
+    assert share + share == ParamShare(6, 4, 16, 32)
+    assert all(dataclasses.is_dataclass(c) for c in (ParamPlacement, ParamShare, UnitPlacement))
+
+
 def test_a_peft_lora_line_shows_the_frozen_base():
     for rank, (placement, params, lines, (trainable, everything)) in enumerate(run_ranks(_peft_lora, 2)):
         p = placement

@@ -14,10 +14,10 @@ Parameters fall into four disjoint kinds on a rank:
   stage 3 the frozen ones under the threshold).
 
 Counted from the flat buffers the build made, on this rank alone (no
-collective). Bytes are the training dtype's with the flat buffers' padding,
-as `memory_stats()` counts them: `total.bytes` equals
-`memory_stats()["params"]` whenever no unit is gathered (after `initialize`,
-between steps).
+collective); on a tp or pp mesh, of this rank's part of the model. Bytes are
+the training dtype's with the flat buffers' padding, as `memory_stats()`
+counts them: `total.bytes` equals `memory_stats()["params"]` whenever no
+unit is gathered (after `initialize`, between steps).
 """
 
 from __future__ import annotations
