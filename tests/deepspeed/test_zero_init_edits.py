@@ -101,7 +101,8 @@ def _assigned_after_the_block(model, rank):
     return {"2.weight": torch.full((2, 8), 3.0)}
 
 
-KEPT = [_fill_on_rank0, _scale_on_last_rank, _dropped_without_modifier, _in_order, _assigned_after_the_block]
+def _kept_edits() -> list:
+    return [_fill_on_rank0, _scale_on_last_rank, _dropped_without_modifier, _in_order, _assigned_after_the_block]
 
 
 def _error(make) -> str:
@@ -128,7 +129,7 @@ def _replaced_inside_the_block():
 
 
 def _ranks(rank, world, device):
-    kept = {edit.__name__: _kept(edit, rank, world, device) for edit in KEPT}
+    kept = {edit.__name__: _kept(edit, rank, world, device) for edit in _kept_edits()}
     errors = {make.__name__: _error(make) for make in (_in_place_on_meta, _replaced_inside_the_block)}
     return kept, errors
 
@@ -152,7 +153,7 @@ def _reference(start: dict, world: int) -> tuple[list[float], dict]:
 @pytest.mark.parametrize("world", [1, 2])
 def test_edits_before_initialize_are_kept_or_named(world):
     results = run_ranks(_ranks, world)
-    for name in (edit.__name__ for edit in KEPT):
+    for name in (edit.__name__ for edit in _kept_edits()):
         first = results[0][0][name]
         for kept, _ in results:  # every rank holds the same values, the edit's
             case = kept[name]
