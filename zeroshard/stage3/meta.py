@@ -40,6 +40,7 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
 from zeroshard.errors import ModelError
+from zeroshard.stage3.resize import resize_on_materialised
 
 _BUILT_ON_META = "_zeroshard_meta_init"  # on each module that meta_init gave a meta parameter
 _INIT = "_zeroshard_init"  # on a model whose weights come from elsewhere: the init= that fills them
@@ -106,8 +107,6 @@ def _refuse_real_replacement(module: nn.Module, name: str, param: nn.Parameter |
 def _mark_built(roots: list[nn.Module], params: list[nn.Parameter]) -> None:
     """Each meta parameter made in the block learns its model and its version counter (`meta_edits.py`); a
     transformers model's `resize_token_embeddings` runs on materialised embeddings (`stage3/resize.py`)."""
-    from zeroshard.stage3.resize import resize_on_materialised  # it imports this module: imported here
-
     made = {id(p) for p in params}
     for root in roots:
         for p in root.parameters():

@@ -44,7 +44,7 @@ def resize_on_materialised(model: nn.Module) -> None:
 
 
 def _resize_gathered(resize, model: nn.Module, *args, **kwargs):
-    from zeroshard.stage3.gathered import gathered_parameters  # it imports meta.py, which installs this
+    from zeroshard.stage3.gathered import gathered_parameters  # it imports meta.py, which imports this
 
     heads = [model.get_input_embeddings(), model.get_output_embeddings()]
     params = list({id(p): p for head in heads if head is not None for p in head.parameters(recurse=False)}.values())
