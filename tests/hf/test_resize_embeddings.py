@@ -5,8 +5,8 @@ head is its own `nn.Linear`, and GPT-2, whose head is tied to the embedding), th
 materialised embeddings: at stage 3 on 1 and 2 ranks the model trains 3 SGD steps and saves
 (`engine.save_pretrained`) equal to one plain transformers process that loads the same files, resizes the same
 way (the new rows drawn from the old rows' statistics by transformers' `mean_resizing`, from the same seed)
-and trains on the concatenated batches. After `initialize` at stage 3 the call is a `ModelError` that names
-`resize_token_embeddings` and says to resize before `initialize`.
+and trains on the concatenated batches. After `initialize` (stage 3, and stage 1) the call is a `ModelError`
+that names `resize_token_embeddings` and says to resize before `initialize`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ def _resized(model) -> None:
 def _ranks(rank, world, device, paths: dict, out: str):
     from transformers import AutoModelForCausalLM
 
-    import zeroshard
     import zeroshard.deepspeed as deepspeed
 
     results = {}
@@ -55,13 +54,24 @@ def _ranks(rank, world, device, paths: dict, out: str):
             engine.step()
             losses.append(loss.item())
         engine.save_pretrained(f"{out}/{kind}")
-        try:
-            model.resize_token_embeddings(NEW_VOCAB + 3)
-            after = "no error"
-        except zeroshard.ModelError as exc:
-            after = str(exc)
-        results[kind] = {"losses": losses, "after": after}
+        results[kind] = {"losses": losses, "after": _resize_error(model),
+                         "getter": model.resize_token_embeddings() is model.get_input_embeddings()}
+    # Below stage 3 the embedding lives in a flat buffer: the same error, naming the stage.
+    model = AutoModelForCausalLM.from_pretrained(paths["gpt2"])
+    deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                         config={**CONFIG, "zero_optimization": {"stage": 1}})
+    results["stage 1"] = _resize_error(model)
     return results
+
+
+def _resize_error(model) -> str:
+    import zeroshard
+
+    try:
+        model.resize_token_embeddings(NEW_VOCAB + 3)
+    except zeroshard.ModelError as exc:
+        return str(exc)
+    return "no error"
 
 
 def _reference(path: str, world: int):
@@ -98,6 +108,10 @@ def _saved(kind: str, tmp_path, world: int, results) -> None:
         assert result[kind]["after"].startswith(
             f"{type(saved).__name__}.resize_token_embeddings() after zeroshard.initialize at ZeRO stage 3")
         assert "Resize before initialize" in result[kind]["after"]
+        assert result[kind]["getter"]  # resize_token_embeddings() without a size changes nothing: allowed
+        assert result["stage 1"].startswith(
+            "GPT2LMHeadModel.resize_token_embeddings() after zeroshard.initialize at ZeRO stage 1: the embedding's "
+            "parameters are in zeroshard's flat buffers")
 
 
 def test_resize_token_embeddings_under_zero_init_trains_and_saves_as_one_process(tmp_path):

@@ -119,6 +119,7 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     post_step = PostStepGather(buckets, comm, config.zero_optimization.overlap_param_gather, on_gather_failure)
     post_step.install(model)
     _place_params(model, comm, buckets, units, schedule, post_step)
+    refuse_resize(model, config.stage)  # resize_token_embeddings would have to rebuild the flat buffers
     return Parts(comm, device, precision, switches, names, buckets, units, schedule, pool, reducer, offload,
                  post_step)
 
@@ -205,7 +206,6 @@ def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Con
     schedule.install(model)
     ModuleStateHooks(model, schedule).install()  # module.state_dict() gives full tensors, never empty ones
     sync_generation(model, comm)  # ranks that stop generating at different lengths keep gathering together
-    refuse_resize(model)  # resize_token_embeddings would have to rebuild the embedding's unit
     return units, schedule
 
 

@@ -9,9 +9,10 @@ rows from them (`mean_resizing`) on the CPU, and rank 0's resized values are
 what `initialize` gives every rank. A new output head transformers builds
 is a real module among meta ones: `initialize` keeps its values.
 
-After `initialize` at stage 3 the embedding's parameters live in their
-unit's flat buffer and the optimizer's shard, which a resize would have to
-rebuild: the call is a `ModelError` saying to resize before `initialize`.
+After `initialize` (any stage) the embedding's parameters live in
+zeroshard's flat buffers (at stage 3 their unit's, sharded) and the
+optimizer's shard, which a resize would have to rebuild: the call is a
+`ModelError` saying to resize before `initialize`.
 
 Both replace the method on that model instance only, as
 `stage3/generation.py` does for `generate`.
@@ -52,16 +53,20 @@ def _resize_gathered(resize, model: nn.Module, *args, **kwargs):
         return resize(model, *args, **kwargs)
 
 
-def refuse_resize(model: nn.Module) -> None:
-    """At stage 3, after `initialize`: `resize_token_embeddings` is a `ModelError` naming the fix."""
+def refuse_resize(model: nn.Module, stage: int) -> None:
+    """After `initialize`: `resize_token_embeddings` is a `ModelError` naming the fix."""
     if _resizable(model) is not None:
-        model.resize_token_embeddings = types.MethodType(_refused, model)
+        model.resize_token_embeddings = types.MethodType(partial(_refused, stage), model)
 
 
-def _refused(model: nn.Module, *args, **kwargs):
+def _refused(stage: int, model: nn.Module, new_num_tokens: int | None = None, pad_to_multiple_of: int | None = None,
+             *args, **kwargs):
+    if new_num_tokens is None and pad_to_multiple_of is None:  # transformers' getter form: nothing changes
+        return model.get_input_embeddings()
+    where = "sharded over the ranks in their unit" if stage == 3 else "in zeroshard's flat buffers"
     raise ModelError(
-        f"{type(model).__name__}.resize_token_embeddings() after zeroshard.initialize at ZeRO stage 3: the "
-        f"embedding's parameters are sharded over the ranks in their unit and in the optimizer's shard, which a "
-        f"resize would have to rebuild. Resize before initialize: on the plain model, or under "
-        f"zeroshard.meta_init() / deepspeed.zero.Init (it runs on the materialised embeddings), then build the "
-        f"optimizer and call initialize")
+        f"{type(model).__name__}.resize_token_embeddings() after zeroshard.initialize at ZeRO stage {stage}: the "
+        f"embedding's parameters are {where} and in the optimizer's shard, which a resize would have to "
+        f"rebuild. Resize before initialize: on the plain model, or under zeroshard.meta_init() / "
+        f"deepspeed.zero.Init (it runs on the materialised embeddings), then build the optimizer and call "
+        f"initialize")
