@@ -14,9 +14,16 @@ transformers' `deepspeed_init` and accelerate's `DeepSpeedEngineWrapper` do:
   `max_grad_norm`), updates and steps the LR scheduler at the end of the
   accumulation window; the Trainer's own optimizer and scheduler steps are
   then no-ops (`_SteppedByEngine`), and the norm it logs is the engine's.
+- a run that would reach an epoch's short last window (batches per rank not
+  a multiple of the accumulation) is refused before its first step, with the
+  settings that avoid it (`window.py`): the engine's windows have a fixed length.
+- the logged `learning_rate` is the one the step used, as transformers logs
+  it for DDP (the engine's step has already stepped the scheduler when the
+  Trainer asks).
 - a checkpoint (`save_steps`) is the engine's sharded checkpoint beside the
-  Trainer's files; `resume_from_checkpoint` loads it on any world size and
-  stage. `save_model` writes what `from_pretrained` loads, every rank
+  Trainer's files, without the frozen parameters for a PEFT model (as
+  transformers passes `exclude_frozen_parameters` to DeepSpeed's);
+  `resume_from_checkpoint` loads it on any world size and stage. `save_model` writes what `from_pretrained` loads, every rank
   taking part (at stage 3 the weights are gathered unit by unit).
 """
 
@@ -27,11 +34,13 @@ import contextlib
 import torch
 import torch.nn as nn
 import transformers
+from transformers.trainer_utils import _is_peft_model, has_length
 
 from zeroshard.deepspeed.initialize import initialize
 from zeroshard.deepspeed.unsupported import UnsupportedError
 from zeroshard.engine import Engine
 from zeroshard.hf.arguments import filled_config
+from zeroshard.hf.window import check_windows
 
 
 class _SteppedByEngine:
@@ -55,10 +64,15 @@ class _ZeroshardTraining:
     """Mixed into transformers' `Trainer` and `Seq2SeqTrainer` (see the module docstring)."""
 
     engine: Engine | None = None
+    _stepped_lr: float | None = None  # the learning rate of the engine's last optimizer step
 
     # -- building the engine ---------------------------------------------------
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        args = self.args
+        check_windows(len(train_dataloader) if has_length(train_dataloader) else None,
+                      args.gradient_accumulation_steps, max_steps, args.world_size, args.per_device_train_batch_size,
+                      len(self.train_dataset) if has_length(self.train_dataset) else None)
         if self.engine is None:
             self.engine = self._build_engine(max_steps)
         self.model_wrapped = self.deepspeed = self.engine
@@ -114,15 +128,24 @@ class _ZeroshardTraining:
         the window's token count); the engine divides by the accumulation steps itself, so the loss it gets is
         multiplied back."""
         engine = self.engine
-        if self.accelerator.sync_gradients != engine.is_gradient_accumulation_boundary():
+        if self.accelerator.sync_gradients != engine.is_gradient_accumulation_boundary():  # `check_windows` missed it
             raise UnsupportedError(
                 f"the Trainer ends an accumulation window after micro-step {engine.micro_steps + 1}, which is not a "
                 f"multiple of gradient_accumulation_steps ({engine.gradient_accumulation_steps}): an epoch's last "
-                "window is shorter. zeroshard's windows have a fixed length: give the epoch a multiple of "
-                "gradient_accumulation_steps batches per rank (dataloader_drop_last, the dataset's size) or set "
-                "max_steps within the first epoch")
+                "window is shorter (a train dataloader whose length changed between epochs?). zeroshard's windows "
+                "have a fixed length: give every epoch a multiple of gradient_accumulation_steps batches per rank, "
+                "or set max_steps within the first epoch's whole windows")
         engine.backward(loss * engine.gradient_accumulation_steps)
+        if engine.is_gradient_accumulation_boundary():
+            self._stepped_lr = engine.get_lr()[0]  # before engine.step() steps the scheduler
         engine.step()
+
+    def _get_learning_rate(self) -> float:
+        """The learning rate the last optimizer step used, as the Trainer logs it under DDP: it asks after the
+        optimizer's step and before the scheduler's, but the engine's step has stepped both."""
+        if self.engine is None or self._stepped_lr is None:
+            return super()._get_learning_rate()
+        return self._stepped_lr
 
     def _clip_grad_norm(self, model):
         """The engine clipped at its step; this is the norm it measured before clipping."""
@@ -138,10 +161,11 @@ class _ZeroshardTraining:
     # -- checkpoints and the saved model ---------------------------------------
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """The engine's sharded checkpoint (model, optimizer, scheduler, counters) in `output_dir`."""
+        """The engine's sharded checkpoint (model, optimizer, scheduler, counters) in `output_dir`; of a PEFT model
+        the trainable state only, as transformers saves it under DeepSpeed: the resume builds the base again."""
         if self.engine is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        self.engine.save_checkpoint(output_dir)
+        self.engine.save_checkpoint(output_dir, exclude_frozen_parameters=_is_peft_model(self.model))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """What `from_pretrained` loads, written by rank 0 (transformers' `_save`, tokenizer and arguments too).
