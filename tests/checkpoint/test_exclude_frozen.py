@@ -238,3 +238,27 @@ def test_verify_and_consolidate_say_they_hold_the_trainable_state_only(sweeps, t
     full = consolidate(root / "w2s3" / "full")
     for key, tensor in state.items():
         assert torch.equal(tensor, full[key]), key
+
+
+def _asynchronous(rank, world, device, root: Path) -> dict:
+    """An asynchronous save without the frozen base, of the same step as the synchronous one."""
+    from zeroshard.checkpoint.consolidate import full_tensors
+
+    engine = _engine(3)
+    _train(engine, rank, world, device, range(SAVE_AT))
+    engine.save_checkpoint(root / "async", exclude_frozen_parameters=True, asynchronous=True)
+    engine.wait_for_checkpoint()
+    return {kind: full_tensors(root / "async", kind=kind) for kind in ("param", "optim.exp_avg")}
+
+
+def test_an_asynchronous_save_leaves_the_frozen_base_out_too(sweeps):
+    from zeroshard.checkpoint.consolidate import full_tensors
+
+    root, _ = sweeps
+    got = run_ranks(_asynchronous, 2, root / "w2s3")[0]
+    manifest = json.loads((root / "w2s3" / "async" / f"global_step{SAVE_AT}" / "manifest.json").read_text())
+    assert sorted(manifest["frozen_excluded"]) == sorted(n for n, p in manifest["params"].items() if p["group"] is None)
+    for kind, tensors in got.items():
+        want = full_tensors(root / "w2s3" / "lean", kind=kind)
+        assert tensors.keys() == want.keys() and all("lora_" in name for name in tensors)
+        assert all(torch.equal(tensors[name], want[name]) for name in want), kind
