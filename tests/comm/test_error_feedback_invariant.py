@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import zeroshard
+from zeroshard.dtypes import DTYPES
 from tests.comm.test_compressed import _left as held_of_chunk
 from tests.distributed import run_ranks
 
@@ -55,7 +56,8 @@ class Piece(nn.Module):
         self.a, self.b = (nn.Parameter(torch.zeros(n)) for n in sizes)
 
     def forward(self, ga: torch.Tensor, gb: torch.Tensor) -> torch.Tensor:
-        return (self.a * ga).sum() + (self.b * gb).sum()
+        # In fp32 (fp16 training: the loss stays finite; the gradient is still exactly fp16(g) x the loss scale)
+        return (self.a.float() * ga.float()).sum() + (self.b.float() * gb.float()).sum()
 
 
 class Given(nn.Module):
@@ -67,30 +69,35 @@ class Given(nn.Module):
         return sum(piece(*grads[2 * i: 2 * i + 2]) for i, piece in enumerate(self.pieces))
 
 
-def gradients(step: int, micro: int, rank: int) -> list[torch.Tensor]:
-    """Rank `rank`'s gradient of each parameter at `step`, `micro`: Gaussian times 10^U(-2, 2)."""
+def gradients(step: int, micro: int, rank: int, dtype: str = "fp32") -> list[torch.Tensor]:
+    """Rank `rank`'s gradient of each parameter at `step`, `micro`: Gaussian times 10^U(-2, 2) (fp16: rounded to
+    it, as the engine casts the inputs)."""
     g = torch.Generator().manual_seed(((step * 7 + micro) * 16 + rank) * 1000)
-    return [torch.randn(n, generator=g) * 10.0 ** (4 * torch.rand((), generator=g).item() - 2)
+    return [(torch.randn(n, generator=g) * 10.0 ** (4 * torch.rand((), generator=g).item() - 2)).to(DTYPES[dtype])
             for sizes in SIZES for n in sizes]
 
 
-def config(stage: int, fmt: str, rotated: bool, accumulation: int, nodes: int) -> dict:
+def config(stage: int, fmt: str, rotated: bool, accumulation: int, dtype: str, nodes: int) -> dict:
     zero = {"stage": stage, "reduce_bucket_size": 1200, "allgather_bucket_size": 1200}
     if stage == 3:
         zero |= {"stage3_wrap_classes": ["Piece"], "stage3_param_persistence_threshold": 0}
     if nodes > 1:
         zero["zeropp_ranks_per_node"] = 2
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
+    # fp16: the loss scale doubles every 10 steps (1 to 32), the reduction in fp32 (a 16-bit shard rounds more)
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 0, "loss_scale_window": 10},
+            "communication_data_type": "fp32"} if dtype == "fp16" else {}
+    return fp16 | {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": accumulation,
             "gradient_clipping": 0.0, "zero_optimization": zero,
             "communication_compression": {"gradients": {"codec": fmt, "hadamard": rotated,
                                                          "hierarchical": nodes > 1}}}
 
 
-def _train(rank: int, world: int, stage: int, fmt: str, rotated: bool, accumulation: int, nodes: int) -> dict:
+def _train(rank: int, world: int, stage: int, fmt: str, rotated: bool, accumulation: int, dtype: str,
+           nodes: int) -> dict:
     """50 steps; per bucket: this rank's delivered sum, the exact sum, the residuals' share, the step errors."""
     model = Given()
     engine = zeroshard.initialize(model, torch.optim.SGD(model.parameters(), lr=1.0),
-                                  config(stage, fmt, rotated, accumulation, nodes))
+                                  config(stage, fmt, rotated, accumulation, dtype, nodes))
     index = {id(p): i for i, p in enumerate(model.parameters())}
     exact_sum = [torch.zeros(n, dtype=torch.float64) for sizes in SIZES for n in sizes]
     before = [b.master.double().clone() for b in engine.buckets]
@@ -99,7 +106,7 @@ def _train(rank: int, world: int, stage: int, fmt: str, rotated: bool, accumulat
     for step in range(STEPS):
         exact = [torch.zeros(n, dtype=torch.float64) for sizes in SIZES for n in sizes]
         for micro in range(accumulation):
-            every = [gradients(step, micro, r) for r in range(world)]
+            every = [gradients(step, micro, r, dtype) for r in range(world)]
             for r in range(world):
                 for i, g in enumerate(every[r]):
                     exact[i] += g.double() / (world * accumulation)
@@ -119,7 +126,8 @@ def _train(rank: int, world: int, stage: int, fmt: str, rotated: bool, accumulat
         held.append(every)
     return {"delivered": [-b.master.double() for b in engine.buckets],
             "exact": [_mine(b, exact_sum, index) for b in engine.buckets],
-            "held": held, "step_error": step_error, "largest": largest, "sharded": stage >= 1}
+            "held": held, "step_error": step_error, "largest": largest, "sharded": stage >= 1,
+            "loss_scale": engine.loss_scale}
 
 
 def _mine(bucket, values: list[torch.Tensor], index: dict[int, int]) -> torch.Tensor:
@@ -134,11 +142,13 @@ def _mine(bucket, values: list[torch.Tensor], index: dict[int, int]) -> torch.Te
 # 2 nodes x 2): every format at every stage, the rotation on for half of them (a different half per layout).
 ALTERNATE = {1: [("int8", False), ("int4", True), ("fp8_e4m3", True), ("fp8_e5m2", False)],
              2: [("int8", True), ("int4", False), ("fp8_e4m3", False), ("fp8_e5m2", True)]}
-LAYOUTS = {(2, 1): [(stage, *codec, 1) for stage in (0, 1, 2, 3) for codec in CODECS]
-                   + [(stage, *codec, 2) for stage in (1, 2) for codec in ALTERNATE[1]]}
+LAYOUTS = {(2, 1): [(stage, *codec, 1, "fp32") for stage in (0, 1, 2, 3) for codec in CODECS]
+                   + [(stage, *codec, 2, "fp32") for stage in (1, 2) for codec in ALTERNATE[1]]
+                   # fp16: the loss scale changes (x2 every 10 steps); at stage 1 one reduction a window of 2
+                   + [(stage, "int8", False, 1, "fp16") for stage in (0, 2, 3)] + [(1, "int4", True, 2, "fp16")]}
 for nodes in (1, 2):
-    LAYOUTS[4, nodes] = ([(stage, *codec, 1) for stage in (0, 1, 2, 3) for codec in ALTERNATE[nodes]]
-                         + [(stage, *ALTERNATE[nodes][stage], 2) for stage in (1, 2)])
+    LAYOUTS[4, nodes] = ([(stage, *codec, 1, "fp32") for stage in (0, 1, 2, 3) for codec in ALTERNATE[nodes]]
+                         + [(stage, *ALTERNATE[nodes][stage], 2, "fp32") for stage in (1, 2)])
 PARAMS = [(world, nodes, *case) for (world, nodes), cases in LAYOUTS.items() for case in cases]
 
 
@@ -151,15 +161,18 @@ def results(world: int, nodes: int) -> list[dict]:
     return run_ranks(_cases, world, nodes)
 
 
-@pytest.mark.parametrize("world,nodes,stage,fmt,rotated,accumulation", PARAMS,
-                         ids=[f"{w}ranks-{n}nodes-stage{s}-{f}{'+h' if r else ''}-acc{a}" for w, n, s, f, r, a in PARAMS])
-def test_delivered_sum_is_the_exact_sum_less_the_last_residuals(world, nodes, stage, fmt, rotated, accumulation):
+@pytest.mark.parametrize("world,nodes,stage,fmt,rotated,accumulation,dtype", PARAMS,
+                         ids=[f"{w}ranks-{n}nodes-stage{s}-{f}{'+h' if r else ''}-acc{a}-{d}"
+                              for w, n, s, f, r, a, d in PARAMS])
+def test_delivered_sum_is_the_exact_sum_less_the_last_residuals(world, nodes, stage, fmt, rotated, accumulation,
+                                                                dtype):
     layout = "flat" if nodes == 1 else "2x2"
     for rank, result in enumerate(results(world, nodes)):
-        case = result[stage, fmt, rotated, accumulation]
+        case = result[stage, fmt, rotated, accumulation, dtype]
         tolerance = 4 * world * U * case["largest"]
         for j, (delivered, exact, held) in enumerate(zip(case["delivered"], case["exact"], case["held"])):
-            left = residuals(held, layout, rank, sharded=case["sharded"]) / accumulation
+            # the residuals hold loss-scaled gradients: the last step's scale (1 without fp16)
+            left = residuals(held, layout, rank, sharded=case["sharded"]) / (accumulation * case["loss_scale"])
             assert left.abs().max() > 0  # the codec left something out at the last step
             deviation = (delivered - exact + left).abs().max().item()
             assert deviation <= tolerance, (rank, j, deviation, tolerance, (delivered - exact).abs().max().item())

@@ -17,7 +17,9 @@ as a full fp32 gradient: the price of sending 8x fewer bytes with int4 and
 still applying, over the steps, the updates the exact mean would have given.
 A receiver-side error (per shard) cannot stand in for it: the receiver never
 sees the exact values, only their quantized sum. `error_feedback: false`
-costs nothing in memory and leaves each step's rounding in place.
+costs nothing in memory and leaves each step's rounding in place. With fp16
+the residuals are in loss-scaled units, like the gradients they come from:
+when the loss scale changes the engine rescales them (`ErrorFeedback.rescale`).
 
 Recorded: the reduce-scatter as `reduce_scatter` of the encoded bytes sent
 (message_bytes of each chunk, scales included), the all-reduce as that plus
@@ -61,6 +63,13 @@ class ErrorFeedback:
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         for name, t in self.tensors().items():
             t.reshape(-1).copy_(state[name])
+
+    def rescale(self, factor: float) -> None:
+        """The gradients the residuals will be added to changed units by `factor` (fp16's loss scale moved from
+        S to factor x S): the residuals, loss-scaled by S, follow, or the next message would add them back off by
+        the ratio. A power of two here, so no value rounds."""
+        for t in self.tensors().values():
+            t.mul_(factor)
 
     def reset(self, step: int) -> None:
         """Start over with nothing left out (a checkpoint's residuals that cannot be this job's)."""
