@@ -3,8 +3,9 @@
 Each case builds a small model under `zero.Init` (zeroshard.deepspeed), edits it before `initialize`, and
 checks at stage 3 on 1 and 2 ranks that the full value after `initialize` is the edit (a value worked out
 by hand, or the value read inside the block) on every rank; the kept cases then train 3 SGD steps equal to
-one plain PyTorch process started from the same values with the edit written in by hand. The other kinds
-of edit are errors naming the parameter. One spawn per world size runs every case.
+one plain PyTorch process started from the same values with the edit written in by hand. A parameter no
+initialisation sets reads NaN in the block and is kept once set there (named by initialize if not). The
+other kinds of edit are errors naming the parameter. One spawn per world size runs every case.
 """
 
 from __future__ import annotations
@@ -128,9 +129,36 @@ def _replaced_inside_the_block():
     return model
 
 
+class Scaled(nn.Module):
+    """A parameter no initialisation sets (no reset_parameters): DeepSpeed scripts set it in GatheredParameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def _custom(rank: int, set_it: bool) -> str:
+    """Reads NaN (the sentinel) in the block; kept once set, named by initialize if left unset."""
+    with deepspeed.zero.Init():
+        model = nn.Sequential(nn.Linear(4, 4), Scaled())
+    with deepspeed.zero.GatheredParameters(model[1].scale, modifier_rank=0):
+        unset = bool(torch.isnan(model[1].scale).all())
+        if set_it and rank == 0:
+            model[1].scale.data.fill_(1.5)
+    try:
+        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=CONFIG)
+    except zeroshard.ModelError as exc:
+        return f"{unset} {exc}"
+    return f"{unset} {model.state_dict()['1.scale'].tolist()}"
+
+
 def _ranks(rank, world, device):
     kept = {edit.__name__: _kept(edit, rank, world, device) for edit in _kept_edits()}
     errors = {make.__name__: _error(make) for make in (_in_place_on_meta, _replaced_inside_the_block)}
+    errors["custom set"], errors["custom unset"] = _custom(rank, True), _custom(rank, False)
     return kept, errors
 
 
@@ -176,6 +204,9 @@ def test_edits_before_initialize_are_kept_or_named(world):
         assert errors["_replaced_inside_the_block"].startswith(
             "the parameter 'bias' of a Linear was replaced inside zeroshard.meta_init() (deepspeed.zero.Init)")
         assert "Assign it after the block" in errors["_replaced_inside_the_block"]
+        assert errors["custom set"] == "True [1.5, 1.5, 1.5, 1.5]"
+        assert errors["custom unset"].startswith("True parameter(s) '1.scale' of a model built on the meta device "
+                                                 "were not initialised")
 
 
 def test_another_modifier_rank_before_the_process_group_is_an_error(monkeypatch):

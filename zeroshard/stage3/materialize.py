@@ -81,12 +81,13 @@ class Materializer:
             init = init.for_model(model)
         return cls(model, init, device)
 
-    def __call__(self, owners: list[nn.Module], params: list[nn.Parameter]) -> None:
+    def __call__(self, owners: list[nn.Module], params: list[nn.Parameter], check: bool = True) -> None:
         """Give `params` still on meta their own memory, then run `init` on the unit's modules.
 
         The unit's modules: those whose parameters all belong to `params` (a block and its layers,
         for an init that reaches into children, as GPT-2's does), those holding some of `params`,
-        and `owners`; children first.
+        and `owners`; children first. `check=False` leaves what init did not set at the sentinel, unnamed
+        (a block before initialize, where the user may set it: initialize checks it then).
         """
         ids = {id(p) for p in params}
         chosen = {id(m) for m in owners}
@@ -106,7 +107,8 @@ class Materializer:
                 value = self._pending.pop(id(p), None)
                 if value is not None:
                     p.copy_(value)
-        self._check(params, buffers)
+        if check:
+            self._check(params, buffers)
 
     def _sentinel_buffer(self, module: nn.Module, name: str) -> tuple[nn.Module, str, torch.Tensor, int]:
         buffer = torch.empty_like(module._buffers[name], device=self.device)

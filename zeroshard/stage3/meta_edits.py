@@ -7,8 +7,11 @@ nowhere. `gathered_parameters(params, modifier_rank)` on such parameters
 `initialize` would: real tensors on the CPU, filled by the model's own
 initialisation of their modules (or its recorded `init`, such as
 `zeroshard.pretrained(path)`'s files), every parameter the modules hold
-directly, so the initialisation sees only real tensors. Rank 0's values are
-broadcast first, so every rank reads the same values. On exit:
+directly, so the initialisation sees only real tensors. What that
+initialisation does not set (a custom `nn.Parameter`) reads NaN, the
+materialiser's sentinel: the block may set it, and `initialize` names it if
+it is still NaN. Rank 0's values are broadcast first, so every rank reads
+the same values. On exit:
 
 - `modifier_rank=r`: rank r's values are broadcast and become the gathered
   parameters' pending values;
@@ -87,14 +90,17 @@ def whole_before_initialize(params: list[nn.Parameter], modifier_rank: int | Non
         edited = modifier_rank is not None
     finally:
         for p in materialised:
-            if id(p) in read:
-                keep_as_pending(p, read[id(p)])  # edits dropped: what was read is what initialize gives
-            elif edited and id(p) in kept:
-                keep_as_pending(p, p.detach())
-            elif pending(p) is not None:  # materialised, not edited: its earlier value stays
-                keep_as_pending(p, pending(p))
-            else:
-                _to_meta(p, p.shape)
+            # None: edits dropped, what was read is what initialize gives.
+            _put_back(p, read.get(id(p), p.detach() if edited and id(p) in kept else None))
+
+
+def _put_back(param: nn.Parameter, value: torch.Tensor | None) -> None:
+    """A parameter materialised for a block goes back to meta, with `value` pending, else its earlier one."""
+    value = pending(param) if value is None else value
+    if value is None:
+        _to_meta(param, param.shape)
+    else:
+        keep_as_pending(param, value)
 
 
 def _materialise(params: list[nn.Parameter]) -> list[nn.Parameter]:
@@ -113,16 +119,35 @@ def _materialise(params: list[nn.Parameter]) -> list[nn.Parameter]:
                 "zeroshard.initialize, or after initialize")
         by_model.setdefault(id(model), (model, []))[1].append(p)
     done: list[nn.Parameter] = []
-    for model, wanted in by_model.values():
-        ids = {id(p) for p in wanted}
-        owners = [m for m in model.modules() if any(id(q) in ids for q in m.parameters(recurse=False))]
-        whole = list({id(q): q for m in owners for q in m.parameters(recurse=False) if q.is_meta}.values())
-        attributes = {id(q): dict(q.__dict__) for q in whole}  # giving memory swaps them out
-        Materializer.for_model(model, recorded_init(model), torch.device("cpu"), keep_real=False)(owners, whole)
+    try:
+        for model, wanted in by_model.values():
+            done += _materialise_in(model, wanted, Materializer)
+    except BaseException:  # the models materialised before the one that failed go back
+        for p in done:
+            _put_back(p, None)
+        raise
+    return done
+
+
+def _materialise_in(model: nn.Module, wanted: list[nn.Parameter], materializer: type) -> list[nn.Parameter]:
+    """`wanted` and the other parameters their modules in `model` hold directly, materialised."""
+    ids = {id(p) for p in wanted}
+    owners = [m for m in model.modules() if any(id(q) in ids for q in m.parameters(recurse=False))]
+    whole = list({id(q): q for m in owners for q in m.parameters(recurse=False) if q.is_meta}.values())
+    attributes = {id(q): dict(q.__dict__) for q in whole}  # giving memory swaps them out
+    try:
+        # What the init does not set stays NaN: the block may set it, initialize names it if still NaN.
+        materialize = materializer.for_model(model, recorded_init(model), torch.device("cpu"), keep_real=False)
+        materialize(owners, whole, check=False)
+    except BaseException:  # nothing stays real
         for q in whole:
             q.__dict__.update(attributes[id(q)])
-        done += whole
-    return done
+            if not q.is_meta:
+                _put_back(q, None)
+        raise
+    for q in whole:
+        q.__dict__.update(attributes[id(q)])
+    return whole
 
 
 def _world_size() -> int:
