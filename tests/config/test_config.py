@@ -30,7 +30,7 @@ DEFAULTS = {
     "gradient_accumulation_steps": 1,
     "gradient_clipping": 0.0,
     "collective_timeout": 1800.0,
-    "rank_check_timeout": 60.0,
+    "rank_check_timeout": 20.0,
     "zero_optimization": {
         "stage": 0,
         "reduce_scatter": True,

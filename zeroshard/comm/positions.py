@@ -6,8 +6,10 @@ A rank leaves one note there, its *position*, only when something is slow:
 
 - `running`: nothing to tell (at `Comm.create`, and after a slow wait ends);
 - `call`: it waits in the entry check of a call every rank must make
-  (`save_checkpoint`, `load_checkpoint`, stage 3's `full_state_dict` and
-  `gathered_parameters`; see `entry.py`);
+  (`save_checkpoint`, `load_checkpoint`, `save_pretrained`, stage 3's
+  `full_state_dict`, `state_dict()` and `gathered_parameters`; see
+  `entry.py`), with the call the user made and its fix (calls.py), which
+  the other ranks' errors name;
 - `collective`: one of its collectives has waited longer than the grace
   period (`grace_s`); the note names it, the phase (forward, backward,
   step) and the step and micro-step the engine set on the comm's `Trace`.
@@ -19,7 +21,8 @@ period costs the one `work.wait(timeout)` it always cost.
 position and reads the others' every poll; a rank that is known to be
 elsewhere (in an entry check, or stuck in a collective of another step or
 micro-step), twice in a row with the same note, means the collectives will
-never match: `CollectiveError` names every rank's position and the fix. A
+never match: `CollectiveError` names every rank's position and the fix (for
+a rank in an entry check, its call as made and that call's fix). A
 rank whose position says nothing (computing, or at the same place) keeps
 the wait going up to `collective_timeout`, as a slow collective should.
 
@@ -58,6 +61,7 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from zeroshard.comm import calls
 from zeroshard.comm.stall import CollectiveError, Trace, differ
 
 _PREFIX = "zeroshard/position/"
@@ -123,10 +127,13 @@ def running(trace: Trace) -> dict[str, Any]:
     return {"where": "running", "n": trace.published}
 
 
-def in_call(trace: Trace, call: str, seq: int, state: str = "waiting") -> dict[str, Any]:
+def in_call(trace: Trace, call: str, seq: int, state: str = "waiting", made: str | None = None,
+            fix: str | None = None) -> dict[str, Any]:
+    """In the entry check of `call`; `made`, `fix`: the call the user made to get there and its fix (calls.py)."""
     trace.published += 1
+    extra = {k: v for k, v in (("made", made), ("fix", fix)) if v is not None}
     return {"where": "call", "call": call, "seq": seq, "state": state, "step": trace.global_step,
-            "micro": trace.micro_step, "n": trace.published}
+            "micro": trace.micro_step, "n": trace.published, **extra}
 
 
 def in_collective(trace: Trace, number: int) -> dict[str, Any]:
@@ -144,7 +151,7 @@ def describe(position: dict[str, Any] | None) -> str:
     where, step, micro = position.get("where"), position.get("step"), position.get("micro")
     if where == "call":
         gave_up = ", and gave up waiting" if position.get("state") == "gave up" else ""
-        return f"in {position['call']} after {step} optimizer steps ({micro} micro-steps){gave_up}"
+        return f"in {calls.named(position)} after {step} optimizer steps ({micro} micro-steps){gave_up}"
     if where == "collective":
         phase = _PHASES.get(position["phase"], position["phase"])
         stopped = ", and stopped waiting (it raised)" if position.get("state") == "stopped" else ""
@@ -163,6 +170,18 @@ def elsewhere(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
         return True  # an entry check runs no collective: whatever this rank waits for, it is not that
     if theirs.get("where") == "collective":
         return (theirs.get("step"), theirs.get("micro")) != (mine.get("step"), mine.get("micro"))
+    return False
+
+
+def not_coming(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
+    """Whether a rank at `theirs` cannot be on its way to the entry check this rank waits in at `mine`."""
+    if theirs.get("where") == "collective":
+        # This rank runs no collective while it waits, so the other's cannot land (unless this rank launched it
+        # before: then it lands soon, and the note changes before the caller's second look).
+        return True
+    if theirs.get("where") == "call":
+        other = (theirs.get("call"), theirs.get("seq")) != (mine["call"], mine["seq"])
+        return other or theirs.get("state") == "gave up"
     return False
 
 
@@ -217,7 +236,8 @@ def _wait_slow(work, comm: Watched, number: int, grace: float) -> None:
             trace.diverged = differ(rank, world, trace, group_store(group), when)
             raise CollectiveError(trace.diverged)
         found = {r: p for r, p in positions.items() if r != rank and elsewhere(mine, p)}
-        confirmed = sorted(r for r, p in found.items() if suspects.get(r) == p)  # the same note twice
+        # The same note twice, or a rank that gave up waiting in an entry check (it raised: it will not come).
+        confirmed = sorted(r for r, p in found.items() if suspects.get(r) == p or p.get("state") == "gave up")
         if confirmed:
             mine["state"] = "stopped"
             publish(group, rank, mine)
@@ -313,11 +333,16 @@ def _landed(work, seconds: float) -> bool:
 
 
 def diverged(rank: int, world: int, mine: dict, positions: dict[int, dict], elsewhere_ranks: list[int]) -> str:
+    """Why this rank, waiting at `mine`, stops: ranks `elsewhere_ranks` are elsewhere (in a call every rank must
+    make, or at another step); a rank in such a call is named with it and its fix (calls.py)."""
     positions = {**positions, rank: mine}
     others = ", ".join(map(str, elsewhere_ranks))
-    return (f"rank {rank} is {describe(mine)}, but rank(s) {others} will never join that collective. "
-            f"Where every rank is: {describe_all(positions, world)}.\n  Every rank must make the same calls "
-            "in the same order: run the same number of engine(...), engine.backward() and engine.step() "
-            "calls (the same number of batches on every rank), and call save_checkpoint, load_checkpoint, "
-            "full_state_dict (stage 3) and gathered_parameters (stage 3) on every rank; "
-            "`if rank == 0: engine.save_checkpoint(...)` is the usual cause. Restart the job from a checkpoint")
+    head = (f"rank {rank} is {describe(mine)}, but rank(s) {others} will never join that collective. "
+            f"Where every rank is: {describe_all(positions, world)}.\n  ")
+    in_call = next((positions[r] for r in elsewhere_ranks if positions[r].get("where") == "call"), None)
+    if in_call is not None:
+        return head + calls.advice(in_call)
+    return head + ("Every rank must make the same calls in the same order: run the same number of engine(...), "
+                   "engine.backward() and engine.step() calls (the same number of batches on every rank), and "
+                   "call save_checkpoint, load_checkpoint, full_state_dict (stage 3) and gathered_parameters "
+                   "(stage 3) on every rank. Restart the job from a checkpoint")

@@ -208,12 +208,15 @@ class Config(BaseModel):
         "Seconds a collective may wait for the other ranks before the engine stops with an error "
         "that says which collective, unit and step each rank was at (at most 1e9). DeepSpeed: none "
         "(deepspeed.init_distributed(timeout=...), default 30 minutes)."))
-    # 60 s: a rank that is not in a collective call a minute after the others is not coming (a save
-    # or load on rank 0 only); the collective_timeout is for slow collectives, not for missing ranks.
-    rank_check_timeout: Annotated[float, BeforeValidator(_positive_seconds)] = Field(60.0, description=(
+    # 20 s: a rank that is not in a collective call 20 s after the others, and says nothing of where it is
+    # (a save on rank 0 only while the others wait in torch.distributed.barrier() or have exited), is not
+    # coming, and the error should come well within 30 s; the collective_timeout is for slow collectives.
+    rank_check_timeout: Annotated[float, BeforeValidator(_positive_seconds)] = Field(20.0, description=(
         "Seconds the ranks wait for each other at the entry of a call every rank must make "
-        "(save_checkpoint, load_checkpoint; at stage 3 full_state_dict and gathered_parameters) before "
-        "every rank that entered raises an error naming the ranks missing and where they are. A "
+        "(save_checkpoint, load_checkpoint, save_pretrained, save_16bit_model; at stage 3 full_state_dict, "
+        "the model's state_dict() and gathered_parameters) before every rank that entered raises an error "
+        "naming the call, the ranks missing and where they are; sooner once a missing rank is known to be "
+        "elsewhere (in a collective, or in another such call). A "
         "collective that has waited min(5, rank_check_timeout / 4) s (gloo) also looks at where the "
         "other ranks are, and stops with an error once one is known to be elsewhere (in such a call, or "
         "at another step or micro-step). At most 1e9. DeepSpeed: none (zeroshard only)."))

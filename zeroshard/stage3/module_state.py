@@ -8,8 +8,13 @@ write an empty model). The engine hooks the model's modules instead:
   sharded parameters, gathered one unit at a time (`gathered_copies` in
   `gathered.py`, as `engine.full_state_dict`). Every rank must call it,
   in the same order: called on some ranks only it raises `CollectiveError`
-  within `rank_check_timeout` (`comm/entry.py`) instead of hanging. Each
-  rank then holds the whole model's values: to save, prefer
+  instead of hanging (`comm/entry.py`: at once where the other ranks are
+  seen in a collective, else within `rank_check_timeout`). Its error names
+  the call made: when a library called `state_dict()` for the user
+  (transformers' or PEFT's `save_pretrained`), that library function, found
+  on the stack, with its fix (`is_main_process=(rank == 0)` on every rank;
+  for PEFT adapters that are all whole, the rank-0 save that gathers
+  nothing). Each rank then holds the whole model's values: to save, prefer
   `engine.save_pretrained(dir)` or `engine.full_state_dict(rank0_only=True)`.
 - `state_dict(keep_vars=True)` is not hooked: it returns the live
   parameters themselves, sharded, so 0-element tensors between uses (inside
@@ -34,6 +39,8 @@ write an empty model). The engine hooks the model's modules instead:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
 
@@ -41,6 +48,28 @@ from zeroshard.comm import all_gather_object, broadcast
 from zeroshard.comm.entry import enter
 from zeroshard.errors import ModelError
 from zeroshard.stage3.gathered import gathered_copies, whole_unit
+
+
+# Libraries whose functions call a model's state_dict() for the user (save_pretrained): the error names their call.
+_LIBRARIES = ("transformers", "peft", "accelerate", "diffusers", "trl")
+
+
+def _call_made() -> tuple[str, str] | None:
+    """(in words, qualified name) of the outermost library function on the stack that led to this state_dict()
+    (PeftModel.save_pretrained, through get_peft_model_state_dict); None when user code called it directly.
+    Read when the state dict gathers: the entry check publishes it for every rank's error."""
+    frame, made = sys._getframe(1), None
+    while frame is not None:
+        package = frame.f_globals.get("__name__", "").partition(".")[0]
+        if package in _LIBRARIES:
+            made = (package, frame.f_code.co_qualname)
+        elif package not in ("torch", "zeroshard") or made is not None and package == "zeroshard":
+            break  # the caller's own code (or zeroshard's above the library): the call made is below it
+        frame = frame.f_back
+    if made is None:
+        return None
+    package, function = made
+    return f"{function} ({package}; it calls the model's state_dict(), which gathers at stage 3)", function
 
 
 class ModuleStateHooks:
@@ -83,8 +112,28 @@ class ModuleStateHooks:
             if id(p) in self.sharded and prefix + name in state_dict:
                 listed.setdefault(self.unit_of[id(p)], []).append((prefix + name, p))
         if listed:
-            enter(self.schedule.comm, "module.state_dict")
+            made = _call_made()
+            enter(self.schedule.comm, "module.state_dict", made=made and made[0], fix=made and self._fix(made[1]))
             state_dict.update(gathered_copies(self.schedule, listed))
+
+    def _fix(self, function: str) -> str:
+        """The fix for a library's `function` (PeftModel.save_pretrained, ...) called on some ranks only."""
+        peft = function.startswith(("Peft", "get_peft"))
+        if not function.endswith(".save_pretrained"):
+            fix = f"call {function} on every rank"
+        elif peft:  # engine.save_pretrained would write the whole model, not PEFT's adapter files
+            fix = ("call peft_model.save_pretrained(dir, is_main_process=(rank == 0)) on every rank (every rank "
+                   "gathers, rank 0 alone writes)")
+        else:
+            fix = ("call model.save_pretrained(dir, is_main_process=(rank == 0)) on every rank (every rank gathers, "
+                   "rank 0 alone writes), or engine.save_pretrained(dir) on every rank")
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        if peft and trainable and not any(id(p) in self.sharded for p in trainable):
+            fix += (f"; the trainable parameters (the adapters, {sum(p.numel() for p in trainable)} elements) are "
+                    "whole on every rank (under stage3_param_persistence_threshold), so rank 0 alone can save them "
+                    "with no gather: peft_model.save_pretrained(dir, state_dict={name: p.detach() for name, p in "
+                    "peft_model.named_parameters() if p.requires_grad})")
+        return fix
 
     # -- load_state_dict -------------------------------------------------------
 
