@@ -54,8 +54,8 @@ from zeroshard.stage3.gathered import gathered_copies, whole_unit
 _LIBRARIES = ("transformers", "peft", "accelerate", "diffusers", "trl")
 
 
-def _call_made() -> tuple[str, str] | None:
-    """(in words, qualified name) of the outermost library function on the stack that led to this state_dict()
+def _call_made() -> tuple[str, str, str] | None:
+    """(in words, package, qualified name) of the outermost library function on the stack that led to this state_dict()
     (PeftModel.save_pretrained, through get_peft_model_state_dict); None when user code called it directly.
     Read when the state dict gathers: the entry check publishes it for every rank's error."""
     frame, made = sys._getframe(1), None
@@ -63,13 +63,13 @@ def _call_made() -> tuple[str, str] | None:
         package = frame.f_globals.get("__name__", "").partition(".")[0]
         if package in _LIBRARIES:
             made = (package, frame.f_code.co_qualname)
-        elif package not in ("torch", "zeroshard") or made is not None and package == "zeroshard":
+        elif package not in ("torch", "zeroshard") or (made is not None and package == "zeroshard"):
             break  # the caller's own code (or zeroshard's above the library): the call made is below it
         frame = frame.f_back
     if made is None:
         return None
     package, function = made
-    return f"{function} ({package}; it calls the model's state_dict(), which gathers at stage 3)", function
+    return f"{function} ({package}; it calls the model's state_dict(), which gathers at stage 3)", package, function
 
 
 class ModuleStateHooks:
@@ -113,12 +113,12 @@ class ModuleStateHooks:
                 listed.setdefault(self.unit_of[id(p)], []).append((prefix + name, p))
         if listed:
             made = _call_made()
-            enter(self.schedule.comm, "module.state_dict", made=made and made[0], fix=made and self._fix(made[1]))
+            enter(self.schedule.comm, "module.state_dict", made=made and made[0], fix=made and self._fix(*made[1:]))
             state_dict.update(gathered_copies(self.schedule, listed))
 
-    def _fix(self, function: str) -> str:
-        """The fix for a library's `function` (PeftModel.save_pretrained, ...) called on some ranks only."""
-        peft = function.startswith(("Peft", "get_peft"))
+    def _fix(self, package: str, function: str) -> str:
+        """The fix for `package`'s `function` (peft's PeftModel.save_pretrained, ...) called on some ranks only."""
+        peft = package == "peft"
         if not function.endswith(".save_pretrained"):
             fix = f"call {function} on every rank"
         elif peft:  # engine.save_pretrained would write the whole model, not PEFT's adapter files
