@@ -16,7 +16,7 @@ from zeroshard.engine.agreement import RankMismatchError
 from zeroshard.errors import ModelError, OutOfMemoryError, ZeroshardError
 from zeroshard.stage3.gathered import gathered_parameters
 from zeroshard.stage3.generation import GenerationError
-from zeroshard.stage3.meta import meta_init
+from zeroshard.stage3.meta_block import meta_init
 from zeroshard.version import __version__
 
 __all__ = [

@@ -38,8 +38,7 @@ import torch.nn as nn
 from zeroshard.checkpoint.safetensors_files import WEIGHTS_FILE, Entry, entries, read
 from zeroshard.errors import ModelError
 from zeroshard.stage3.gathered import keys_by_tensor
-from zeroshard.stage3.meta import own_init
-from zeroshard.stage3.meta_edits import pending
+from zeroshard.stage3.meta import own_init, pending
 
 _INDEX = WEIGHTS_FILE + ".index.json"
 

@@ -1,7 +1,7 @@
 """`deepspeed.zero` for DeepSpeed scripts: `Init` and `GatheredParameters` over zeroshard's own.
 
 `zero.Init()` builds the model with its parameters on the meta device and
-its buffers real (`zeroshard.stage3.meta.meta_init`); `initialize` then
+its buffers real (`zeroshard.stage3.meta_block.meta_init`); `initialize` then
 materialises it unit by unit with the model's own initialisation, or, for a
 model from `from_pretrained(path)` inside the block, with the weights of
 `path` (`zeroshard.pretrained(path)`: each rank reads only its units'
@@ -24,7 +24,8 @@ from zeroshard.checkpoint.pretrained import pretrained
 from zeroshard.config.offload_merge import declared_param_device
 from zeroshard.deepspeed.unsupported import ZERO_NOT_PROVIDED, UnsupportedError, missing
 from zeroshard.stage3.gathered import gathered_parameters
-from zeroshard.stage3.meta import meta_init, record_init
+from zeroshard.stage3.meta import record_init
+from zeroshard.stage3.meta_block import meta_init
 
 
 class Init:

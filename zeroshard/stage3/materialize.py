@@ -32,8 +32,7 @@ import torch.nn as nn
 from zeroshard.comm.group import this_rank_gpu
 from zeroshard.core.flat import give_memory
 from zeroshard.errors import ModelError
-from zeroshard.stage3.meta import built_by_meta_init, changed_on_meta, own_init
-from zeroshard.stage3.meta_edits import keep_as_pending, pending
+from zeroshard.stage3.meta import built_by_meta_init, changed_on_meta, keep_as_pending, own_init, pending
 
 
 def on_meta(model: nn.Module) -> bool:

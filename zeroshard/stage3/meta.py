@@ -1,119 +1,50 @@
-"""`meta_init()`: build a model with its parameters on the meta device and its buffers real.
+"""What zeroshard records on a model built under `meta_init` (`meta_block.py`), and its own initialisation.
 
-Under `torch.device("meta")` everything a module's `__init__` computes is
-lost: a Llama's rotary `inv_freq`, BERT's `position_ids`. `meta_init` moves
-only the parameters to the meta device, as they are registered (as
-`accelerate.init_empty_weights(include_buffers=False)` does), so buffers keep
-the values eager construction gives them. Each module given a meta parameter
-is marked, and `zeroshard.initialize(model, ...)` without `init=` then
-materialises the model with its own initialisation (`own_init`):
+On each module given a meta parameter, a mark (`built_by_meta_init`); on
+each meta parameter, its model (the outermost module built in the block)
+and the version counter it was left on meta with, so that an in-place
+change to a meta tensor, which holds no values, can be named
+(`changed_on_meta`); on a parameter edited before `initialize`, its pending
+value (`meta_edits.py`), which the materialiser writes after the
+initialisation; on a model whose weights come from elsewhere, its `init=`
+(`record_init`: `from_pretrained` inside `zero.Init`).
+
+Without `init=`, `zeroshard.initialize` materialises a `meta_init` model
+with its own initialisation (`own_init`):
 
 - a `transformers` model: its `_init_weights(module)`, dispatched as
   `PreTrainedModel.initialize_weights` does (a sub-model's own `_init_weights`
   for its modules), under transformers' guard of the `torch.nn.init`
   functions; tied weights are already tied by the model's `post_init`;
 - any other module: `reset_parameters()` of each module that has one.
-
-Parameters are created on the CPU first and moved to meta one by one, so
-construction holds at most one parameter in memory. The patch of
-`nn.Module.register_parameter` is process-wide while the block runs: build
-one model at a time.
-
-Edits between the block and `initialize` (`stage3/meta_edits.py`): each
-meta parameter knows its model (the outermost module built in the block)
-and the version counter it left the block with, so that
-`gathered_parameters` can materialise it for a block and an in-place change
-to a meta tensor (lost: it holds no values) is named by `initialize`. A
-parameter replaced inside the block by a new real one would lose its values
-the same way, so that is an error at the assignment.
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
-from contextlib import contextmanager, nullcontext
-from typing import Callable, Iterator
+from contextlib import nullcontext
+from typing import Callable
 
 import torch
 import torch.nn as nn
-from torch.nn.modules.module import register_module_module_registration_hook
-
-from zeroshard.errors import ModelError
-from zeroshard.stage3.resize import resize_on_materialised
 
 _BUILT_ON_META = "_zeroshard_meta_init"  # on each module that meta_init gave a meta parameter
 _INIT = "_zeroshard_init"  # on a model whose weights come from elsewhere: the init= that fills them
 _MODEL = "_zeroshard_meta_model"  # on each meta parameter: a weak reference to the model built in the block
 _VERSION = "_zeroshard_meta_version"  # on each meta parameter: its version counter when it was last left on meta
+_PENDING = "_zeroshard_pending"  # on a meta parameter: the values initialize gives it (a CPU tensor)
 
 
-@contextmanager
-def meta_init(enabled: bool = True) -> Iterator[None]:
-    """Parameters registered inside the block are put on the meta device; buffers stay real.
-
-    `enabled=False` makes the block do nothing (DeepSpeed's `zero.Init(enabled=...)`).
-    """
-    if not enabled:
-        yield
-        return
-    register = nn.Module.register_parameter
-    params: list[nn.Parameter] = []
-    children: set[int] = set()
-    parents: dict[int, nn.Module] = {}
-
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        _refuse_real_replacement(module, name, param)
-        register(module, name, param)
-        if param is None:
-            return
-        if param.device.type != "meta":  # one already on meta (a tied weight) keeps its identity
-            meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
-            meta.__dict__.update(param.__dict__)
-            module._parameters[name] = meta
-            params.append(meta)
-        module.__dict__[_BUILT_ON_META] = True
-        parents[id(module)] = module
-
-    def child_registered(module: nn.Module, name: str, child: nn.Module | None) -> None:
-        parents[id(module)] = module
-        if child is not None:
-            children.add(id(child))
-
-    nn.Module.register_parameter = register_on_meta
-    hook = register_module_module_registration_hook(child_registered)
-    try:
-        with _refusing_from_pretrained():
-            yield
-    finally:
-        nn.Module.register_parameter = register
-        hook.remove()
-    _mark_built([m for i, m in parents.items() if i not in children], params)
+def mark_built(module: nn.Module) -> None:
+    """`meta_init` gave this module a meta parameter."""
+    module.__dict__[_BUILT_ON_META] = True
 
 
-def _refuse_real_replacement(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-    """A new real parameter in place of one the module holds already: its values would go to meta, lost."""
-    old = module._parameters.get(name)
-    if old is None or param is None or param is old or param.is_meta:
-        return
-    raise ModelError(
-        f"the parameter {name!r} of a {type(module).__name__} was replaced inside zeroshard.meta_init() "
-        f"(deepspeed.zero.Init) by a new nn.Parameter: inside the block every parameter goes to the meta device "
-        f"and the new one's values would be lost. Assign it after the block (a real parameter among meta ones "
-        f"keeps its values at initialize), or change the values after the block inside "
-        f"zeroshard.gathered_parameters(param, modifier_rank=0) (deepspeed.zero.GatheredParameters)")
-
-
-def _mark_built(roots: list[nn.Module], params: list[nn.Parameter]) -> None:
-    """Each meta parameter made in the block learns its model and its version counter (`meta_edits.py`); a
-    transformers model's `resize_token_embeddings` runs on materialised embeddings (`stage3/resize.py`)."""
-    made = {id(p) for p in params}
-    for root in roots:
-        for p in root.parameters():
-            if id(p) in made and p.is_meta:
-                p.__dict__[_MODEL] = weakref.ref(root)
-                mark_version(p)
-        resize_on_materialised(root)
+def remember_model(param: nn.Parameter, model: nn.Module) -> None:
+    """The meta parameter belongs to `model` (held weakly) and is as `meta_init` left it."""
+    param.__dict__[_MODEL] = weakref.ref(model)
+    mark_version(param)
 
 
 def mark_version(param: nn.Parameter) -> None:
@@ -134,27 +65,25 @@ def changed_on_meta(model: nn.Module) -> list[str]:
             if p.is_meta and _VERSION in p.__dict__ and p._version != p.__dict__[_VERSION]]
 
 
-@contextmanager
-def _refusing_from_pretrained() -> Iterator[None]:
-    """`from_pretrained` under meta_init would load weights into parameters that go to meta: lost, silently."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None:
-        yield
-        return
-    model_class = transformers.PreTrainedModel
-    original = model_class.__dict__["from_pretrained"]
+def pending(param: nn.Parameter) -> torch.Tensor | None:
+    """The values `initialize` writes into this meta parameter after its own initialisation; else None."""
+    return param.__dict__.get(_PENDING)
 
-    def refuse(cls, path, *args, **kwargs):
-        raise ModelError(f"{cls.__name__}.from_pretrained inside zeroshard.meta_init() would put the loaded "
-                         f"weights on the meta device, where they are lost; build the model from its config "
-                         f"(AutoConfig.from_pretrained(path), then from_config) under meta_init and pass "
-                         f"init=zeroshard.pretrained(path) to zeroshard.initialize")
 
-    model_class.from_pretrained = classmethod(refuse)
-    try:
-        yield
-    finally:
-        model_class.from_pretrained = original
+def keep_as_pending(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Put a real parameter back on the meta device with `value` pending (its shape becomes the parameter's:
+    a resize changes it)."""
+    to_meta(param, value.shape)
+    param.__dict__[_PENDING] = value.detach()
+
+
+def to_meta(param: nn.Parameter, shape: torch.Size) -> None:
+    """The parameter becomes a meta tensor of `shape`, keeping its identity and its attributes."""
+    attributes = dict(param.__dict__)
+    meta = type(param)(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, meta)  # swaps the attributes too: given back
+    param.__dict__.update(attributes)
+    mark_version(param)
 
 
 def record_init(model: nn.Module, init) -> None:

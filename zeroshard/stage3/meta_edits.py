@@ -42,31 +42,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zeroshard.errors import ModelError
-from zeroshard.stage3.meta import mark_version, model_of, recorded_init
-
-_PENDING = "_zeroshard_pending"  # on a meta parameter: the values initialize gives it (a CPU tensor)
-
-
-def pending(param: nn.Parameter) -> torch.Tensor | None:
-    """The values `initialize` writes into this meta parameter after its own initialisation; else None."""
-    return param.__dict__.get(_PENDING)
-
-
-def keep_as_pending(param: nn.Parameter, value: torch.Tensor) -> None:
-    """Put a real parameter back on the meta device with `value` pending (its shape becomes the parameter's:
-    a resize changes it)."""
-    _to_meta(param, value.shape)
-    param.__dict__[_PENDING] = value.detach()
-
-
-def _to_meta(param: nn.Parameter, shape: torch.Size) -> None:
-    """The parameter becomes a meta tensor of `shape`, keeping its identity and its attributes."""
-    attributes = dict(param.__dict__)
-    meta = type(param)(torch.empty(shape, dtype=param.dtype, device="meta"), requires_grad=param.requires_grad)
-    torch.utils.swap_tensors(param, meta)  # swaps the attributes too: given back
-    param.__dict__.update(attributes)
-    mark_version(param)
-
+from zeroshard.stage3.materialize import Materializer
+from zeroshard.stage3.meta import keep_as_pending, model_of, pending, recorded_init, to_meta
 
 @contextmanager
 def whole_before_initialize(params: list[nn.Parameter], modifier_rank: int | None) -> Iterator[None]:
@@ -98,7 +75,7 @@ def _put_back(param: nn.Parameter, value: torch.Tensor | None) -> None:
     """A parameter materialised for a block goes back to meta, with `value` pending, else its earlier one."""
     value = pending(param) if value is None else value
     if value is None:
-        _to_meta(param, param.shape)
+        to_meta(param, param.shape)
     else:
         keep_as_pending(param, value)
 
@@ -106,8 +83,6 @@ def _put_back(param: nn.Parameter, value: torch.Tensor | None) -> None:
 def _materialise(params: list[nn.Parameter]) -> list[nn.Parameter]:
     """Give `params` and every parameter their modules hold directly real CPU memory, initialised as
     `initialize` would (pending values written last); returns the parameters materialised."""
-    from zeroshard.stage3.materialize import Materializer  # it imports this module
-
     by_model: dict[int, tuple[nn.Module, list[nn.Parameter]]] = {}
     for p in params:
         model = model_of(p)
@@ -121,7 +96,7 @@ def _materialise(params: list[nn.Parameter]) -> list[nn.Parameter]:
     done: list[nn.Parameter] = []
     try:
         for model, wanted in by_model.values():
-            done += _materialise_in(model, wanted, Materializer)
+            done += _materialise_in(model, wanted)
     except BaseException:  # the models materialised before the one that failed go back
         for p in done:
             _put_back(p, None)
@@ -129,7 +104,7 @@ def _materialise(params: list[nn.Parameter]) -> list[nn.Parameter]:
     return done
 
 
-def _materialise_in(model: nn.Module, wanted: list[nn.Parameter], materializer: type) -> list[nn.Parameter]:
+def _materialise_in(model: nn.Module, wanted: list[nn.Parameter]) -> list[nn.Parameter]:
     """`wanted` and the other parameters their modules in `model` hold directly, materialised."""
     ids = {id(p) for p in wanted}
     owners = [m for m in model.modules() if any(id(q) in ids for q in m.parameters(recurse=False))]
@@ -137,7 +112,7 @@ def _materialise_in(model: nn.Module, wanted: list[nn.Parameter], materializer: 
     attributes = {id(q): dict(q.__dict__) for q in whole}  # giving memory swaps them out
     try:
         # What the init does not set stays NaN: the block may set it, initialize names it if still NaN.
-        materialize = materializer.for_model(model, recorded_init(model), torch.device("cpu"), keep_real=False)
+        materialize = Materializer.for_model(model, recorded_init(model), torch.device("cpu"), keep_real=False)
         materialize(owners, whole, check=False)
     except BaseException:  # nothing stays real
         for q in whole:

@@ -2,10 +2,10 @@
 
 Before `initialize`, on a model built under `meta_init` (DeepSpeed's
 `zero.Init`): the resize runs on real values. The model's own method runs
-inside `gathered_parameters([embeddings and output head], modifier_rank=0)`
-(`meta_edits.py`), so the old rows are the model's initialisation (or the
-files' weights under `from_pretrained`), transformers initialises the new
-rows from them (`mean_resizing`) on the CPU, and rank 0's resized values are
+with the embeddings and the output head gathered as
+`gathered_parameters(..., modifier_rank=0)` gathers them (`meta_edits.py`),
+so the old rows are the model's initialisation (or the files' weights under
+`from_pretrained`), transformers initialises the new rows from them (`mean_resizing`) on the CPU, and rank 0's resized values are
 what `initialize` gives every rank. A new output head transformers builds
 is a real module among meta ones: `initialize` keeps its values.
 
@@ -27,6 +27,7 @@ from functools import partial
 import torch.nn as nn
 
 from zeroshard.errors import ModelError
+from zeroshard.stage3.meta_edits import whole_before_initialize
 
 
 def _resizable(model: nn.Module):
@@ -45,11 +46,9 @@ def resize_on_materialised(model: nn.Module) -> None:
 
 
 def _resize_gathered(resize, model: nn.Module, *args, **kwargs):
-    from zeroshard.stage3.gathered import gathered_parameters  # it imports meta.py, which imports this
-
     heads = [model.get_input_embeddings(), model.get_output_embeddings()]
     params = list({id(p): p for head in heads if head is not None for p in head.parameters(recurse=False)}.values())
-    with gathered_parameters(params, modifier_rank=0):
+    with whole_before_initialize(params, modifier_rank=0):
         return resize(model, *args, **kwargs)
 
 
