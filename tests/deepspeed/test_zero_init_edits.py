@@ -220,3 +220,24 @@ def test_another_modifier_rank_before_the_process_group_is_an_error(monkeypatch)
         with deepspeed.zero.GatheredParameters(model[0].weight, modifier_rank=1):
             pass
     assert model[0].weight.is_meta
+
+
+def _in_place_on_one_rank(rank: int, world: int, device, editor: int) -> str:
+    model = _build()
+    if rank == editor:
+        with torch.no_grad():
+            model[2].bias.zero_()  # on meta, on this rank alone: the others have nothing to report
+    try:
+        deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=CONFIG)
+    except zeroshard.ModelError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("editor", [0, 1])
+def test_an_edit_on_meta_by_one_rank_stops_every_rank(editor):
+    """The check runs before the group is joined; the other ranks hear of it in initialize's agreement
+    instead of waiting there for the rank that stopped."""
+    for message in run_ranks(_in_place_on_one_rank, 2, editor, timeout_s=120):
+        assert message.startswith(f"the model of rank {editor} cannot be used; every rank stops: parameter(s) "
+                                  "'2.bias' were changed in place after zeroshard.meta_init()"), message

@@ -4,10 +4,12 @@ A collective that raises can leave the group out of step, so each rank
 sends a description of its model, optimizer layout and config once, and
 every rank compares all of them and raises the same error.
 
-A rank whose config cannot even be loaded (a typo in its file) sends its
-`ConfigError` instead, in the same exchange (`config_error_everywhere`):
-it still joins the group, so the others do not wait for it, and every rank
-raises that `ConfigError`, naming the rank.
+A rank whose config cannot even be loaded (a typo in its file), or whose
+model fails a check of its own before the group is joined (an edit of a
+meta parameter on that rank only), sends its `ConfigError` or `ModelError`
+instead, in the same exchange (`error_everywhere`): it still joins the
+group, so the others do not wait for it, and every rank raises that error,
+naming the rank.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from zeroshard.comm import Comm, CommRecorder, all_gather_object, ensure_process
 from zeroshard.config import ConfigError
 from zeroshard.core.optim import hyperparams
 from zeroshard.engine.validate import device_of
-from zeroshard.errors import ZeroshardError
+from zeroshard.errors import ModelError, ZeroshardError
 from zeroshard.stage3.materialize import default_device, on_meta
 
-_CONFIG_ERROR = "config_error"  # the key of what a rank without a config sends instead of its description
+_LOCAL_ERROR = "local_error"  # the key of what a rank whose own check failed sends instead of its description
+_KINDS = {"ConfigError": (ConfigError, "config"), "ModelError": (ModelError, "model")}
 
 
 class RankMismatchError(ZeroshardError, RuntimeError):
@@ -109,10 +112,10 @@ def _config_differences(mine, theirs, prefix: str = "") -> list[tuple[str, objec
 
 
 def check_ranks_agree(comm: Comm, model: nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> None:
-    """Raise RankMismatchError on every rank if any rank differs from rank 0 (ConfigError if a
-    rank's config could not be loaded)."""
+    """Raise RankMismatchError on every rank if any rank differs from rank 0 (the ConfigError or ModelError
+    of a rank whose own check failed, `error_everywhere`)."""
     everyone = all_gather_object(comm, describe(model, optimizer, config))
-    _raise_config_errors(everyone, comm.rank)
+    _raise_local_errors(everyone, comm.rank)
     for rank, theirs in enumerate(everyone[1:], start=1):
         why = first_difference(everyone[0], theirs)
         if why is not None:
@@ -122,8 +125,10 @@ def check_ranks_agree(comm: Comm, model: nn.Module, optimizer: torch.optim.Optim
             )
 
 
-def config_error_everywhere(error: ConfigError, model: nn.Module, group: dist.ProcessGroup | None) -> NoReturn:
-    """Raise `error`, a config that failed to load on this rank, on every rank of the group.
+def error_everywhere(error: ConfigError | ModelError, model: nn.Module, group: dist.ProcessGroup | None
+                     ) -> NoReturn:
+    """Raise `error`, found on this rank before the group was joined (a config that failed to load, a model
+    check), on every rank of the group.
 
     This rank joins the group as `initialize` would have and sends the error in
     the exchange of `check_ranks_agree`, which the other ranks run in
@@ -137,23 +142,26 @@ def config_error_everywhere(error: ConfigError, model: nn.Module, group: dist.Pr
     if device.type == "cuda":  # NCCL's object collectives run on the current device
         torch.cuda.set_device(device)
     comm = Comm.create(group, CommRecorder())
-    _raise_config_errors(all_gather_object(comm, {_CONFIG_ERROR: str(error)}), comm.rank)
+    _raise_local_errors(all_gather_object(comm, {_LOCAL_ERROR: (type(error).__name__, str(error))}), comm.rank)
     raise error  # not reached: this rank's own error is among them
 
 
-def _raise_config_errors(everyone: list, me: int) -> None:
-    """The ConfigError of the ranks whose config failed, raised on this rank (`me`); `from None`: raised while
+def _raise_local_errors(everyone: list, me: int) -> None:
+    """The error of the ranks whose own check failed, raised on this rank (`me`); `from None`: raised while
     this rank's own is handled, it would print that one first ("During handling of the above exception")."""
-    failed = [(r, d[_CONFIG_ERROR]) for r, d in enumerate(everyone) if isinstance(d, dict) and _CONFIG_ERROR in d]
+    failed = [(r, *d[_LOCAL_ERROR]) for r, d in enumerate(everyone) if isinstance(d, dict) and _LOCAL_ERROR in d]
     if not failed:
         return
-    rank, text = failed[0]
-    if len(failed) == len(everyone) and len({t for _, t in failed}) == 1:
+    rank, kind, text = failed[0]
+    error, what = _KINDS[kind]
+    if len(failed) == len(everyone) and len({(k, t) for _, k, t in failed}) == 1:
+        if error is ModelError:  # the same model on every rank: each says it as one rank alone would
+            raise error(text) from None
         # The same mistake on every rank (one config file): rank 0 says it as one rank alone would, the others
         # in one line, so that a launcher printing every rank's error shows the message once.
         if me == 0:
-            raise ConfigError(text) from None
-        raise ConfigError("the config cannot be used (the same on every rank): rank 0's ConfigError names every "
-                          "problem") from None
-    others = f" (the configs of ranks {', '.join(str(r) for r, _ in failed[1:])} failed too)" if failed[1:] else ""
-    raise ConfigError(f"the config of rank {rank} cannot be used{others}; every rank stops: {text}") from None
+            raise error(text) from None
+        raise error("the config cannot be used (the same on every rank): rank 0's ConfigError names every "
+                    "problem") from None
+    others = f" (the {what}s of ranks {', '.join(str(r) for r, *_ in failed[1:])} failed too)" if failed[1:] else ""
+    raise error(f"the {what} of rank {rank} cannot be used{others}; every rank stops: {text}") from None

@@ -30,7 +30,7 @@ from zeroshard.core.param_gather import PostStepGather
 from zeroshard.core.precision import Precision
 from zeroshard.core.reducer import GradReducer
 from zeroshard.core.staging import StagingPool
-from zeroshard.engine.agreement import check_ranks_agree
+from zeroshard.engine.agreement import check_ranks_agree, error_everywhere
 from zeroshard.engine.memory_fit import check_states_fit
 from zeroshard.engine.offload import Offload, OffloadBuild, offload_choice
 from zeroshard.engine.wire import Wire, wire
@@ -46,6 +46,7 @@ from zeroshard.stage3.materialize import (
     on_meta,
 )
 from zeroshard.stage3.meta import recorded_init
+from zeroshard.errors import ModelError
 from zeroshard.stage3.module_state import ModuleStateHooks
 from zeroshard.stage3.resize import refuse_resize
 from zeroshard.stage3.schedule import GatherSchedule
@@ -86,15 +87,18 @@ def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, gr
     `grads_on_disk`: whether offload to disk may keep the gradient shards there (not on a tp/pp mesh)."""
     if init is None and on_meta(model):
         init = recorded_init(model)  # zero.Init + from_pretrained: the files' weights
-    check_materializable(model, init)
-    if on_meta(model) and config.stage != 3:  # one script for every stage: meta_init and init= work below 3
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            log.info("stage %d: the model built on the meta device is materialised whole on every rank (only "
-                     "stage 3 materialises it shard by shard)", config.stage)
-        materialize_whole(model, init, default_device())
-    device = default_device() if on_meta(model) else device_of(model)
     precision = Precision.from_config(config)
-    check_model(model, precision.param_dtype)
+    try:  # this rank's own checks, before the group: a failure here reaches every rank (one rank's edit)
+        check_materializable(model, init)
+        if on_meta(model) and config.stage != 3:  # one script for every stage: meta_init and init= work below 3
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                log.info("stage %d: the model built on the meta device is materialised whole on every rank "
+                         "(only stage 3 materialises it shard by shard)", config.stage)
+            materialize_whole(model, init, default_device())
+        check_model(model, precision.param_dtype)
+    except ModelError as error:
+        error_everywhere(error, model, group)
+    device = default_device() if on_meta(model) else device_of(model)
     group = group or ensure_process_group(device, timedelta(seconds=config.collective_timeout))
     check_device_matches_group(device, group)
     if device.type == "cuda":  # NCCL's object collectives run on the current device

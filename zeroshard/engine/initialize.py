@@ -21,7 +21,7 @@ from zeroshard.config.build import (
 )
 from zeroshard.config.logs import show_info
 from zeroshard.config.offload_merge import OffloadArg
-from zeroshard.engine.agreement import config_error_everywhere
+from zeroshard.engine.agreement import error_everywhere
 from zeroshard.engine.engine import Engine
 from zeroshard.engine.validate import check_arguments, check_mesh_arguments
 from zeroshard.parallel.mesh import Mesh
@@ -82,7 +82,7 @@ def initialize(
             config = _with_wrap_classes(config, wrap)
         optimizer = choose_optimizer(model, optimizer, config, model_parameters)
     except ConfigError as error:  # before the group exists: the other ranks would wait for this one
-        config_error_everywhere(error, model, group)
+        error_everywhere(error, model, group)
     engine = Engine(model, optimizer, config, None if mesh else group, init, mesh=mesh, tied=tied)
     engine.lr_scheduler = schedule_for(config, engine.optimizer, lr_scheduler)
     if engine.comm.rank == 0 and (block := report.block()):
