@@ -73,7 +73,7 @@ class Comm:
     timeout_s: float | None = None
     # Seconds the ranks wait for each other in an entry check (entry.py); a quarter of it, at most
     # 5 s, is the grace period after which a slow collective compares positions (positions.py).
-    rank_check_timeout_s: float = 60.0
+    rank_check_timeout_s: float = 20.0
     uid: int = 0  # this comm among the comms of its group: the entry checks' keys in the store
     entries: int = 0  # entry checks so far (entry.py); every rank counts the same calls
     # Where the group lies, for bytes by scope: "node" (inside one node), "cross_node", None (unknown).
@@ -82,7 +82,7 @@ class Comm:
 
     @classmethod
     def create(cls, group: dist.ProcessGroup, recorder: CommRecorder, timeout_s: float | None = None,
-               rank_check_timeout_s: float = 60.0, scope: Scope | None = None) -> "Comm":
+               rank_check_timeout_s: float = 20.0, scope: Scope | None = None) -> "Comm":
         gloo = dist.get_backend(group) == "gloo"
         if gloo:
             drain_gloo_at_exit()  # this comm keeps the group, and its worker threads, alive until exit

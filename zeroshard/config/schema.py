@@ -34,8 +34,7 @@ from zeroshard.config.blocks import OptimizerBlock, SchedulerBlock, parse_block
 from zeroshard.config.compression import CompressionConfig, compression_problems
 from zeroshard.config.errors import ConfigError, ConfigWarning
 from zeroshard.config.keys import key_problems, read_json
-from zeroshard.config.offload import AioConfig, raise_problems
-from zeroshard.config.offload import section as _section_or_null
+from zeroshard.config.offload import AioConfig, raise_problems, section as _section_or_null
 from zeroshard.config.offload_merge import OffloadArg, merge_offload_argument, merge_other_names
 from zeroshard.config.report import LoadReport
 from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
@@ -208,9 +207,7 @@ class Config(BaseModel):
         "Seconds a collective may wait for the other ranks before the engine stops with an error "
         "that says which collective, unit and step each rank was at (at most 1e9). DeepSpeed: none "
         "(deepspeed.init_distributed(timeout=...), default 30 minutes)."))
-    # 20 s: a rank that is not in a collective call 20 s after the others, and says nothing of where it is
-    # (a save on rank 0 only while the others wait in torch.distributed.barrier() or have exited), is not
-    # coming, and the error should come well within 30 s; the collective_timeout is for slow collectives.
+    # 20 s: a rank silent that long (in a barrier, exited) is not coming; collective_timeout is for slow ones.
     rank_check_timeout: Annotated[float, BeforeValidator(_positive_seconds)] = Field(20.0, description=(
         "Seconds the ranks wait for each other at the entry of a call every rank must make "
         "(save_checkpoint, load_checkpoint, save_pretrained, save_16bit_model; at stage 3 full_state_dict, "
