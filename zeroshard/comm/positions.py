@@ -133,7 +133,7 @@ def in_call(trace: Trace, call: str, seq: int, state: str = "waiting", made: str
     trace.published += 1
     extra = {k: v for k, v in (("made", made), ("fix", fix)) if v is not None}
     return {"where": "call", "call": call, "seq": seq, "state": state, "step": trace.global_step,
-            "micro": trace.micro_step, "n": trace.published, **extra}
+            "micro": trace.micro_step, "n": trace.published, "noted": trace.noted, **extra}
 
 
 def in_collective(trace: Trace, number: int) -> dict[str, Any]:
@@ -176,9 +176,9 @@ def elsewhere(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
 def not_coming(mine: dict[str, Any], theirs: dict[str, Any]) -> bool:
     """Whether a rank at `theirs` cannot be on its way to the entry check this rank waits in at `mine`."""
     if theirs.get("where") == "collective":
-        # This rank runs no collective while it waits, so the other's cannot land (unless this rank launched it
-        # before: then it lands soon, and the note changes before the caller's second look).
-        return True
+        # This rank runs no collective while it waits, so the other's cannot land, unless this rank launched it
+        # before (a slow one it has done its part of: it lands, however long it takes).
+        return theirs.get("noted", 0) > mine.get("noted", 0)
     if theirs.get("where") == "call":
         other = (theirs.get("call"), theirs.get("seq")) != (mine["call"], mine["seq"])
         return other or theirs.get("state") == "gave up"
