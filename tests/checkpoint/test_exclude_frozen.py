@@ -1,4 +1,4 @@
-"""`save_checkpoint(exclude_frozen_parameters=True)`: a PEFT LoRA checkpoint of the trainable state only (issue 35, 7).
+"""`save_checkpoint(exclude_frozen_parameters=True)`: a PEFT LoRA checkpoint of the trainable state only.
 
 A tiny Llama (tests/hf/models.py) with LoRA adapters on q_proj and v_proj
 (peft): 2 x 2 x 128 = 512 trained elements on a frozen base of ~75K. The

@@ -1,4 +1,4 @@
-"""Edits between `deepspeed.zero.Init` and `initialize` stick, or say why (issue 35, items 2; acceptance 2).
+"""Edits between `deepspeed.zero.Init` and `initialize` stick, or say why.
 
 Each case builds a small model under `zero.Init` (zeroshard.deepspeed), edits it before `initialize`, and
 checks at stage 3 on 1 and 2 ranks that the full value after `initialize` is the edit (a value worked out

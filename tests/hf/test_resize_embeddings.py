@@ -1,4 +1,4 @@
-"""`model.resize_token_embeddings(n)` with DeepSpeed's large-model load (issue 35, item 3; acceptance 2).
+"""`model.resize_token_embeddings(n)` with DeepSpeed's large-model load.
 
 Before `initialize`, on a model from `from_pretrained(path)` inside `deepspeed.zero.Init` (tiny Llama, whose
 head is its own `nn.Linear`, and GPT-2, whose head is tied to the embedding), the resize runs on the

@@ -1,4 +1,4 @@
-"""`zeroshard.hf.Trainer` with a PEFT LoRA model, its learning rate and its windows (issue 35, item 6).
+"""`zeroshard.hf.Trainer` with a PEFT LoRA model, its learning rate and its windows.
 
 A tiny Llama (tests/hf/models.py) with LoRA on q_proj and v_proj, trained by
 the Trainer's own AdamW and linear schedule with warm-up (no config blocks),

@@ -1,12 +1,12 @@
 """A save made on rank 0 alone at stage 3 ends within 30 s on every rank, in an error naming the call made.
 
-Issue 35, acceptance 3: `if rank == 0: model.save_pretrained(dir)` (transformers' own, which calls the
+`if rank == 0: model.save_pretrained(dir)` (transformers' own, which calls the
 model's state_dict(), which gathers), `model.state_dict()`, `engine.full_state_dict()`,
 `engine.save_pretrained(dir)` and PEFT's `save_pretrained` on rank 0 alone, while rank 1 (a) goes on to
 its next training step (a stage-3 gather, under the stall watch), (b) waits in torch.distributed.barrier()
 (nothing of zeroshard runs there: rank 0's error is the one that counts; rank 1 is let out by rank 0's
 barrier after it, as it would be by rank 0's exit), or (c) returns from the case. Each error is measured
-from a barrier both ranks pass just before: the issue's bound, 30 s, with the default config; the other
+from a barrier both ranks pass just before: the bound, 30 s, with the default config; the other
 cases pass rank_check_timeout 2 s to stay short. The same calls made on every rank still save what a
 single-process model holds (its own state dict, taken before zeroshard wraps it).
 """
@@ -24,7 +24,7 @@ from tests.distributed import run_ranks
 from tests.hf.models import STAGE3, batch, config_of, layer_class
 from tests.recipes import Case, loss_of, make_model, micro_batch
 
-BOUND_S = 30.0  # the issue's acceptance: every rank's error within this, with the default config
+BOUND_S = 30.0  # every rank's error within this, with the default config
 GROUP_TIMEOUT_S = 15  # gloo drops a collective left stuck on an abandoned group after this
 SHORT = {"rank_check_timeout": 2.0}
 
