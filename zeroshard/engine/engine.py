@@ -334,9 +334,10 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         if self.scaler is not None:
             before = self.scaler.scale
             self.scaler.update(overflow, step)
-            for bucket in self.buckets:  # error feedback holds loss-scaled residuals: now in the new scale's units
-                if bucket.feedback is not None and self.scaler.scale != before:
-                    bucket.feedback.rescale(self.scaler.scale / before)
+            if self.scaler.scale != before:  # error feedback holds loss-scaled residuals: now in the new scale's units
+                for bucket in self.buckets:
+                    if bucket.feedback is not None:
+                        bucket.feedback.rescale(self.scaler.scale / before)
 
     def _skip_step(self, check: StepCheck) -> None:
         """Inf or nan in some rank's gradients: drop the window's gradients, change nothing else. Then fp16:
