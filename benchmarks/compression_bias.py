@@ -3,7 +3,7 @@
     python benchmarks/compression_bias.py --out FILE [the demo's training flags: --stage --compress --steps --data --seed]
 
 Started once per rank (benchmarks/launch.py sets RANK, WORLD_SIZE and the
-address). The demo's model, optimizer, config and batches (app/train.py),
+address). The demo's model, optimizer, config and batches (app/demo/train.py),
 trained on the compressed run's own path; every bucket's reduction is
 watched: the micro-step's gradients it was given are also summed exactly
 (torch.distributed's all_reduce, float64) and divided by N, so for the
@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
-from zeroshard.app.data import CharCorpus, load_text, micro_batch
-from zeroshard.app.train import add_arguments, build_model, engine_config, lr_schedule
-from zeroshard.app.train_mesh import resolve_defaults
+from zeroshard.app.demo.data import CharCorpus, load_text, micro_batch
+from zeroshard.app.demo.train import add_arguments, build_model, engine_config, lr_schedule
+from zeroshard.app.demo.mesh import resolve_defaults
 from zeroshard.core.grad_norm import clip_coefficient
 
 

@@ -9,7 +9,7 @@
     python benchmarks/compression_convergence.py --bias [--bias-stages 1 2 3] [--texts FILE] [--steps 60]
 
 Each run is `zeroshard train --stage S --config FILE --log-csv ...` in a child
-process: the demo's own config (app/demo_config.py) with one
+process: the demo's own config (app/demo/config.py) with one
 `communication_compression.gradients` block, the same seed and batches, so
 the curves differ only by what the codec does to the gradients on the wire.
 Printed, per run: the mean loss of the last 10 steps, its ratio to the exact
@@ -55,7 +55,7 @@ from launch import launch
 from matplotlib.figure import Figure
 from zeropp_training import train
 
-from zeroshard.app.demo_config import DEMO_CONFIG
+from zeroshard.app.demo.config import DEMO_CONFIG
 
 CODECS = {
     "exact": None,

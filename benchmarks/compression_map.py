@@ -263,7 +263,7 @@ def main() -> int:
     sys.path.insert(0, str(REPO))
     from compression_map_report import analyse, section
 
-    from zeroshard.app.cli_estimate_compress import codec_seconds_per_element
+    from zeroshard.app.estimate.compress import codec_seconds_per_element
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks (teardown) on kill too
     command = "python " + " ".join([str(HERE.relative_to(REPO)), *sys.argv[1:]])

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from variants import Settings, make_adam  # noqa: E402 (after the path set-up)
 from worker import build_model, load_corpus, model_config, peak_rss_bytes, run_rank  # noqa: E402
 
-from zeroshard.app.data import micro_batch  # noqa: E402
+from zeroshard.app.demo.data import micro_batch  # noqa: E402
 from zeroshard.offload import SwapFile, measure_bandwidth  # noqa: E402
 
 MOVED: Counter = Counter()  # ("read" | "write", "optimizer" | "params") -> bytes, this process

@@ -6,10 +6,10 @@
 For each model, dtype and stage, `--world` ranks of their own (gloo, one
 thread each) train the preset; a rank reads the resident high-water
 mark of its second step above its RSS before the model was built
-(`zeroshard.app.step_peak.measure`: VmHWM reset through /proc/self/clear_refs,
+(`zeroshard.app.estimate.step_peak.measure`: VmHWM reset through /proc/self/clear_refs,
 freed blocks handed back to the system). The prediction is
 `zeroshard.estimate.step_peak` on the model's meta-device counts
-(`zeroshard.app.step_peak.predict`). The table gives the largest rank's
+(`zeroshard.app.estimate.step_peak.predict`). The table gives the largest rank's
 measurement; `--plot` draws, for the last of `--models`, each stage's estimate
 by part beside the measurement (memory_stats' kinds, the measured
 activations, and the rest of the measured peak).
@@ -33,8 +33,8 @@ from bench import command_line, machine, rank_env  # noqa: E402
 from launch import launch  # noqa: E402
 from report import write_section  # noqa: E402
 
-from zeroshard.app.model_count import DEMO_BUCKET_SIZE  # noqa: E402
-from zeroshard.app.step_peak import PeakRun, predict  # noqa: E402
+from zeroshard.app.estimate.model_count import DEMO_BUCKET_SIZE  # noqa: E402
+from zeroshard.app.estimate.step_peak import PeakRun, predict  # noqa: E402
 
 MB = 1e6
 HEADING = "## The peak of a step: predicted and measured, stages 0-3"  # + ", with activation checkpointing"
@@ -66,7 +66,7 @@ def worker(run_json: str, result: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from zeroshard.app.step_peak import measure
+    from zeroshard.app.estimate.step_peak import measure
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -156,7 +156,7 @@ def main() -> None:
         if args.out:
             write_section(args.out, text)
     if args.plot:
-        from zeroshard.app.plots import peak_chart
+        from zeroshard.app.demo.plots import peak_chart
 
         last = rows[-1]["run"]["model"]  # the last of --models
         peak_chart(args.plot, [row for row in rows if row["run"]["model"] == last])

@@ -44,9 +44,9 @@ from bench import command_line, machine  # noqa: E402
 from report import write_section  # noqa: E402
 
 from zeroshard.app.cli import build_parser  # noqa: E402
-from zeroshard.app.tune import make_setup  # noqa: E402
-from zeroshard.app.tune_search import Row, Search, run_candidate, search  # noqa: E402
-from zeroshard.app.tune_trials import Outcome, choose_limit  # noqa: E402
+from zeroshard.app.tune.cli import make_setup  # noqa: E402
+from zeroshard.app.tune.search import Row, Search, run_candidate, search  # noqa: E402
+from zeroshard.app.tune.trials import Outcome, choose_limit  # noqa: E402
 from zeroshard.app.units import human_bytes  # noqa: E402
 
 WITHIN = 1.10  # the acceptance: tune's choice within 10% of the fastest configuration measured

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from variants import BUILDERS, LIBRARY, PEERS, ZEROSHARD, Settings, StepFn, cast_for_peer  # noqa: E402 (after the path set-up)
 
-from zeroshard.app.data import CharCorpus, load_text, micro_batch  # noqa: E402
+from zeroshard.app.demo.data import CharCorpus, load_text, micro_batch  # noqa: E402
 from zeroshard.app.models.gpt import GPT, PRESETS, GPTConfig  # noqa: E402
 
 

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from zeroshard.app import data
+from zeroshard.app.demo import data
 from zeroshard.app.models import GPT, PRESETS
 from zeroshard.dtypes import DTYPES
 

@@ -148,7 +148,7 @@ def test_torchrun_argv():
     argv = torchrun_argv(args)
     assert argv[:7] == ["--nnodes", "1", "--nproc-per-node", "3", "--standalone", "--max-restarts", "0"]
     module = argv.index("--module")
-    assert argv[module + 1] == "zeroshard.app.train"
+    assert argv[module + 1] == "zeroshard.app.demo.train"
     assert build_parser().parse_args(["train", *argv[module + 2:]]).steps == 7
     args = build_parser().parse_args(["train", "--nnodes", "2", "--rdzv-endpoint", "host:29400"])
     assert "--standalone" not in torchrun_argv(args)

@@ -663,7 +663,7 @@ def test_cli_train_resume_checked_before_launching(tmp_path, monkeypatch, capsys
 
 
 def test_resume_of_a_checkpoint_the_demo_did_not_write(saved):
-    from zeroshard.app.restart import resume
+    from zeroshard.app.demo.restart import resume
 
     e = make_engine(CASE)
     schedule = torch.optim.lr_scheduler.LambdaLR(e.optimizer, lambda step: 1.0)

@@ -21,7 +21,7 @@ import zeroshard.deepspeed as deepspeed
 from tests.distributed import run_ranks
 from tests.parallel.mesh_recipes import CFG, MeshCase, check_mesh_runs, train_on_mesh
 from tests.recipes import GPT_CFG, Case, loss_of, make_engine, micro_batch, relative_error, train_reference
-from zeroshard.app.activation_count import count_activations
+from zeroshard.app.estimate.activation_count import count_activations
 from zeroshard.app.models import PRESETS
 from zeroshard.config import ConfigError
 from zeroshard.deepspeed import checkpointing

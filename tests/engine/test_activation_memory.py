@@ -18,7 +18,7 @@ import torch
 
 from tests.distributed import run_ranks
 from tests.recipes import Case, make_engine, micro_batch
-from zeroshard.app.activation_count import count_activations
+from zeroshard.app.estimate.activation_count import count_activations
 
 
 def _storages_alive() -> dict[int, torch.UntypedStorage]:

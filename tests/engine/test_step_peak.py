@@ -3,7 +3,7 @@
 Reference: the process's own resident high-water mark during one step
 (VmHWM, reset through /proc/self/clear_refs) above its RSS before the model
 was built, with freed blocks handed back to the system at once
-(`zeroshard.app.step_peak.measure`; on a GPU the allocator's peak). The
+(`zeroshard.app.estimate.step_peak.measure`; on a GPU the allocator's peak). The
 prediction, `zeroshard.estimate.step_peak` on the model's meta-device counts,
 must be within 10% of it; the model states and the staging buffers it replays
 from the engine's rule must equal `memory_stats().held()` to the byte. The 4m
@@ -19,7 +19,7 @@ from __future__ import annotations
 from tests.distributed import run_ranks
 from tests.distributed import test_device as rank_device
 from zeroshard.app.models import PRESETS
-from zeroshard.app.step_peak import PeakRun, measure, predict
+from zeroshard.app.estimate.step_peak import PeakRun, measure, predict
 
 RUNS = [PeakRun("4m", stage, "fp32", micro_batch=4, seq=128, bucket=1_000_000) for stage in range(4)] + [
     PeakRun("4m", 0, "bf16", micro_batch=1, seq=128, bucket=1_000_000)]  # the optimizer step peaks: fp32 grads

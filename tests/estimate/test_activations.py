@@ -20,10 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tests.hf.models import config_of
-from zeroshard.app.activation_count import count_activations, training_forward
+from zeroshard.app.estimate.activation_count import count_activations, training_forward
 from zeroshard.app.cli import main
-from zeroshard.app.model_count import count_model
-from zeroshard.app.step_peak import peak_of
+from zeroshard.app.estimate.model_count import count_model
+from zeroshard.app.estimate.step_peak import peak_of
 from zeroshard.app.models import PRESETS, GPTConfig
 from zeroshard.estimate.activations import count_saved, korthikanti_layer_bytes
 

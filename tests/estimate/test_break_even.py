@@ -12,9 +12,9 @@ import math
 import pytest
 
 from zeroshard import estimate
-from zeroshard.app import cli_estimate_compress
+from zeroshard.app.estimate import compress as cli_estimate_compress
 from zeroshard.app.cli import main
-from zeroshard.app.model_count import count_model
+from zeroshard.app.estimate.model_count import count_model
 from zeroshard.estimate import PERSISTENT, SHARDED, Flat
 
 BUCKETS = [1000, 777, 13]  # odd and prime sizes: padding to N shards and to whole blocks

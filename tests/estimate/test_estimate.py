@@ -8,7 +8,7 @@ import pytest
 
 from zeroshard import estimate
 from zeroshard.app.cli import main
-from zeroshard.app.model_count import count_model
+from zeroshard.app.estimate.model_count import count_model
 from zeroshard.app.models import GPT, PRESETS
 
 

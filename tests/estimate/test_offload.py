@@ -9,7 +9,7 @@ import pytest
 
 from zeroshard import estimate
 from zeroshard.app.cli import main
-from zeroshard.app.model_count import count_model
+from zeroshard.app.estimate.model_count import count_model
 from zeroshard.estimate.offload import largest_model_offload, offload_pool_bytes, pool_totals, ratio_numel
 
 ZERO = {"params": 0, "grads": 0, "master": 0, "optimizer": 0, "staging": 0}

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from zeroshard.app.cli import main
-from zeroshard.app.model_count import count_model, count_parts, part_numels
+from zeroshard.app.estimate.model_count import count_model, count_parts, part_numels
 from zeroshard.app.models import PRESETS
 from zeroshard.estimate import STAGES, model_state_bytes, precision_bytes, summarize
 from zeroshard.estimate.parallel import (

@@ -15,7 +15,7 @@ import pytest
 
 from zeroshard import estimate
 from zeroshard.app.cli import main
-from zeroshard.app.model_count import count_model, stage3_flats
+from zeroshard.app.estimate.model_count import count_model, stage3_flats
 from zeroshard.estimate import FROZEN, PERSISTENT, SHARDED, Flat, ZeroPP
 
 PSI = 4 * 128 * 1000  # divisible by N x B: no padding anywhere

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import zeroshard
 from tests.recipes import Case, global_batch, make_optimizer, relative_error
-from zeroshard.app.model_count import part_numels
+from zeroshard.app.estimate.model_count import part_numels
 from zeroshard.app.models import GPT, PRESETS, GPTStage, lm_loss
 from zeroshard.estimate.formulas import comm_bytes_per_step, step_check_bytes
 from zeroshard.estimate.parallel import part_state_bytes

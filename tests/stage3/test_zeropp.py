@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 from tests.distributed import RankFailure, run_ranks
 from tests.recipes import GPT_CFG, Case, make_engine, micro_batch
-from zeroshard.app import data
-from zeroshard.app.model_count import stage3_flats
+from zeroshard.app.demo import data
+from zeroshard.app.estimate.model_count import stage3_flats
 from zeroshard.app.models import GPT
 from zeroshard.comm.quantize import BlockCodec, dequantize, quantize
 from zeroshard.estimate import qgz_reduce_scatter_bytes, qwz_all_gather_bytes

@@ -1,7 +1,7 @@
 """The `zeroshard` command.
 
 `zeroshard train` launches local ranks through torchrun's launcher
-(`torch.distributed.run`), each running `python -m zeroshard.app.train` with the
+(`torch.distributed.run`), each running `python -m zeroshard.app.demo.train` with the
 same flags, so the demo that runs on a laptop runs unchanged on several
 nodes (`--nnodes`, `--rdzv-endpoint`).
 """
@@ -15,12 +15,14 @@ import sys
 import warnings
 from pathlib import Path
 
-from zeroshard.app import cli_estimate, compare, tune
+from zeroshard.app.demo import compare
+from zeroshard.app.estimate import cli as estimate_cli
+from zeroshard.app.tune import cli as tune_cli
 from zeroshard.app.flags import add_command, add_dtype, add_group, add_nproc, positive_int
 from zeroshard.app.models import PRESETS
-from zeroshard.app.train import add_arguments, engine_config, to_argv
-from zeroshard.app.train_offload import OffloadFlagError
-from zeroshard.app.train_mesh import flag_error, resolve_defaults
+from zeroshard.app.demo.train import add_arguments, engine_config, to_argv
+from zeroshard.app.demo.offload import OffloadFlagError
+from zeroshard.app.demo.mesh import flag_error, resolve_defaults
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.consolidate import write
 from zeroshard.checkpoint.files import parse_manifest, resolve
@@ -77,9 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "restart resumes from the latest complete checkpoint of --save-dir, which "
                              "--save-every writes (default: %(default)s)")
     add_arguments(train.add_argument_group("training"))
-    cli_estimate.add_parser(commands)
+    estimate_cli.add_parser(commands)
     compare.add_parser(commands)
-    tune.add_parser(commands)
+    tune_cli.add_parser(commands)
     add_config_command(commands)
     add_consolidate_command(commands)
     add_checkpoint_command(commands)
@@ -211,7 +213,7 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
         rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
     return ["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc), *rendezvous,
             "--max-restarts", str(args.max_restarts),
-            "--module", "zeroshard.app.train", *to_argv(args)]
+            "--module", "zeroshard.app.demo.train", *to_argv(args)]
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -269,7 +271,7 @@ def _check_resume(args: argparse.Namespace) -> None:
 
 
 # The commands besides train; argparse has checked that `args.command` is one of them.
-_RUN = {"estimate": cli_estimate.run, "compare": compare.run, "tune": tune.run, "config": run_config_check,
+_RUN = {"estimate": estimate_cli.run, "compare": compare.run, "tune": tune_cli.run, "config": run_config_check,
         "consolidate": run_consolidate, "checkpoint": run_checkpoint_verify}
 
 

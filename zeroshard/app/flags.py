@@ -3,7 +3,7 @@
 Each flag that more than one command takes is declared here once, with its
 type, choices and metavar; a command passes its own default and help where
 the flag's meaning differs there (`compare`'s --steps are per run). The
-commands: `train` (cli.py, and each rank's `python -m zeroshard.app.train`),
+commands: `train` (cli.py, and each rank's `python -m zeroshard.app.demo.train`),
 `compare`, `estimate`, `config check` and `consolidate`.
 """
 
@@ -81,7 +81,7 @@ def add_model(parser: argparse.ArgumentParser, default: str | None = "demo",
 
 
 def add_mesh(parser: argparse.ArgumentParser) -> None:
-    """--tp, --pp, --micro-batches: the 3D mesh of `zeroshard train` (app/train_mesh.py)."""
+    """--tp, --pp, --micro-batches: the 3D mesh of `zeroshard train` (app/demo/mesh.py)."""
     parser.add_argument("--tp", type=positive_int, default=1, metavar="T",
                         help="tensor-parallel ranks: each transformer block's heads and MLP split T ways "
                              "(default: %(default)s)")

@@ -16,7 +16,7 @@ Narayanan et al. 2021 for the tied embedding across stages):
   holds it, with its own gradient, master and optimizer state.
 
 Pure functions over counts: which parameters a model splits is the caller's
-(app/model_count.py counts the built-in GPT). Every figure is in bytes per
+(app/estimate/model_count.py counts the built-in GPT). Every figure is in bytes per
 rank, or elements where named so.
 """
 

@@ -3,7 +3,7 @@
 It joins formulas.py (ZeRO stages 0-3) and zeropp.py (stage 3's collectives
 by scope, with and without ZeRO++, and hpZ's memory). Stage 3's figures by
 scope come from the flat buffers the engine would build (`flats`: from the
-model's unit plan, app/model_count.py), or from one sharded flat of Ψ.
+model's unit plan, app/estimate/model_count.py), or from one sharded flat of Ψ.
 """
 
 from __future__ import annotations

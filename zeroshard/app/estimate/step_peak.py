@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 import torch
 
 import zeroshard
-from zeroshard.app.activation_count import count_activations
-from zeroshard.app.model_count import DEMO_BUCKET_SIZE, DEMO_WRAP, ParamCount, count_model
+from zeroshard.app.estimate.activation_count import count_activations
+from zeroshard.app.estimate.model_count import DEMO_BUCKET_SIZE, DEMO_WRAP, ParamCount, count_model
 from zeroshard.app.models import GPT, PRESETS
 from zeroshard.app.resident import ResidentMeter, release_freed, status_bytes
 from zeroshard.dtypes import DTYPES

@@ -1,7 +1,7 @@
 """The built-in demo: train a small character-level GPT with zeroshard on every rank.
 
 Run one process per rank under torchrun (`zeroshard train` launches them):
-`python -m zeroshard.app.train --stage 2 ...`. Rank 0 shows a progress bar and,
+`python -m zeroshard.app.demo.train --stage 2 ...`. Rank 0 shows a progress bar and,
 at the end, a sample of generated text and a report that puts the measured
 per-rank memory and per-step communication next to the formulas of
 `zeroshard.estimate`.
@@ -25,8 +25,8 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 import zeroshard
-from zeroshard.app.data import CharCorpus, load_text, micro_batch
-from zeroshard.app.demo_config import DEMO_CONFIG, demo_model_config
+from zeroshard.app.demo.data import CharCorpus, load_text, micro_batch
+from zeroshard.app.demo.config import DEMO_CONFIG, demo_model_config
 from zeroshard.app.flags import (
     add_data,
     add_dtype,
@@ -40,12 +40,12 @@ from zeroshard.app.flags import (
     true_or_false,
 )
 from zeroshard.app.models import GPT
-from zeroshard.app.report import print_report, report_figures
-from zeroshard.app.restart import BatchError, completed, keep_global_batch, resume, resume_source, save
-from zeroshard.app.run_log import StepLog, write_report
-from zeroshard.app.train_compress import add_compress, compress_keys
-from zeroshard.app.train_offload import add_offload, make_default_nvme_path, offload_keys, remove_default_nvme_path
-from zeroshard.app.train_mesh import MeshUsageError, on_mesh, resolve_defaults, train_on_mesh
+from zeroshard.app.demo.report import print_report, report_figures
+from zeroshard.app.demo.restart import BatchError, completed, keep_global_batch, resume, resume_source, save
+from zeroshard.app.demo.run_log import StepLog, write_report
+from zeroshard.app.demo.compress import add_compress, compress_keys
+from zeroshard.app.demo.offload import add_offload, make_default_nvme_path, offload_keys, remove_default_nvme_path
+from zeroshard.app.demo.mesh import MeshUsageError, on_mesh, resolve_defaults, train_on_mesh
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class UsageError(ValueError):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The training flags, shared by `zeroshard train` and `python -m zeroshard.app.train`."""
+    """The training flags, shared by `zeroshard train` and `python -m zeroshard.app.demo.train`."""
     parser.add_argument("--config", metavar="FILE", default=None,
                         help="zeroshard/DeepSpeed JSON config; the engine flags below override its keys "
                              "(default: the demo's settings)")
@@ -107,16 +107,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "out the LR schedule: give the first run's to reproduce it")
     add_dtype(parser, None, "training dtype: bf16 or fp16 train 16-bit parameters with fp32 master weights "
                             "(fp16 with dynamic loss scaling) (default: fp32, or the config's)")
-    add_offload(parser)  # --offload, --offload-params, --nvme-path: app/train_offload.py
-    add_compress(parser)  # --compress: app/train_compress.py
-    add_mesh(parser)  # --tp, --pp, --micro-batches: a run on a mesh is app/train_mesh.py's
+    add_offload(parser)  # --offload, --offload-params, --nvme-path: app/demo/offload.py
+    add_compress(parser)  # --compress: app/demo/compress.py
+    add_mesh(parser)  # --tp, --pp, --micro-batches: a run on a mesh is app/demo/mesh.py's
 
 
 _PATH_FLAGS = ("config", "data", "report", "log_csv", "save_dir", "resume", "nvme_path")  # made absolute: workers may start elsewhere
 
 
 def to_argv(args: argparse.Namespace) -> list[str]:
-    """The training flags of `args` as a command line for `python -m zeroshard.app.train`."""
+    """The training flags of `args` as a command line for `python -m zeroshard.app.demo.train`."""
     flags = argparse.ArgumentParser(add_help=False)
     add_arguments(flags)
     return as_argv(args, vars(flags.parse_args([])), _PATH_FLAGS)  # every flag add_arguments declares
@@ -356,8 +356,8 @@ def generate(model: GPT, corpus: CharCorpus, prompt: str, length: int, seed: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of one rank: `python -m zeroshard.app.train [flags]` under torchrun."""
-    parser = argparse.ArgumentParser(prog="python -m zeroshard.app.train", description=__doc__.split("\n")[0])
+    """Entry point of one rank: `python -m zeroshard.app.demo.train [flags]` under torchrun."""
+    parser = argparse.ArgumentParser(prog="python -m zeroshard.app.demo.train", description=__doc__.split("\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
     resolve_defaults(args)

@@ -14,9 +14,9 @@ from rich.text import Text
 
 import zeroshard
 from zeroshard import estimate
-from zeroshard.app.model_count import stage3_flats
-from zeroshard.app.train_compress import reduction_formula
-from zeroshard.app.train_offload import offloaded, pool_formula
+from zeroshard.app.estimate.model_count import stage3_flats
+from zeroshard.app.demo.compress import reduction_formula
+from zeroshard.app.demo.offload import offloaded, pool_formula
 from zeroshard.dtypes import WIRE_BITS
 from zeroshard.estimate.offload import POOLS
 from zeroshard.estimate.zeropp import ZeroPP, hpz_secondary_bytes, stage3_comm_bytes

@@ -1,6 +1,6 @@
 """`zeroshard estimate`'s activation part: --micro-batch, --seq, --checkpoint-activations, and the table.
 
-The count is `zeroshard.app.activation_count.count_activations`: the model's
+The count is `zeroshard.app.estimate.activation_count.count_activations`: the model's
 training forward run on the meta device, what autograd saves counted per
 block and in total. Beside it, where the model is a transformer with a
 hidden size and heads, Korthikanti et al. 2022's per-layer formula (16-bit
@@ -18,11 +18,11 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from zeroshard.app.activation_count import count_activations
+from zeroshard.app.estimate.activation_count import count_activations
 from zeroshard.app.flags import positive_int
-from zeroshard.app.model_count import ParamCount, hf_config
+from zeroshard.app.estimate.model_count import ParamCount, hf_config
 from zeroshard.app.models import PRESETS
-from zeroshard.app.step_peak import peak_of
+from zeroshard.app.estimate.step_peak import peak_of
 from zeroshard.app.units import human_bytes
 from zeroshard.estimate import STAGES
 from zeroshard.estimate.activations import CHECKPOINTING, korthikanti_layer_bytes

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from zeroshard.app.model_count import build_hf_model
+from zeroshard.app.estimate.model_count import build_hf_model
 from zeroshard.app.models import GPT, PRESETS
 from zeroshard.dtypes import DTYPES
 from zeroshard.estimate.activations import CHECKPOINTING, ActivationCount, count_saved

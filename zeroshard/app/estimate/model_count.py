@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zeroshard.app.demo_config import DEMO_CONFIG
+from zeroshard.app.demo.config import DEMO_CONFIG
 from zeroshard.app.models import GPT, PRESETS, GPTConfig, GPTStage
 from zeroshard.config.schema import ZeroConfig
 from zeroshard.core.bucketing import bucket_params

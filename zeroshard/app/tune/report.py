@@ -9,8 +9,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from zeroshard.app.tune_candidates import Candidate
-from zeroshard.app.tune_search import Row, Search
+from zeroshard.app.tune.candidates import Candidate
+from zeroshard.app.tune.search import Row, Search
 from zeroshard.app.units import human_bytes, human_count
 
 

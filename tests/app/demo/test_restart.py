@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.app.restart import BatchError, completed, keep_global_batch, resume, resume_source, save
-from zeroshard.app.train import lr_schedule
+from zeroshard.app.demo.restart import BatchError, completed, keep_global_batch, resume, resume_source, save
+from zeroshard.app.demo.train import lr_schedule
 
 
 def _checkpoint(directory, **client_state):

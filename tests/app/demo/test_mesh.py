@@ -1,4 +1,4 @@
-"""`zeroshard train --tp/--pp` (app/train_mesh.py): the demo on a pp x dp x tp mesh, and the flags it refuses."""
+"""`zeroshard train --tp/--pp` (app/demo/mesh.py): the demo on a pp x dp x tp mesh, and the flags it refuses."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from zeroshard.app.cli import main
-from zeroshard.app.model_count import count_model, model_class
+from zeroshard.app.estimate.model_count import count_model, model_class
 from zeroshard.stage3.wrapping import plan_units, unit_modules
 
 TINY = {  # model_type -> sizes small enough to build eagerly in milliseconds

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from zeroshard.app.activation_count import count_activations
-from zeroshard.app.model_count import DEMO_BUCKET_SIZE, REDUCE_BUCKET_SIZE, count_model
+from zeroshard.app.estimate.activation_count import count_activations
+from zeroshard.app.estimate.model_count import DEMO_BUCKET_SIZE, REDUCE_BUCKET_SIZE, count_model
 from zeroshard.app.units import human_bytes
 from zeroshard.estimate import Flat, offload_pool_bytes, state_bytes_per_element
 from zeroshard.estimate.zeropp import PERSISTENT
@@ -61,7 +61,7 @@ class Setup:
 
 @dataclass(frozen=True)
 class Candidate:
-    """One configuration: what the written DeepSpeed config says (tune_config.py writes it)."""
+    """One configuration: what the written DeepSpeed config says (tune/config.py writes it)."""
 
     stage: int
     micro_batch: int

@@ -1,12 +1,12 @@
 """`zeroshard tune`: the fastest configuration that fits the memory given, found by estimate and by measurement.
 
-It lists the candidate configurations (tune_candidates.py), predicts each
-one's peak memory per rank and step time (tune_time.py) after one
+It lists the candidate configurations (tune/candidates.py), predicts each
+one's peak memory per rank and step time (tune/step_time.py) after one
 calibration launch, rejects those that do not fit with their reason,
 measures the best few in real trials of the demo's training program under
-the memory limit (tune_trials.py), and writes the fastest that ran as a
-DeepSpeed-style config (tune_config.py). The search is tune_search.py, the
-table tune_report.py.
+the memory limit (tune/trials.py), and writes the fastest that ran as a
+DeepSpeed-style config (tune/config.py). The search is tune/search.py, the
+table tune/report.py.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from rich.console import Console
 
 from zeroshard.app.flags import add_command, add_dtype, positive_float, positive_int
 from zeroshard.app.models import PRESETS
-from zeroshard.app.tune_candidates import Setup
-from zeroshard.app.tune_config import ds_config, write_config
-from zeroshard.app.tune_report import print_search, search_dict
-from zeroshard.app.tune_search import TuneError, search
-from zeroshard.app.tune_trials import choose_limit
+from zeroshard.app.tune.candidates import Setup
+from zeroshard.app.tune.config import ds_config, write_config
+from zeroshard.app.tune.report import print_search, search_dict
+from zeroshard.app.tune.search import TuneError, search
+from zeroshard.app.tune.trials import choose_limit
 from zeroshard.app.units import memory_size
 
 EXAMPLES = """\
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
 
 def _log_progress() -> None:
     """The search's progress lines (each trial as it starts and ends) on stderr."""
-    logger = logging.getLogger("zeroshard.app.tune_search")
+    logger = logging.getLogger("zeroshard.app.tune.search")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))

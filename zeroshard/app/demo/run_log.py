@@ -8,7 +8,7 @@ import json
 import logging
 from pathlib import Path
 
-log = logging.getLogger("zeroshard.app.train")
+log = logging.getLogger("zeroshard.app.demo.train")
 
 
 class StepLog:
@@ -48,7 +48,7 @@ class StepLog:
 
 def write_report(directory: str, figures: dict) -> list[Path]:
     """Write report.json, loss.png and memory.png into `directory` (created); returns their paths."""
-    from zeroshard.app import plots  # matplotlib loads only when a report is asked for
+    from zeroshard.app.demo import plots  # matplotlib loads only when a report is asked for
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from zeroshard.app.tune_candidates import Candidate, Counts, Setup
+from zeroshard.app.tune.candidates import Candidate, Counts, Setup
 from zeroshard.estimate import (
     DTYPE_BYTES,
     ZeroPP,
@@ -42,7 +42,7 @@ RECOMPUTE = 4 / 3  # forward + backward + the forward again, over forward + back
 
 @dataclass(frozen=True)
 class Calibration:
-    """What the calibration measured on this machine's ranks (tune_calibrate.py), the slowest rank's figures."""
+    """What the calibration measured on this machine's ranks (tune/calibrate.py), the slowest rank's figures."""
 
     runtime: int  # bytes a rank holds before any model
     forward_backward: dict[int, float]  # micro-batch -> seconds of one forward + backward

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from zeroshard import estimate
 from zeroshard.app.flags import positive_float
-from zeroshard.app.model_count import REDUCE_BUCKET_SIZE, ParamCount
+from zeroshard.app.estimate.model_count import REDUCE_BUCKET_SIZE, ParamCount
 from zeroshard.app.units import count, human_bytes
 from zeroshard.comm.messages import decode_rows, encode_rows
 from zeroshard.comm.quantize import BlockCodec

@@ -2,7 +2,7 @@
 
 1. Count the model on the meta device: Ψ, stage 3's units, one micro-batch's
    activations at each micro-batch with and without checkpointing.
-2. Calibrate: one launch of the ranks (tune_calibrate.py) measures what a
+2. Calibrate: one launch of the ranks (tune/calibrate.py) measures what a
    rank holds before any model and how fast the ranks compute and
    communicate together.
 3. Predict each candidate's peak per rank (`tune_candidates.predict_peak`);
@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from zeroshard.app.tune_candidates import (
+from zeroshard.app.tune.candidates import (
     Candidate,
     Counts,
     Peak,
@@ -34,9 +34,9 @@ from zeroshard.app.tune_candidates import (
     predict_peak,
     rejection,
 )
-from zeroshard.app.tune_config import ds_config, trial_argv, write_config
-from zeroshard.app.tune_time import Calibration, StepTime, predict_step
-from zeroshard.app.tune_trials import Limit, Outcome, TrialResult, run_trial
+from zeroshard.app.tune.config import ds_config, trial_argv, write_config
+from zeroshard.app.tune.step_time import Calibration, StepTime, predict_step
+from zeroshard.app.tune.trials import Limit, Outcome, TrialResult, run_trial
 from zeroshard.app.units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def calibrate(setup: Setup, counts: Counts, limit: Limit, timeout: float, workdi
     fitting = [b for b in batches if counts.activations[b, "none"][0] <= setup.device_mem]
     sizes = sorted({batches[0], max(fitting, default=batches[0])})
     out = workdir / "calibration.json"
-    argv = ["zeroshard.app.tune_calibrate", "--model", setup.model, "--numel", str(counts.numel), "--seq",
+    argv = ["zeroshard.app.tune.calibrate", "--model", setup.model, "--numel", str(counts.numel), "--seq",
             str(setup.seq), "--micro-batches", *map(str, sizes), "--dtype", setup.dtype, "--measure", limit.kind,
             "--out", str(out)]
     result = run_trial(argv, setup.ranks, Limit(limit.kind, None, limit.parent), timeout, workdir / "calibration")

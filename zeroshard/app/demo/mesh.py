@@ -7,7 +7,7 @@ torch's 1F1B schedule runs each step, a dp rank's rows split into
 --micro-batches micro-batches (`PipelineStage` hands their gradients to the
 engine); at pp = 1 the plain loop runs, with --accumulation.
 
-The data is the demo's (app/data.py): step s's global batch is the one the
+The data is the demo's (app/demo/data.py): step s's global batch is the one the
 plain demo draws with as many micro-steps as the mesh has micro-batches, and
 each dp rank feeds its rows of each micro-step, so a mesh trains on what the
 plain demo trains on. Rank 0 logs the loss every step (the last stage's, the
@@ -33,14 +33,14 @@ from rich.console import Console
 from rich.table import Table
 
 import zeroshard
-from zeroshard.app.data import CharCorpus, load_text, micro_batch
-from zeroshard.app.demo_config import demo_model_config
+from zeroshard.app.demo.data import CharCorpus, load_text, micro_batch
+from zeroshard.app.demo.config import demo_model_config
 from zeroshard.app.models import GPT, PRESETS, GPTStage, lm_loss
-from zeroshard.app.run_log import StepLog
+from zeroshard.app.demo.run_log import StepLog
 from zeroshard.comm.group import this_rank_gpu
 from zeroshard.parallel.mesh import Mesh, build_mesh
 
-log = logging.getLogger("zeroshard.app.train")
+log = logging.getLogger("zeroshard.app.demo.train")
 
 DIMS = ("dp", "tp", "pp", "mesh")  # engine.comm_stats(dim): what each records is in the report's caption
 

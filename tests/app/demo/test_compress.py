@@ -9,7 +9,7 @@ to comm_stats() in tests/comm/test_powersgd.py; the report sums it.)
 
 from __future__ import annotations
 
-from tests.app.test_train_offload import _train
+from tests.app.demo.test_offload import _train
 
 
 def _run(tmp_path, name: str, stage: int, *flags: str) -> dict:

@@ -6,7 +6,7 @@ units, gradient clipping); for another model from the engine's defaults.
 Both get the bucket size tune chose for the model (`tune_candidates.bucket_size`). `train_batch_size` is written out, so the file says the
 global batch it was tuned for and a run on another number of ranks is told
 so at start. Checkpointing writes an `activation_checkpointing` block: the
-demo checkpoints its blocks when its config has one (app/demo_config.py); a
+demo checkpoints its blocks when its config has one (app/demo/config.py); a
 model of your own checkpoints itself (docs/memory.md).
 """
 
@@ -16,9 +16,9 @@ import copy
 import json
 from pathlib import Path
 
-from zeroshard.app.demo_config import DEMO_CONFIG
+from zeroshard.app.demo.config import DEMO_CONFIG
 from zeroshard.app.models import PRESETS
-from zeroshard.app.tune_candidates import Candidate, Setup
+from zeroshard.app.tune.candidates import Candidate, Setup
 
 
 def ds_config(candidate: Candidate, setup: Setup) -> dict:
@@ -61,5 +61,5 @@ def trial_argv(setup: Setup, config: Path, steps: int, steps_csv: Path) -> list[
     if setup.model not in PRESETS:
         raise ValueError(f"trials train the demo's GPT (zeroshard train), and '{setup.model}' is not one of its "
                          f"presets ({', '.join(sorted(PRESETS))}): give --top 0 to rank by the estimate alone")
-    return ["zeroshard.app.train", "--config", str(config), "--model", setup.model, "--steps", str(steps),
+    return ["zeroshard.app.demo.train", "--config", str(config), "--model", setup.model, "--steps", str(steps),
             "--log-csv", str(steps_csv), "--log-every", str(steps), "--sample", "0"]

@@ -1,4 +1,4 @@
-"""Rank programs for tests/app/test_tune.py's trial runner: `python -m tests.app.tune_programs ACTION ...`.
+"""Rank programs for tests/app/tune/test_tune.py's trial runner: `python -m tests.app.tune.tune_programs ACTION ...`.
 
 - `allocate BYTES CSV`: touch BYTES of memory, then write two steps' seconds to CSV (as the demo's --log-csv)
   on rank 0 and exit 0; a memory limit under BYTES ends it with MemoryError or the kernel's kill.

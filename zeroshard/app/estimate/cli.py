@@ -2,7 +2,7 @@
 
 The figures come from `zeroshard.estimate.summarize`; this module reads the
 flags, counts Ψ and the largest unit when given a model (a demo preset or any
-`transformers` model, built on the meta device: `zeroshard.app.model_count`),
+`transformers` model, built on the meta device: `zeroshard.app.estimate.model_count`),
 and prints either that object as JSON or a table. With `--tp`/`--pp` above 1
 (a preset only) it prints each model part's model-state bytes per rank
 instead (`zeroshard.estimate.parallel.mesh_summary`). With `--offload-optimizer`
@@ -19,17 +19,17 @@ from rich.console import Console
 from rich.table import Table
 
 from zeroshard import estimate
-from zeroshard.app.cli_estimate_activations import (
+from zeroshard.app.estimate.activations import (
     activations,
     add_activations,
     peak_bytes,
     print_activations,
     wants_activations,
 )
-from zeroshard.app.cli_estimate_compress import add_compress, check_compress, compression, print_compression
-from zeroshard.app.cli_estimate_offload import add_offload, offload_setup, print_offload
+from zeroshard.app.estimate.compress import add_compress, check_compress, compression, print_compression
+from zeroshard.app.estimate.offload import add_offload, offload_setup, print_offload
 from zeroshard.app.flags import add_command, add_dtype, positive_int
-from zeroshard.app.model_count import (
+from zeroshard.app.estimate.model_count import (
     AUTO_WRAP_MIN_PARAMS,
     DEMO_WRAP,
     PERSISTENCE_THRESHOLD,

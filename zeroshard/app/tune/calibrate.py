@@ -1,7 +1,7 @@
 """`zeroshard tune`'s calibration: what one rank of this machine holds and how fast it computes, measured on
 every rank at once (they share the machine's cores and memory bandwidth, as in training).
 
-`python -m zeroshard.app.tune_calibrate --model M --seq S --micro-batches B1 B2 --measure cgroup|rlimit --out FILE`
+`python -m zeroshard.app.tune.calibrate --model M --seq S --micro-batches B1 B2 --measure cgroup|rlimit --out FILE`
 runs as the ranks of a trial (`tune_trials.run_trial`, uncapped). Each rank:
 
 - reads the memory it holds without a model, as the trials' limit counts it
@@ -35,11 +35,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import zeroshard.app.train  # noqa: F401  what a trial's rank imports is part of the runtime it holds
-from zeroshard.app.activation_count import training_forward
-from zeroshard.app.data import CharCorpus, load_text
+import zeroshard.app.demo.train  # noqa: F401  what a trial's rank imports is part of the runtime it holds
+from zeroshard.app.estimate.activation_count import training_forward
+from zeroshard.app.demo.data import CharCorpus, load_text
 from zeroshard.app.flags import positive_int
-from zeroshard.app.tune_trials import held_now, peak_since_reset, reset_peak
+from zeroshard.app.tune.trials import held_now, peak_since_reset, reset_peak
 from zeroshard.dtypes import TRAINING_DTYPES
 from zeroshard.estimate import shard_numel, wire_bytes
 
@@ -131,7 +131,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m zeroshard.app.tune_calibrate", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m zeroshard.app.tune.calibrate", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--numel", type=positive_int, required=True, help="Ψ: the parameters the engine steps")
     parser.add_argument("--seq", type=positive_int, required=True)
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--measure", choices=("cgroup", "rlimit"), required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    # As the demo's ranks do (app/train.py): the machine's cores shared among this machine's ranks.
+    # As the demo's ranks do (app/demo/train.py): the machine's cores shared among this machine's ranks.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:

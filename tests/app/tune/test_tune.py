@@ -18,13 +18,13 @@ import torch
 import zeroshard
 import zeroshard.deepspeed as deepspeed
 from zeroshard import estimate
-from zeroshard.app import tune_search
-from zeroshard.app.activation_count import count_activations
+from zeroshard.app.tune.cli import search as tune_search
+from zeroshard.app.estimate.activation_count import count_activations
 from zeroshard.app.cli import main
-from zeroshard.app.demo_config import demo_model_config
-from zeroshard.app.model_count import count_model
+from zeroshard.app.demo.config import demo_model_config
+from zeroshard.app.estimate.model_count import count_model
 from zeroshard.app.models import GPT, PRESETS
-from zeroshard.app.tune_candidates import (
+from zeroshard.app.tune.candidates import (
     Candidate,
     Setup,
     count,
@@ -34,16 +34,16 @@ from zeroshard.app.tune_candidates import (
     predict_peak,
     rejection,
 )
-from zeroshard.app.tune_config import ds_config, write_config
-from zeroshard.app.tune_search import Row, choose, measure
-from zeroshard.app.tune_time import Calibration, StepTime
-from zeroshard.app.tune_trials import Limit, Outcome, choose_limit, run_trial
+from zeroshard.app.tune.config import ds_config, write_config
+from zeroshard.app.tune.search import Row, choose, measure
+from zeroshard.app.tune.step_time import Calibration, StepTime
+from zeroshard.app.tune.trials import Limit, Outcome, choose_limit, run_trial
 from zeroshard.app.units import human_bytes
 from zeroshard.config import ConfigFacts
 from tests.distributed import run_ranks
 
 TINY = Setup("tiny", ranks=2, nodes=1, dtype="fp32", seq=32, device_mem=10**12, micro_batches=(1, 4), global_batch=8)
-PROGRAM = "tests.app.tune_programs"
+PROGRAM = "tests.app.tune.tune_programs"
 MIB = 2**20
 
 

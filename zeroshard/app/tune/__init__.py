@@ -1,0 +1,1 @@
+"""`zeroshard tune`: the fastest configuration that fits, by estimate and by measurement."""
