@@ -84,7 +84,7 @@ def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: 
               buckets: Sequence[int] = (), units: Sequence[Sequence[Flat]] = (), recompute: int = 0,
               largest_param: int = 0, activation_grad: int = 0, accumulation: int = 1, scratch: bool = True,
               max_live_numel: int = MAX_LIVE_NUMEL, prefetch_numel: int = PREFETCH_NUMEL,
-              max_reuse_distance: int = MAX_REUSE_DISTANCE) -> StepPeak:
+              max_reuse_distance: int = MAX_REUSE_DISTANCE, shard_apart: bool = False) -> StepPeak:
     """The peak bytes of one training step on one rank, by part (see the module's docstring).
 
     `numel`: Ψ, trained elements; `activations`: bytes one micro-batch's forward saves (`count_saved`,
@@ -96,7 +96,9 @@ def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: 
     the largest tensor the forward saves without checkpointing (`ActivationCount.largest`); `accumulation`:
     micro-steps per step; `scratch`: the reduce-scatter runs as an all-to-all into a scratch buffer
     (gloo; NCCL's native one needs none); `max_live_numel`, `prefetch_numel`, `max_reuse_distance`: stage 3's
-    stage3_max_live_parameters, stage3_prefetch_bucket_size and stage3_max_reuse_distance.
+    stage3_max_live_parameters, stage3_prefetch_bucket_size and stage3_max_reuse_distance; `shard_apart`:
+    stages 2-3, the gradient shard is in another dtype or memory than the reduction (offload: an fp32 shard
+    on the host beside 16-bit or GPU reductions; a shard on disk), so every reduction lands in a block first.
     """
     per_element = state_bytes_per_element(dtype, None, accumulation, stage)
     tensors = len(buckets) if stage < 3 else sum(f.kind != FROZEN for u in units for f in u)
@@ -109,9 +111,10 @@ def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: 
         states["params"] += param_bytes * (persistent - shard_numel(persistent, world_size))
     targets = [[Flat(n)] for n in buckets] if stage < 3 else \
         [[f for f in u if f.kind != FROZEN] for u in [*units[1:][::-1], *units[:1]]]  # backward's order
-    # a micro-step after the window's first reduces into a shard-sized block, then adds it to the sum
+    # a micro-step after the window's first (or any, with the shard apart) reduces into a shard-sized block,
+    # then adds it to the sum
     staging = reduce_bytes * staging_numel(targets, stage, world_size, scratch and world_size > 1,
-                                           out=accumulation > 1)
+                                           out=accumulation > 1 or shard_apart)
     gathered = param_bytes * gathered_numel(units, world_size, max_live_numel, prefetch_numel,
                                             max_reuse_distance) if stage == 3 else 0
     temporaries = 0

@@ -74,7 +74,8 @@ def staging_numel(targets: Sequence[Sequence[Flat]], stage: int, world_size: int
     unit last: its gradients are complete only when the embedding's backward ends, but the final norm's,
     which it also holds, come first, so its staging is taken at the start and held throughout);
     `scratch`: each flat's reduce-scatter takes a padded-size scratch block; `out`: stages 2-3 reduce
-    into a shard-sized block first (a later micro-step's, added to the window's sum).
+    into a shard-sized block first (a later micro-step's, added to the window's sum; every one's when the
+    gradient shard is in another dtype or memory: core/bucket.py's `direct`).
     Stage 0 all-reduces in place; stage 1 reduces the whole buckets at the window's end.
     """
     if stage == 0:
