@@ -2,7 +2,7 @@
 
 Bottom to top: the leaf modules `zeroshard.errors`, `zeroshard.version` and
 `zeroshard.dtypes`, which import nothing of zeroshard (not even each other);
-`config`, `estimate`, `comm`, `offload`, `core`, `stage3`, `parallel`,
+`config`, `plan`, `estimate`, `comm`, `offload`, `core`, `stage3`, `parallel`,
 `checkpoint`, `engine`; the public facade (`zeroshard/__init__.py`,
 `zeroshard/consolidate.py`); `app`. A module may import its own layer (any
 order within a subpackage) or any layer below it. Every import statement
@@ -30,7 +30,7 @@ MAX_FUNCTION_LINES = 60
 # Bottom to top. Leaves import nothing of zeroshard (zeroshard.dtypes: "a leaf: it imports torch only").
 # The facade holds the two public modules of the package root.
 LEAVES = ("zeroshard.errors", "zeroshard.version", "zeroshard.dtypes")
-SUBPACKAGES = ("config", "estimate", "comm", "offload", "core", "stage3", "parallel", "checkpoint", "engine")
+SUBPACKAGES = ("config", "plan", "estimate", "comm", "offload", "core", "stage3", "parallel", "checkpoint", "engine")
 FACADE = ("zeroshard", "zeroshard.consolidate",
           # `import zeroshard.deepspeed as deepspeed`: DeepSpeed's names over the engine, beside the facade
           "zeroshard.deepspeed", "zeroshard.deepspeed.initialize", "zeroshard.deepspeed.launch",

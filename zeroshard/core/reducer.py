@@ -10,7 +10,8 @@ one delays its successors but never swaps places with them. At stage 3
 gathered parameters can be released: the order is backward's, the same on
 ranks that run the same modules. Targets never reached (unused parameters)
 are launched at the end of backward, in list order, with zero gradients for
-what was missing.
+what was missing. At most `MAX_IN_FLIGHT` reductions are in flight (plan/staging.py:
+the estimate's staging counts the blocks they hold).
 """
 
 from __future__ import annotations
@@ -24,17 +25,13 @@ from zeroshard.comm import Comm, Pending, wait_all
 from zeroshard.core.bucket import StageSwitches
 from zeroshard.core.staging import StagingPool
 from zeroshard.errors import ZeroshardError
+from zeroshard.plan.staging import MAX_IN_FLIGHT
 
 log = logging.getLogger(__name__)
 
 
 class GradientError(ZeroshardError, RuntimeError):
     """A gradient that arrives when it can no longer be reduced (after its bucket or unit was launched)."""
-
-# One reduction in flight overlaps the next unit's backward (double buffering);
-# more would only hold more staging and scratch buffers, and on CPU they
-# contend with backward for the same cores.
-MAX_IN_FLIGHT = 1
 
 
 class Target(Protocol):

@@ -3,45 +3,48 @@
 Blocks are kept for the engine's lifetime rather than allocated per step:
 on CPU a fresh large allocation is fresh pages, and faulting them in every
 step costs more than the collective's own copy. Their bytes are what
-`memory_stats()["staging"]` reports.
+`memory_stats()["staging"]` reports. Which block serves a request, and how
+large a new one is, is the plan's rule (plan/staging.py's `Blocks`, by
+sizes, which the estimate counts); this pool holds the tensors, one set of
+blocks per dtype and device.
 """
 
 from __future__ import annotations
 
 import torch
 
+from zeroshard.plan.staging import Blocks
+
 
 class StagingPool:
-    """Hands out 1-D tensors from reusable blocks (of at least `block_numel` elements each)."""
+    """Hands out 1-D tensors from reusable blocks (of at least `block_numel` elements each:
+    plan/staging.py's `block_numel`)."""
 
     def __init__(self, block_numel: int = 0) -> None:
-        # Stages 0-2: every block is at least the largest request (the largest bucket), so any
-        # free block serves any request and the pool holds one block per buffer in use. Stage 3
-        # passes 0: blocks of exactly the size asked for, reused by the next unit of the same shape.
         self.block_numel = block_numel
-        self._free: list[torch.Tensor] = []
+        self._blocks: dict[tuple[torch.dtype, torch.device], Blocks] = {}
+        self._made: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}  # by block number
         self._all: list[torch.Tensor] = []
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A 1-D tensor of exactly `numel` elements, contents undefined."""
-        fits = [
-            i for i, b in enumerate(self._free)
-            if b.dtype == dtype and b.device == device and b.numel() >= numel
-        ]
-        if fits:
-            best = min(fits, key=lambda i: self._free[i].numel())
-            return self._free.pop(best)[:numel]
-        block = torch.empty(max(numel, self.block_numel), dtype=dtype, device=device)
-        self._all.append(block)
-        return block[:numel]
+        key = (dtype, device)
+        blocks = self._blocks.setdefault(key, Blocks(self.block_numel))
+        made = self._made.setdefault(key, [])
+        block = blocks.acquire(numel)
+        if block == len(made):
+            made.append(torch.empty(blocks.sizes[block], dtype=dtype, device=device))
+            self._all.append(made[block])
+        return made[block][:numel]
 
     def release(self, tensor: torch.Tensor) -> None:
         base = tensor._base if tensor._base is not None else tensor
-        if not any(base is block for block in self._all):
-            raise ValueError("released a tensor this pool did not hand out")
-        if any(base is block for block in self._free):
-            raise ValueError("released a buffer twice; two holders would share it")
-        self._free.append(base)
+        for key, made in self._made.items():
+            for block, held in enumerate(made):
+                if held is base:
+                    self._blocks[key].release(block)
+                    return
+        raise ValueError("released a tensor this pool did not hand out")
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self._all)

@@ -47,6 +47,7 @@ from zeroshard.stage3.materialize import (
 )
 from zeroshard.stage3.meta import recorded_init
 from zeroshard.errors import ModelError
+from zeroshard.plan.staging import block_numel
 from zeroshard.stage3.module_state import ModuleStateHooks
 from zeroshard.stage3.resize import refuse_resize
 from zeroshard.stage3.schedule import GatherSchedule
@@ -151,9 +152,7 @@ def _build_flats(model: nn.Module, optimizer: torch.optim.Optimizer, groups: lis
     if precision.mixed:  # frozen parameters and buffers; the buckets' parameters already are (left untouched:
         dtype = precision.param_dtype  # a DTensor's .to() would replace even a tensor of the right dtype)
         model._apply(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
-    # Stage 3 stages each bucket of a unit at once, small ones (biases, norms) too:
-    # blocks of exactly the size asked for, reused by the next unit of the same shape.
-    pool = StagingPool(block_numel=0 if schedule else max((b.flat.padded_numel for b in buckets), default=0))
+    pool = StagingPool(block_numel((b.flat.padded_numel for b in buckets), per_unit=schedule is not None))
     shard_optimizer(optimizer, [[b for b in buckets if b.param_group == i] for i in range(len(groups))],
                     fuse=device.type in _FUSED_DEVICES)
     return names, units, schedule, buckets, pool

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from zeroshard.estimate.compression import compressed_reduction_bytes, error_feedback_bytes
 from zeroshard.estimate.formulas import padded_numel, step_check_bytes, wire_bytes
 from zeroshard.estimate.zeropp import PERSISTENT, SHARDED, Flat, stage3_comm_bytes
+from zeroshard.plan.defaults import CODEC_BLOCK_SIZE
 
 # The share of a step's compute that backward takes (twice the forward's multiply-adds), which the
 # gradient reduction can hide behind when nothing else holds the link.
@@ -70,7 +71,7 @@ class StepBytes:
 
 
 def step_bytes(buckets: Iterable[int | Flat], world_size: int, stage: int, bits: int | None = None,
-               block_size: int = 128, param_bytes: int = 4, reduce_bytes: int | None = None,
+               block_size: int = CODEC_BLOCK_SIZE, param_bytes: int = 4, reduce_bytes: int | None = None,
                accumulation: int = 1, error_feedback: bool = True) -> StepBytes:
     """Bytes of one optimizer step with a gradient codec of `bits` bits per element (None: exact).
 
@@ -142,7 +143,7 @@ def break_even_bandwidth(exact: StepBytes, compressed: StepBytes, world_size: in
 
 
 def compression_summary(buckets: Iterable[int | Flat], world_size: int, stage: int,
-                        codecs: dict[str, tuple[int, float]], block_size: int = 128, param_bytes: int = 4,
+                        codecs: dict[str, tuple[int, float]], block_size: int = CODEC_BLOCK_SIZE, param_bytes: int = 4,
                         reduce_bytes: int | None = None, accumulation: int = 1, compute: float = 0.0,
                         overlap: float = 0.0) -> dict:
     """Each codec's bytes per step beside the exact step's, and its break-even bandwidth, as one object

@@ -5,13 +5,15 @@ and the stage, following the ZeRO paper (Rajbhandari et al., 2020), section 3
 "Where did all the memory go?" and section 5 "ZeRO-DP: communication
 analysis", and the ZeRO++ paper (Wang et al., 2023) for the cross-node
 volume. Every figure is in bytes. The engine's measured `memory_stats()` and
-per-step `comm_stats()` deltas must equal these. `summarize` gathers them
+per-step `comm_stats()` deltas must equal these. How a flat buffer splits
+(`shard_numel`, `padded_numel`) is the plan's (plan/flats.py). `summarize` gathers them
 for one setup into the object `zeroshard estimate --json` prints (estimate/summary.py).
 """
 
 from __future__ import annotations
 
 from zeroshard.dtypes import BYTES, DTYPES, MASTER_DTYPE, TRAINING_DTYPES
+from zeroshard.plan.flats import padded_numel, shard_numel  # the plan's split, priced here
 
 STAGES = (0, 1, 2, 3)  # the formulas; which stages the engine runs is the engine's business
 
@@ -37,16 +39,6 @@ def _check(numel: int, world_size: int, stage: int) -> None:
         raise ValueError(f"world_size must be >= 1 rank; got {world_size}")
     if stage not in STAGES:
         raise ValueError(f"stage must be one of {', '.join(map(str, STAGES))}; got {stage}")
-
-
-def shard_numel(numel: int, world_size: int) -> int:
-    """Elements of one rank's shard: ceil(Ψ / N), as the padded flat buffers split."""
-    return -(-numel // world_size)
-
-
-def padded_numel(numel: int, world_size: int) -> int:
-    """Elements of a flat buffer padded to split evenly over the ranks: N shards of ceil(Ψ / N)."""
-    return shard_numel(numel, world_size) * world_size
 
 
 def model_state_bytes(

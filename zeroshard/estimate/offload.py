@@ -64,18 +64,14 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from zeroshard.estimate.formulas import model_state_bytes, precision_bytes, shard_numel
+# The config's defaults for the offload blocks and sub_group_size (DeepSpeed's), read from its schema.
+from zeroshard.plan.defaults import BUFFER_COUNT, MAX_IN_CPU, PARAM_BUFFER_COUNT, PARAM_BUFFER_SIZE, SUB_GROUP_SIZE
 
 DEVICES = ("none", "cpu", "nvme")  # offload_optimizer.device / offload_param.device
 POOLS = ("device", "host", "disk")
 KINDS = ("params", "grads", "master", "optimizer", "staging")
 FP32_BYTES = 4  # the offloaded master and gradient shards are fp32 whatever the training dtype
 
-# DeepSpeed's defaults for its offload blocks and sub_group_size.
-BUFFER_COUNT = 4  # offload_optimizer.buffer_count
-SUB_GROUP_SIZE = 1_000_000_000  # zero_optimization.sub_group_size, elements
-PARAM_BUFFER_COUNT = 5  # offload_param.buffer_count
-PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size, elements
-MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu, elements
 
 
 class UnboundedError(ValueError):

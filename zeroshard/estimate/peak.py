@@ -15,14 +15,11 @@
   bucket's gradient shard is copied to fp32 for the optimizer (`master_grad`),
   all buckets at once.
 
-Staging buffers are replayed from the engine's own rule (core/staging.py,
-core/bucket.py, core/reducer.py): stages 2-3 stage each bucket's (unit's)
-gradients in a block of its padded size from its first gradient on; a
-reduce-scatter done as gloo's all-to-all takes a scratch block of the same
-size while in flight; a reduction into an fp32 sum takes a shard-sized block
-for its result. One reduction is in flight while the next bucket fills
-(`MAX_IN_FLIGHT`), and the pool keeps every block it made for the engine's
-life: its peak use is what `memory_stats()["staging"]` reports after a step.
+The staging blocks and the units whole at backward's start are the plan's
+(plan/staging.py's `staging_numel`, plan/prefetch.py's `gathered_numel`: the
+rules the engine's staging pool, reducer and gather schedule read); this
+module prices them in bytes. The pool keeps every block it made for the
+engine's life: what `memory_stats()["staging"]` reports after a step.
 """
 
 from __future__ import annotations
@@ -30,17 +27,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from zeroshard.estimate.formulas import model_state_bytes, padded_numel, shard_numel, state_bytes_per_element
-from zeroshard.estimate.reuse import kept_units
-from zeroshard.estimate.zeropp import FROZEN, PERSISTENT, Flat
+from zeroshard.estimate.formulas import model_state_bytes, shard_numel, state_bytes_per_element
+from zeroshard.plan.defaults import MAX_LIVE_NUMEL, MAX_REUSE_DISTANCE, PREFETCH_NUMEL
+from zeroshard.plan.flats import FROZEN, PERSISTENT, Flat
+from zeroshard.plan.prefetch import gathered_numel
+from zeroshard.plan.staging import staging_numel
 
-MAX_IN_FLIGHT = 1  # reductions in flight while the next bucket fills: core/reducer.py's constant
 _FP32 = 4
-# The config's defaults: stage3_max_live_parameters, stage3_prefetch_bucket_size (elements; DeepSpeed's),
-# stage3_max_reuse_distance (zeroshard's: every unit released after its forward; DeepSpeed's is 1e9)
-MAX_LIVE_NUMEL = 1_000_000_000
-PREFETCH_NUMEL = 50_000_000
-MAX_REUSE_DISTANCE = 0
 
 
 @dataclass(frozen=True)
@@ -91,7 +84,7 @@ def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: 
               buckets: Sequence[int] = (), units: Sequence[Sequence[Flat]] = (), recompute: int = 0,
               largest_param: int = 0, activation_grad: int = 0, accumulation: int = 1, scratch: bool = True,
               max_live_numel: int = MAX_LIVE_NUMEL, prefetch_numel: int = PREFETCH_NUMEL,
-              max_reuse_distance: int = MAX_REUSE_DISTANCE) -> StepPeak:
+              max_reuse_distance: int = MAX_REUSE_DISTANCE, shard_apart: bool = False) -> StepPeak:
     """The peak bytes of one training step on one rank, by part (see the module's docstring).
 
     `numel`: Ψ, trained elements; `activations`: bytes one micro-batch's forward saves (`count_saved`,
@@ -103,7 +96,9 @@ def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: 
     the largest tensor the forward saves without checkpointing (`ActivationCount.largest`); `accumulation`:
     micro-steps per step; `scratch`: the reduce-scatter runs as an all-to-all into a scratch buffer
     (gloo; NCCL's native one needs none); `max_live_numel`, `prefetch_numel`, `max_reuse_distance`: stage 3's
-    stage3_max_live_parameters, stage3_prefetch_bucket_size and stage3_max_reuse_distance.
+    stage3_max_live_parameters, stage3_prefetch_bucket_size and stage3_max_reuse_distance; `shard_apart`:
+    stages 2-3, the gradient shard is in another dtype or memory than the reduction (offload: an fp32 shard
+    on the host beside 16-bit or GPU reductions; a shard on disk), so every reduction lands in a block first.
     """
     per_element = state_bytes_per_element(dtype, None, accumulation, stage)
     tensors = len(buckets) if stage < 3 else sum(f.kind != FROZEN for u in units for f in u)
@@ -116,9 +111,10 @@ def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: 
         states["params"] += param_bytes * (persistent - shard_numel(persistent, world_size))
     targets = [[Flat(n)] for n in buckets] if stage < 3 else \
         [[f for f in u if f.kind != FROZEN] for u in [*units[1:][::-1], *units[:1]]]  # backward's order
-    # a micro-step after the window's first reduces into a shard-sized block, then adds it to the sum
+    # a micro-step after the window's first (or any, with the shard apart) reduces into a shard-sized block,
+    # then adds it to the sum
     staging = reduce_bytes * staging_numel(targets, stage, world_size, scratch and world_size > 1,
-                                           out=accumulation > 1)
+                                           out=accumulation > 1 or shard_apart)
     gathered = param_bytes * gathered_numel(units, world_size, max_live_numel, prefetch_numel,
                                             max_reuse_distance) if stage == 3 else 0
     temporaries = 0
@@ -133,74 +129,3 @@ def step_peak(numel: int, activations: int, stage: int, world_size: int, dtype: 
 def _reduce_bytes(dtype: str) -> int:
     return _FP32 if dtype == "fp32" else 2
 
-
-def staging_numel(targets: Sequence[Sequence[Flat]], stage: int, world_size: int, scratch: bool, out: bool) -> int:
-    """Elements the staging pool holds after one backward, replayed from the engine's rule.
-
-    `targets`: what is reduced as one, in backward order (a bucket; at stage 3 a unit's flats, the root
-    unit last: its gradients are complete only when the embedding's backward ends, but the final norm's,
-    which it also holds, come first, so its staging is taken at the start and held throughout);
-    `scratch`: each flat's reduce-scatter takes a padded-size scratch block; `out`: stages 2-3 reduce
-    into a shard-sized block first (a later micro-step's, added to the window's sum).
-    Stage 0 all-reduces in place; stage 1 reduces the whole buckets at the window's end.
-    """
-    if stage == 0:
-        return 0
-    block = 0 if stage == 3 else max((padded_numel(f.numel, world_size) for t in targets for f in t), default=0)
-    pool = _Pool(block)
-    staged = [[] for _ in targets]
-    if stage == 3 and targets:
-        staged[-1] = [pool.acquire(padded_numel(f.numel, world_size)) for f in targets[-1]]
-    in_flight: list[list[int]] = []
-    for target, taken in zip(targets, staged):
-        if stage >= 2 and not taken:
-            taken = [pool.acquire(padded_numel(f.numel, world_size)) for f in target]
-        while len(in_flight) >= MAX_IN_FLIGHT:  # the previous reduction lands and gives its blocks back
-            pool.release(in_flight.pop(0))
-        taken += [pool.acquire(padded_numel(f.numel, world_size)) for f in target if scratch]
-        taken += [pool.acquire(shard_numel(f.numel, world_size)) for f in target if out and stage >= 2]
-        in_flight.append(taken)
-    return pool.made
-
-
-class _Pool:
-    """core/staging.py's StagingPool by sizes only: best-fit reuse of a free block, else a new one of at
-    least `block` elements (stages 0-2: the largest bucket; stage 3: exactly the size asked for)."""
-
-    def __init__(self, block: int):
-        self.block, self.free, self.made = block, [], 0
-
-    def acquire(self, numel: int) -> int:
-        fits = [b for b in self.free if b >= numel]
-        if fits:
-            self.free.remove(min(fits))
-            return min(fits)
-        size = max(numel, self.block)
-        self.made += size
-        return size
-
-    def release(self, blocks: list[int]) -> None:
-        self.free.extend(blocks)
-
-
-def gathered_numel(units: Sequence[Sequence[Flat]], world_size: int, max_live_numel: int = MAX_LIVE_NUMEL,
-                   prefetch_numel: int = PREFETCH_NUMEL, max_reuse_distance: int = MAX_REUSE_DISTANCE) -> int:
-    """Stage 3: elements whole beyond the shards once backward's second unit is gathered, replayed from
-    stage3/schedule.py's rules for a model of blocks (forwards end block by block, then the root unit; backward
-    needs the root unit, then the blocks from the last): the units kept from forward to backward
-    (estimate/reuse.py), then each of backward's first two units and the prefetch of the next unit not kept
-    after each (none if that one is gathering already), within the limits. The root unit holds the embedding, so it stays whole to the backward's end.
-    Each flat is padded; persistent flats are whole all along (in `params`)."""
-    sizes = [sum(padded_numel(f.numel, world_size) for f in unit if f.kind != PERSISTENT) for unit in units]
-    if not sizes:
-        return 0
-    needed = [0, *range(len(sizes) - 1, 0, -1)]
-    kept = kept_units([*range(1, len(sizes)), 0], needed, sizes, max_reuse_distance, max_live_numel)
-    live = set(kept)
-    for at, unit in enumerate(needed[:2]):
-        live.add(unit)
-        after = next((u for u in needed[at + 1:] if u not in kept), None)  # a unit gathering already: none
-        if after is not None and after not in live and sizes[after] <= prefetch_numel and \
-                sum(sizes[u] for u in live) + sizes[after] <= max_live_numel:
-            live.add(after)
-    return sum(sizes[u] for u in live)

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
-
-from zeroshard.estimate.formulas import padded_numel, shard_numel
+from zeroshard.plan.defaults import ZEROPP_BLOCK_SIZE, ZEROPP_GRADIENT_BITS
+from zeroshard.plan.flats import FROZEN, KINDS, PERSISTENT, SHARDED, Flat, padded_numel, shard_numel
 
 SCALE_BYTES = 4  # one fp32 scale per block travels with the payload
 
@@ -34,14 +33,14 @@ def quantized_bytes(numel: int, bits: int, block_size: int) -> int:
     return blocks * (block_size * bits // 8 + SCALE_BYTES)
 
 
-def qwz_all_gather_bytes(numel: int, world_size: int, bits: int = 8, block_size: int = 128) -> int:
+def qwz_all_gather_bytes(numel: int, world_size: int, bits: int = 8, block_size: int = ZEROPP_BLOCK_SIZE) -> int:
     """qwZ: logical bytes of the quantized all-gather of a flat buffer of `numel` elements over N ranks,
     N quantized shards. Its scope is the data-parallel group's: across nodes when it spans several."""
     return world_size * quantized_bytes(shard_numel(numel, world_size), bits, block_size)
 
 
 def qgz_reduce_scatter_bytes(numel: int, world_size: int, ranks_per_node: int, bits: int = 4,
-                             block_size: int = 128) -> dict[str, int]:
+                             block_size: int = ZEROPP_BLOCK_SIZE) -> dict[str, int]:
     """qgZ: logical bytes per rank of its two hops, by scope, for a buffer of `numel` elements.
 
     Hop 1 (inside the node, D = `ranks_per_node` ranks) sends all N shards of
@@ -61,23 +60,6 @@ def qgz_reduce_scatter_bytes(numel: int, world_size: int, ranks_per_node: int, b
 
 # -- stage 3's collectives per optimizer step, by op and scope, as the engine records them ---------------
 
-SHARDED, FROZEN, PERSISTENT = "sharded", "frozen", "persistent"
-KINDS = (SHARDED, FROZEN, PERSISTENT)
-
-
-class Flat(NamedTuple):
-    """One stage-3 flat buffer: its unpadded elements and how stage 3 treats it.
-
-    "sharded": trainable, gathered on demand and reduced; "frozen": sharded
-    but requires_grad False, gathered and never reduced; "persistent":
-    trainable, under stage3_param_persistence_threshold, whole on every rank,
-    reduced as at stage 2 and all-gathered after the step.
-    """
-
-    numel: int
-    kind: str = SHARDED
-
-
 @dataclass(frozen=True)
 class ZeroPP:
     """Which parts of ZeRO++ run, and their codecs (config: zero_quantized_weights, zero_hpz_partition_size > 1,
@@ -86,8 +68,8 @@ class ZeroPP:
     qwz: bool = False
     hpz: bool = False
     qgz: bool = False
-    block_size: int = 128
-    gradient_bits: int = 8  # the config's default (zeropp_gradient_bits); the paper's is 4
+    block_size: int = ZEROPP_BLOCK_SIZE
+    gradient_bits: int = ZEROPP_GRADIENT_BITS  # the config's default; the paper's is 4
     weight_bits: int = 8  # qwZ's int8; communication_compression.parameters may choose int4
 
     @property

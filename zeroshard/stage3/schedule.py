@@ -2,7 +2,7 @@
 
 - forward: a unit is gathered in its module's forward pre-hook and released
   in its forward hook, unless the step reuses it soon (a training forward:
-  its reuse distance is under `max_reuse_distance`, estimate/reuse.py), in
+  its reuse distance is under `max_reuse_distance`, plan/reuse.py), in
   which case it stays whole for its backward; the unit that followed it on
   the first training step is prefetched meanwhile;
 - backward: a hook on the unit's outputs gathers it again (if it was
@@ -15,7 +15,8 @@ Every rank must gather the same units in the same order. Prefetching follows
 the order recorded on the first step, so ranks that run the same control flow
 prefetch alike. A unit is prefetched only if it has at most
 `max_prefetch_numel` elements and the gathered elements stay within
-`max_live_numel`; a gather that forward or backward needs now always proceeds.
+`max_live_numel` (plan/prefetch.py, the rule the estimate prices); a gather
+that forward or backward needs now always proceeds.
 A unit kept from its forward holds the values that forward used (qwZ's
 dequantized ones): an exact gather (a state dict, `gathered_parameters`)
 releases it and gathers the shards' own values; a step, a load or a delayed
@@ -37,7 +38,8 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from zeroshard.estimate.reuse import kept_units
+from zeroshard.plan.prefetch import following, may_prefetch, next_to_gather
+from zeroshard.plan.reuse import kept_units
 from zeroshard.stage3.gathers import Gathers
 from zeroshard.stage3.unit import Unit, UnitState
 
@@ -130,19 +132,16 @@ class GatherSchedule:
             unit.start_gather(self.gathers, exact)
         unit.wait_gather()
 
-    def _prefetch_after(self, i: int, following: dict[int, int] | None) -> None:
-        j = None if following is None else following.get(i)
-        for _ in self.units:  # past the units whole already (kept from the forward): the next one to gather
-            if j is None or not self.units[j].whole:
-                break
-            j = following.get(j)
+    def _prefetch_after(self, i: int, after: dict[int, int] | None) -> None:
+        # past the units whole already (kept from the forward): the next one to gather
+        j = None if after is None else next_to_gather(i, after, lambda u: self.units[u].whole)
         if j is None or self.units[j].state is not UnitState.SHARDED:
             return
-        numel = self.units[j].gathered_numel
-        if numel <= self.max_prefetch_numel and self.live_numel() + numel <= self.max_live_numel:
+        if may_prefetch(self.units[j].gathered_numel, self.live_numel(), self.max_prefetch_numel,
+                        self.max_live_numel):
             self.units[j].start_gather(self.gathers, exact=False)
-            if j in following:  # shards on disk: read the unit after it meanwhile
-                self.units[following[j]].read_shards()
+            if j in after:  # shards on disk: read the unit after it meanwhile
+                self.units[after[j]].read_shards()
 
     def in_use(self, i: int) -> bool:
         """Whether unit `i` is whole for a forward, a backward or an outer block (not only kept for a backward,
@@ -200,8 +199,8 @@ class GatherSchedule:
         self.phase = Pass.FORWARD
         self.release_all()
         if self._next_backward is None and self._backward_seen:
-            self._next_forward = _following(self._forward_seen)
-            self._next_backward = _following(self._backward_seen)
+            self._next_forward = following(self._forward_seen)
+            self._next_backward = following(self._backward_seen)
             self._reused = kept_units(self._forward_done, self._backward_seen,
                                       [u.gathered_numel for u in self.units], self.max_reuse_distance,
                                       self.max_live_numel)
@@ -210,12 +209,3 @@ class GatherSchedule:
 def _eager(hook):
     """`hook`, run outside torch.compile's graphs: see the module's note on compiled forwards."""
     return torch.compiler.disable(hook, reason="zeroshard stage 3: gathers and releases run eagerly")
-
-
-def _following(order: list[int]) -> dict[int, int]:
-    """Unit -> the unit that followed its first appearance in `order`."""
-    following: dict[int, int] = {}
-    for a, b in zip(order, order[1:]):
-        if a != b:
-            following.setdefault(a, b)
-    return following

@@ -1,4 +1,4 @@
-"""The reuse-distance rule (estimate/reuse.py) and the gathered units step_peak replays from it, by hand.
+"""The reuse-distance rule (plan/reuse.py) and the units whole at backward's start (plan/prefetch.py), by hand.
 
 A model of a root unit and blocks: forwards end block by block, then the
 root (it encloses them); backward needs the root (the head), then the blocks
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from zeroshard.estimate.peak import gathered_numel
-from zeroshard.estimate.reuse import kept_units
-from zeroshard.estimate.zeropp import Flat
+from zeroshard.plan.flats import Flat
+from zeroshard.plan.prefetch import gathered_numel
+from zeroshard.plan.reuse import kept_units
 
 R, B = 100, 1000
 RELEASED, NEEDED, NUMEL = [1, 2, 3, 0], [0, 3, 2, 1], [R, B, B, B]  # root 0, blocks 1-3

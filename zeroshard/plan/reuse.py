@@ -14,7 +14,8 @@ gathers nothing); DeepSpeed's default, 1e9, keeps every unit of a smaller
 model.
 
 The engine (stage3/schedule.py) applies this to the order it recorded on the
-first step; the estimate (peak.py) to the order a model of blocks runs in.
+first step; the plan (prefetch.py's `gathered_numel`, which the estimate
+prices) to the order a model of blocks runs in.
 """
 
 from __future__ import annotations
