@@ -11,7 +11,7 @@ link shaped to 10 Gbit/s, 1 Gbit/s and 100 Mbit/s in each direction, for:
   table in BENCHMARKS.md was measured with int4 rotated, the default then);
   the parameter all-gather stays exact;
 - zeroshard_s1_powersgd: zeroshard's PowerSGD (rank 4) at stage 1, run only
-  when zeroshard/comm/powersgd.py exists and the config accepts it (else a
+  when zeroshard/comm/compress/powersgd.py exists and the config accepts it (else a
   printed note says it was skipped);
 - ddp, ddp_powersgd: torch DDP (25 MiB buckets), plain and with torch's
   `powerSGD_hook` (matrix_approximation_rank 4, start_powerSGD_iter 2: the
@@ -194,8 +194,8 @@ def skipped(variants: list[str]) -> dict[str, str]:
 
     out = {}
     for v in variants:
-        if VARIANTS[v][2].get("codec") == "powersgd" and not (REPO / "zeroshard/comm/powersgd.py").exists():
-            out[v] = "zeroshard/comm/powersgd.py is not in this tree: the engine does not implement PowerSGD here"
+        if VARIANTS[v][2].get("codec") == "powersgd" and not (REPO / "zeroshard/comm/compress/powersgd.py").exists():
+            out[v] = "zeroshard/comm/compress/powersgd.py is not in this tree: the engine does not implement PowerSGD here"
             continue
         if VARIANTS[v][0] == "zeroshard":
             try:

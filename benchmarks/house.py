@@ -52,9 +52,9 @@ def classes_met(stage: int) -> tuple[dict[str, list[str]], object]:
     def profile(frame, event, arg):
         if event != "call" or not frame.f_globals.get("__name__", "").startswith("zeroshard"):
             return
-        qual = frame.f_code.co_qualname
-        if "." in qual and "<locals>" not in qual.split(".")[0]:
-            met[phase].add(f"{frame.f_globals['__name__']}.{qual.split('.')[0]}")
+        owner = frame.f_code.co_qualname.split(".")[0]
+        if isinstance(frame.f_globals.get(owner), type):  # a method (or a nested function) of a class
+            met[phase].add(f"{frame.f_globals['__name__']}.{owner}")
 
     sys.setprofile(profile)
     engine = zeroshard.initialize(model, config=config)

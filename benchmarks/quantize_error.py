@@ -2,7 +2,7 @@
 
     python benchmarks/quantize_error.py [--ranks 16] [--ranks-per-node 8] [--shard 16384] [--seeds 3]
 
-The codecs (comm/quantize.py): int8, int4, fp8_e4m3 and fp8_e5m2, each
+The codecs (comm/compress/quantize.py): int8, int4, fp8_e4m3 and fp8_e5m2, each
 with and without the Hadamard rotation ("+hadamard").
 
 N ranks' gradients are drawn as tensors, independent per rank and element:
@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from zeroshard.comm.quantize import HADAMARD, BlockCodec, dequantize, message_bytes, quantize
+from zeroshard.comm.compress.quantize import HADAMARD, BlockCodec, dequantize, message_bytes, quantize
 from zeroshard.dtypes import WIRE_FORMATS
 
 CODECS = [f + rotation for f in WIRE_FORMATS for rotation in ("", HADAMARD)]  # names for BlockCodec.named

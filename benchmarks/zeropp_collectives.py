@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import Comm, CommRecorder, Hops, all_gather, qgz_reduce_scatter, qwz_all_gather, reduce_scatter
-from zeroshard.comm.quantize import BlockCodec
+from zeroshard.comm.compress.quantize import BlockCodec
 from zeroshard.comm.topology import build_topology
 
 CODECS = {"int8/128": BlockCodec("int8", 128), "int4/128": BlockCodec("int4", 128),

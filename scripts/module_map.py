@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import textwrap
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def summary(path: Path) -> str:
     """The docstring's first sentence (its first paragraph when that holds no sentence end)."""
     doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
     paragraph = " ".join(doc.split("\n\n", 1)[0].split())
-    return paragraph.split(". ", 1)[0].removesuffix(".")
+    return re.split(r"(?<!\bal)(?<!\be\.g)(?<!\bi\.e)\. ", paragraph, maxsplit=1)[0].removesuffix(".")
 
 
 def entry(name: str, text: str, depth: int) -> list[str]:

@@ -45,7 +45,7 @@ RESET = {"zeroshard.comm.collectives": ("_created",), "zeroshard.offload.memory"
 KEPT = {  # (module, name): why it may outlive a case
     ("zeroshard.comm.gloo_exit", "_gloo_exit_drain_registered"):
         "it pairs with the atexit registration it guards, which lasts as long as the process",
-    ("zeroshard.comm.quantize", "_compiled"):
+    ("zeroshard.comm.compress.quantize", "_compiled"):
         "a cache of torch.compile wrappers, each with whether compiling failed in this process (then the "
         "process runs that kernel eagerly); torch.compiler.reset() drops what they compiled",
 }

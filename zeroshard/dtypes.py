@@ -4,7 +4,7 @@ The names are the ones of the config (`bf16`, `fp16`, `communication_data_type`)
 and of the CLI's `--dtype`. A torch dtype's own name ("bfloat16", "int64": its
 `str` without "torch.") is what checkpoint manifests and `ConfigFacts` store,
 for any dtype. The codecs' formats on the wire ("int8", "int4", "fp8_e4m3",
-"fp8_e5m2": `comm/quantize.py`) are named here too, so the config, the
+"fp8_e5m2": `comm/compress/quantize.py`) are named here too, so the config, the
 estimate's bytes and the codecs spell them alike. A leaf: it imports torch
 only, so every layer may read it.
 """
@@ -22,7 +22,7 @@ DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
 NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}  # torch.bfloat16 -> "bf16"
 BYTES: dict[str, int] = {name: dtype.itemsize for name, dtype in DTYPES.items()}  # bytes per element
 
-# How a codec sends each value (comm/quantize.py): symmetric integers, or torch's float8 dtypes, scaled per block.
+# How a codec sends each value (comm/compress/quantize.py): symmetric integers, or torch's float8 dtypes, scaled per block.
 WireFormat = Literal["int8", "int4", "fp8_e4m3", "fp8_e5m2"]
 WIRE_FORMATS: tuple[str, ...] = get_args(WireFormat)
 WIRE_BITS: dict[str, int] = {"int8": 8, "int4": 4, "fp8_e4m3": 8, "fp8_e5m2": 8}  # int4: two values a byte

@@ -426,7 +426,7 @@ def test_zeropp_combinations_that_cannot_be_honoured_are_errors(zero, words):
 def test_zeropp_defaults_survive_a_round_trip_and_follow_the_bits():
     config = Config.load({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}})
     assert config.zero_optimization.gradient_hadamard is False  # int8: no rotation
-    assert config.zero_optimization.gradient_format == "int8"  # the codec's format (comm/quantize.py)
+    assert config.zero_optimization.gradient_format == "int8"  # the codec's format (comm/compress/quantize.py)
     four = Config.load({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True, "zeropp_gradient_bits": 4}})
     assert four.zero_optimization.gradient_hadamard is True
     assert four.zero_optimization.gradient_format == "int4"

@@ -23,7 +23,7 @@ import torch
 from tests.distributed import run_ranks
 from tests.distributed import test_device as rank_device
 from tests.recipes import Case, make_engine, micro_batch
-from zeroshard.app.model_count import AUTO_WRAP_MIN_PARAMS, count_module
+from zeroshard.app.estimate.model_count import AUTO_WRAP_MIN_PARAMS, count_module
 from zeroshard.app.models import GPT, PRESETS, GPTConfig
 from zeroshard.estimate import Flat, hpz_secondary_bytes, offload_pool_bytes, state_bytes_per_element, step_peak
 from zeroshard.plan.flats import FROZEN, PERSISTENT, padded_numel

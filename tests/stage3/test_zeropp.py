@@ -19,14 +19,14 @@ from tests.recipes import GPT_CFG, Case, make_engine, micro_batch
 from zeroshard.app.demo import data
 from zeroshard.app.estimate.model_count import stage3_flats
 from zeroshard.app.models import GPT
-from zeroshard.comm.quantize import BlockCodec, dequantize, quantize
+from zeroshard.comm.compress.quantize import BlockCodec, dequantize, quantize
 from zeroshard.estimate import qgz_reduce_scatter_bytes, qwz_all_gather_bytes
 from zeroshard.estimate.zeropp import ZeroPP, hpz_secondary_bytes, stage3_comm_bytes
 
 WORLD, PER_NODE = 4, 2
 ALL3 = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True}
 QWZ, HPZ = {"zero_quantized_weights": True}, {"zero_hpz_partition_size": 2}
-# The quantizers' arithmetic, eagerly: compiled it gives the same values (tests/comm/test_quantize.py and the
+# The quantizers' arithmetic, eagerly: compiled it gives the same values (tests/comm/compress/test_quantize.py and the
 # default's own test below), and compiling takes seconds in every rank.
 EAGER = {"zeropp_compile_quantizers": False}
 
@@ -239,7 +239,7 @@ def test_qgz_without_known_nodes_names_the_key_on_every_rank(monkeypatch):
 
 
 def _compile_default(rank, world, device):
-    from zeroshard.comm.quantize import compile_unavailable
+    from zeroshard.comm.compress.quantize import compile_unavailable
 
     out = {"compiler": compile_unavailable(device) is None}
     case = Case(stage=3, dtype="bf16", optimizer="adamw1_slow")

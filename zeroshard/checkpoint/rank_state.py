@@ -3,8 +3,8 @@
 The masters and the optimizer state are pieces of parameters, written once
 over all ranks and read back by any job (`holdings.py`). A compressed
 reduction's state is not: every rank has its own error feedback (a codec's
-residuals per message, comm/compressed.py; PowerSGD's error over the whole
-bucket, its Q and counters, comm/powersgd.py). Each rank writes its
+residuals per message, comm/compress/reduce.py; PowerSGD's error over the whole
+bucket, its Q and counters, comm/compress/powersgd.py). Each rank writes its
 buckets' state into its own rank file as 1-D tensors under
 `<kind>.<part>:@bucket<i>` (kind `feedback` or `powersgd`), with no `runs`:
 the piece reader and the coverage checks, which read by parameter, never

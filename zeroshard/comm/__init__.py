@@ -15,12 +15,12 @@ from zeroshard.comm.collectives import (
 )
 from zeroshard.comm.checks import FaultFlags, step_check
 from zeroshard.comm.group import ensure_process_group
-from zeroshard.comm.compressed import CompressedReduction, ErrorFeedback
-from zeroshard.comm.qgz import Hops, HopsPending, qgz_reduce_scatter
-from zeroshard.comm.quantize import BlockCodec
-from zeroshard.comm.qwz import qwz_all_gather
+from zeroshard.comm.compress.reduce import CompressedReduction, ErrorFeedback
+from zeroshard.comm.compress.qgz import Hops, HopsPending, qgz_reduce_scatter
+from zeroshard.comm.compress.quantize import BlockCodec
+from zeroshard.comm.compress.qwz import qwz_all_gather
 from zeroshard.comm.recorder import OPS, CommRecorder, OpStats
-from zeroshard.comm.stall import CollectiveError
+from zeroshard.comm.watch.stall import CollectiveError
 
 __all__ = [
     "OPS", "Algorithms", "BlockCodec", "CollectiveError", "Comm", "CommRecorder", "CompressedReduction",

@@ -40,10 +40,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from zeroshard.comm import positions
+from zeroshard.comm.watch import positions
 from zeroshard.comm.gloo_exit import drain_gloo_at_exit
 from zeroshard.comm.recorder import CommRecorder, Scope
-from zeroshard.comm.stall import CollectiveError, Trace, differ, explain
+from zeroshard.comm.watch.stall import CollectiveError, Trace, differ, explain
 
 _created: dict[str, int] = {}  # comms made per group name in this process, in the same order on every rank
 @dataclass(frozen=True)

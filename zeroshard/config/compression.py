@@ -1,7 +1,7 @@
 """The `communication_compression` section: codecs for what the data-parallel group sends.
 
 Two places take a codec (int8, int4, fp8_e4m3, fp8_e5m2: per block, an fp32
-scale a block, comm/quantize.py):
+scale a block, comm/compress/quantize.py):
 
 - `gradients`: the gradient reduction at every stage (the all-reduce at
   stages 0-1 without reduce-scatter, the reduce-scatter otherwise), flat or

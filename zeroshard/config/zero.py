@@ -199,7 +199,7 @@ class ZeroConfig(BaseModel):
 
     @property
     def gradient_format(self) -> WireFormat:
-        """qgZ's codec format (comm/quantize.py) for zeropp_gradient_bits: "int8" or "int4"."""
+        """qgZ's codec format (comm/compress/quantize.py) for zeropp_gradient_bits: "int8" or "int4"."""
         return "int8" if self.zeropp_gradient_bits == 8 else "int4"
 
     @property

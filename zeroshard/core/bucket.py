@@ -27,7 +27,7 @@ import torch
 
 from zeroshard.comm import BlockCodec, Comm, CompressedReduction, Pending, all_gather, all_reduce, qwz_all_gather
 from zeroshard.comm import reduce_scatter
-from zeroshard.comm.powersgd import PowerSgd
+from zeroshard.comm.compress.powersgd import PowerSgd
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import is_dtensor, local_grad
 from zeroshard.core.precision import Precision

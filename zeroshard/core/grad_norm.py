@@ -3,7 +3,7 @@
 Each rank sends five float64 figures, all-gathered (`comm.step_check`): the
 sum of squares of its reduced gradients, whether any of them is inf or nan,
 its `global_steps`, its `micro_steps`, and the running checksum of the
-collectives it ran (`comm.trace.digest`, comm/stall.py). From every rank's
+collectives it ran (`comm.trace.digest`, comm/watch/stall.py). From every rank's
 row, every rank takes the same decisions:
 
 - the ranks' counters differ: `CollectiveError` (they would reduce

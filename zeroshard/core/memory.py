@@ -7,8 +7,8 @@ With 16-bit parameters the fp32 master is a storage of its own, and the fp32
 sum of several micro-steps' gradients counts under `grads`. ZeRO++'s hpZ
 secondary shards (held from a unit's first gather after a step until the
 next step) count under `hpz_secondary`, 0 without hpZ. The state of a
-compressed gradient reduction (a codec's error feedback, comm/compressed.py;
-PowerSGD's P, Q and error feedback, comm/powersgd.py) counts under
+compressed gradient reduction (a codec's error feedback, comm/compress/reduce.py;
+PowerSGD's P, Q and error feedback, comm/compress/powersgd.py) counts under
 `compression`, 0 without one.
 
 Beside the model states held now, each pool reports `activations`, the bytes

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from zeroshard.comm import Comm, CommRecorder, all_gather_object, broadcast, ensure_process_group
 from zeroshard.comm.topology import declared_scope
-from zeroshard.comm.powersgd import PowerSgd, QSeeds
+from zeroshard.comm.compress.powersgd import PowerSgd, QSeeds
 from zeroshard.config import Config, ConfigError
 from zeroshard.core.bucket import Bucket, StageSwitches
 from zeroshard.core.bucketing import bucket_params

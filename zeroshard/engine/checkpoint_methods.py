@@ -36,7 +36,7 @@ class CheckpointMethods:
         state only, no parameter with requires_grad False; it resumes onto the same base model loaded again,
         and a load onto another base is refused (`zeroshard/checkpoint/frozen.py`).
         See `zeroshard/checkpoint/saving.py`. Called on some ranks only, it raises `CheckpointError` on
-        them within `rank_check_timeout` (comm/entry.py) and writes nothing.
+        them within `rank_check_timeout` (comm/watch/entry.py) and writes nothing.
 
         `asynchronous` (default: config `checkpoint.async_save`): return once the state of this step is
         copied to host memory; a background thread writes it, and the tag becomes `latest` at a later

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from zeroshard.checkpoint.async_save import AsyncSave
 from zeroshard.comm import CollectiveError
-from zeroshard.comm.entry import enter
+from zeroshard.comm.watch.entry import enter
 from zeroshard.config import Config
 from zeroshard.core.grad_norm import NonFiniteError, NonFiniteSkips, StepCheck, check_step, clip_coefficient
 from zeroshard.core.local import local
@@ -357,7 +357,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
                         in_a_row, self.config.non_finite.max_consecutive_skips)
 
     def _enter(self, call: str, error: type[ZeroshardError], checkpoint_call: bool = False) -> None:
-        """Meet every rank in `call` before its first collective (comm/entry.py): a call made on some
+        """Meet every rank in `call` before its first collective (comm/watch/entry.py): a call made on some
         ranks only raises on them instead of hanging. A checkpoint call also needs every rank at the
         same step and at a window's end (`check_checkpoint_boundary`): a rank that is not makes every
         rank raise."""

@@ -3,7 +3,7 @@
 Both are collective (every rank calls them; called on some ranks only they
 raise `CheckpointError` naming the call and its fix, at once where the other
 ranks are seen in a collective, else within `rank_check_timeout`:
-`comm/entry.py`) and work
+`comm/watch/entry.py`) and work
 at every stage: the full state dict is built on rank 0 only (at stage 3 by
 gathering one unit at a time, `engine.full_state_dict(rank0_only=True)`), so
 no other rank ever holds a full copy; rank 0 writes, then tells every rank

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.comm import BlockCodec, Comm, CompressedReduction, Hops
-from zeroshard.comm.quantize import compile_unavailable
+from zeroshard.comm.compress.quantize import compile_unavailable
 from zeroshard.comm.topology import build_topology
 from zeroshard.config import Config
 from zeroshard.config.compression import CODECS

@@ -1,6 +1,6 @@
 """Compressed gradient reductions: their bytes on the wire and the memory of their error feedback.
 
-The same arithmetic as comm/compressed.py, in the recorder's convention
+The same arithmetic as comm/compress/reduce.py, in the recorder's convention
 (estimate/zeropp.py): a compressed reduce-scatter of a bucket of `numel`
 elements over N ranks sends N quantized chunks of S = ceil(numel / N)
 elements (one hop), or qgZ's two hops over the nodes; a compressed
@@ -34,7 +34,7 @@ def compressed_reduction_bytes(numel: int, world_size: int, bits: int, block_siz
 
 def error_feedback_bytes(numel: int, world_size: int, all_reduce: bool = False,
                          ranks_per_node: int | None = None) -> int:
-    """Bytes of one bucket's error feedback on each rank (comm/compressed.py's `ErrorFeedback`)."""
+    """Bytes of one bucket's error feedback on each rank (comm/compress/reduce.py's `ErrorFeedback`)."""
     if world_size == 1:
         return 0
     size = shard_numel(numel, world_size)

@@ -1,7 +1,7 @@
 """PowerSGD's sizes: which tensors of a bucket it compresses, the bytes it sends, the state it keeps.
 
 Pure arithmetic over shapes, here below `comm/` so that the low-rank
-reduction (comm/powersgd.py), `memory_stats()` and the estimator share one
+reduction (comm/compress/powersgd.py), `memory_stats()` and the estimator share one
 plan and agree to the byte. The plan is torch's `powerSGD_hook`'s: each
 tensor is viewed as a matrix (n, m), n its first dimension and m the product
 of the others, and compressed to rank r = min(n, m, rank) when

@@ -1,4 +1,4 @@
-"""ZeRO++'s bytes: exact sizes of the quantized collectives (comm/qwz.py, comm/qgz.py), scales included.
+"""ZeRO++'s bytes: exact sizes of the quantized collectives (comm/compress/qwz.py, comm/compress/qgz.py), scales included.
 
 Pure arithmetic over element counts, here below `comm/` so that the estimator
 and the recorded `comm_stats()` share one formula and agree to the byte.
@@ -9,7 +9,7 @@ A message of m elements travels as ceil(m / block) blocks, each
 block * bits / 8 bytes of payload and one fp32 scale. Every message is one
 rank's shard, S = ceil(numel / N) elements, padded on its own, so blocks
 never straddle two shards (the error bound of a shard then involves only its
-own blocks; see comm/qgz.py).
+own blocks; see comm/compress/qgz.py).
 
 `stage3_comm_bytes` adds these up over stage 3's flat buffers for one
 optimizer step, by op and scope, with any of qwZ, hpZ and qgZ: the

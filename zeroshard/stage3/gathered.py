@@ -11,7 +11,7 @@ rank at stages 0-2. Kept edits reach the optimizer's master too: with 16-bit
 parameters the master of an edited unit restarts from their rounded values.
 
 Entering runs collectives whenever a unit is gathered or `modifier_rank` is
-given, so the ranks first meet in the store (`comm/entry.py`): a rank that
+given, so the ranks first meet in the store (`comm/watch/entry.py`): a rank that
 enters alone raises `CollectiveError` within `rank_check_timeout`, naming
 the ranks that did not, instead of hanging.
 
@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from zeroshard.comm import Comm, broadcast
-from zeroshard.comm.entry import enter
+from zeroshard.comm.watch.entry import enter
 from zeroshard.errors import ModelError
 from zeroshard.stage3.meta_edits import whole_before_initialize
 

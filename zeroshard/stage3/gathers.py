@@ -2,7 +2,7 @@
 
 - plain: an all-gather over the data-parallel group, in the parameter dtype;
 - qwZ (`weights`): the same gather with each shard sent as int8 blocks and an
-  fp32 scale per block (comm/qwz.py); every rank dequantizes all shards, so
+  fp32 scale per block (comm/compress/qwz.py); every rank dequantizes all shards, so
   forward and backward compute with dequantize(quantize(shard)) of every
   shard, while the shards themselves (the masters, in fp32) stay exact;
 - hpZ (`node`): the first gather of a buffer after a step goes over the
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zeroshard.comm import Comm, Pending, all_gather, qwz_all_gather
-from zeroshard.comm.quantize import BlockCodec
+from zeroshard.comm.compress.quantize import BlockCodec
 from zeroshard.core.flat import FlatParams
 
 

@@ -8,7 +8,7 @@ write an empty model). The engine hooks the model's modules instead:
   sharded parameters, gathered one unit at a time (`gathered_copies` in
   `gathered.py`, as `engine.full_state_dict`). Every rank must call it,
   in the same order: called on some ranks only it raises `CollectiveError`
-  instead of hanging (`comm/entry.py`: at once where the other ranks are
+  instead of hanging (`comm/watch/entry.py`: at once where the other ranks are
   seen in a collective, else within `rank_check_timeout`). Its error names
   the call made: when a library called `state_dict()` for the user
   (transformers' or PEFT's `save_pretrained`), that library function, found
@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from zeroshard.comm import all_gather_object, broadcast
-from zeroshard.comm.entry import enter
+from zeroshard.comm.watch.entry import enter
 from zeroshard.errors import ModelError
 from zeroshard.stage3.gathered import gathered_copies, whole_unit
 

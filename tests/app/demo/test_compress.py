@@ -4,7 +4,7 @@ Each run's report.json holds what every rank's comm_stats() recorded in the
 last step beside the formula of estimate/compression.py (or
 estimate/powersgd.py) that the report computes bucket by bucket: they must
 be equal, and the losses near the exact run's. (PowerSGD's formula is held
-to comm_stats() in tests/comm/test_powersgd.py; the report sums it.)
+to comm_stats() in tests/comm/compress/test_powersgd.py; the report sums it.)
 """
 
 from __future__ import annotations

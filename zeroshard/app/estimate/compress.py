@@ -24,8 +24,8 @@ from zeroshard import estimate
 from zeroshard.app.flags import positive_float
 from zeroshard.app.estimate.model_count import REDUCE_BUCKET_SIZE, ParamCount
 from zeroshard.app.units import count, human_bytes
-from zeroshard.comm.messages import decode_rows, encode_rows
-from zeroshard.comm.quantize import BlockCodec
+from zeroshard.comm.compress.messages import decode_rows, encode_rows
+from zeroshard.comm.compress.quantize import BlockCodec
 from zeroshard.config.compression import CODECS
 from zeroshard.dtypes import WIRE_BITS
 

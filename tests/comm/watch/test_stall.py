@@ -115,7 +115,7 @@ def test_a_dead_peer_is_named_as_gone_with_the_restart_advice():
     # Rank 1 was killed: gloo says the connection was reset, and rank 1 never posts its trace.
     import torch.distributed as dist
 
-    from zeroshard.comm.stall import Trace, explain
+    from zeroshard.comm.watch.stall import Trace, explain
 
     trace = Trace(micro_step=7, global_step=7)
     trace.note("all_gather")

@@ -32,8 +32,8 @@ from tests.recipes import (
     relative_error,
     train_reference,
 )
-from zeroshard.comm import positions
-from zeroshard.comm.entry import enter
+from zeroshard.comm.watch import positions
+from zeroshard.comm.watch.entry import enter
 
 RANK_CHECK_S = 2.0  # rank_check_timeout here: the grace period of a stuck collective is 0.5 s
 GROUP_TIMEOUT_S = 15  # gloo drops a collective left stuck on an abandoned group after this

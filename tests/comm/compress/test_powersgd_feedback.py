@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.comm.test_powersgd import SHAPES, Given, _config
+from tests.comm.compress.test_powersgd import SHAPES, Given, _config
 from tests.distributed import run_ranks
 
 STEPS, HALF = 50, 25

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from zeroshard.comm.collectives import Comm, Pending, all_gather
-from zeroshard.comm.messages import decode_rows, encode_rows, encoding
-from zeroshard.comm.quantize import BlockCodec, CodecError, message_bytes
+from zeroshard.comm.compress.messages import decode_rows, encode_rows, encoding
+from zeroshard.comm.compress.quantize import BlockCodec, CodecError, message_bytes
 
 
 def qwz_all_gather(comm: Comm, full: torch.Tensor, shard: torch.Tensor, codec: BlockCodec,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from zeroshard.comm.quantize import HADAMARD, SCALE_DTYPE, BlockCodec, Quantized, dequantize, quantize
+from zeroshard.comm.compress.quantize import HADAMARD, SCALE_DTYPE, BlockCodec, Quantized, dequantize, quantize
 
 
 def encode_rows(rows: torch.Tensor, codec: BlockCodec, error: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,8 +5,8 @@ the rule is that a collective this rank has launched already (its number within 
 still land, however slow, and one past it cannot while this rank waits.
 """
 
-from zeroshard.comm import positions
-from zeroshard.comm.stall import Trace
+from zeroshard.comm.watch import positions
+from zeroshard.comm.watch.stall import Trace
 
 
 def _waiting_after(collectives: int) -> dict:

@@ -2,7 +2,7 @@
 
 qgZ is compared with torch.distributed (all-reduce, this rank's slice, / N)
 on the same gradients, and its error is held to the bound that the block
-scales give (comm/qgz.py): the scales are recomputed here, in one process,
+scales give (comm/compress/qgz.py): the scales are recomputed here, in one process,
 from every rank's gradients with the codec's own quantize / dequantize.
 qwZ must give exactly dequantize(quantize(shard)) of every rank. The bytes
 recorded by scope must equal estimate/zeropp.py's formulas.
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from tests.distributed import run_ranks
 from zeroshard.comm import Comm, CommRecorder
-from zeroshard.comm.qgz import Hops, qgz_reduce_scatter
-from zeroshard.comm.quantize import BlockCodec, CodecError, dequantize, quantize
-from zeroshard.comm.qwz import qwz_all_gather
+from zeroshard.comm.compress.qgz import Hops, qgz_reduce_scatter
+from zeroshard.comm.compress.quantize import BlockCodec, CodecError, dequantize, quantize
+from zeroshard.comm.compress.qwz import qwz_all_gather
 from zeroshard.comm.topology import TopologyError, build_topology
 from zeroshard.estimate import qgz_reduce_scatter_bytes, qwz_all_gather_bytes
 
@@ -157,7 +157,7 @@ def _over_the_wire(rows: torch.Tensor, codec: BlockCodec) -> tuple[torch.Tensor,
 
 
 def block_bounds(grads: torch.Tensor, ranks_per_node: int, codec: BlockCodec) -> torch.Tensor:
-    """(owner, blocks): the bound of comm/qgz.py per block of each shard of the mean, g (sum s1 + sum s2) / 2N.
+    """(owner, blocks): the bound of comm/compress/qgz.py per block of each shard of the mean, g (sum s1 + sum s2) / 2N.
 
     `grads`: (senders, owners, S) fp32, every rank's padded gradient by shard.
     """

@@ -8,7 +8,7 @@ per step, micro-step, rank and parameter; Gaussian times a magnitude of
 10^-2 to 10^2 drawn for each), so every rank can work out every rank's
 gradient and the exact mean of each step in float64: the reference.
 
-The invariant (comm/compressed.py): each message's residual e is what it
+The invariant (comm/compress/reduce.py): each message's residual e is what it
 left out, sent with the next one, so the delivered sum telescopes. For each
 hop, the sum over the steps of what was delivered minus the sum of the exact
 means is -(1/N) sum_j e_j(T) of the ranks' last residuals (qgZ's hop 2 and
@@ -39,7 +39,7 @@ import torch.nn as nn
 
 import zeroshard
 from zeroshard.dtypes import DTYPES
-from tests.comm.test_compressed import _left as held_of_chunk
+from tests.comm.compress.test_reduce import _left as held_of_chunk
 from tests.distributed import run_ranks
 
 STEPS = 50

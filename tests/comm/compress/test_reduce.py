@@ -1,4 +1,4 @@
-"""Compressed gradient reductions (comm/compressed.py) at 2 and 4 ranks, against the exact mean.
+"""Compressed gradient reductions (comm/compress/reduce.py) at 2 and 4 ranks, against the exact mean.
 
 Each rank draws 50 steps of heavy-tailed gradients (a signal shared by the
 ranks plus noise of its own, Student-t 3), seeded so that every rank can
@@ -125,7 +125,7 @@ def _left(held: list[dict], layout: str, owner: int) -> torch.Tensor:
     world = len(held)
     if layout == "flat":
         return sum(h["hop1"][owner].double() for h in held) / world
-    # 2 nodes x 2 (comm/qgz.py): every rank sends its node's peer d the chunks k*2 + d, as its rows d*2 + k;
+    # 2 nodes x 2 (comm/compress/qgz.py): every rank sends its node's peer d the chunks k*2 + d, as its rows d*2 + k;
     # that peer on each node sends node k its partial sum of chunk k*2 + d, as its row k.
     node, index = divmod(owner, 2)
     inside = sum(h["hop1"][index * 2 + node].double() for h in held)

@@ -16,7 +16,7 @@ The sum of hop 2 over the K nodes is the sum over all N ranks, and it is
 divided by N: the exact mean of every element, for every numel, with no
 fallback. A hop over one rank (D = 1 or K = 1) sends nothing and is skipped.
 
-Error bound (asserted in tests/comm/test_zeropp_collectives.py). Each
+Error bound (asserted in tests/comm/compress/test_zeropp_collectives.py). Each
 quantization is off by at most s*g/2 per element (s: its block's scale; g:
 the codec's `level_gap`, 1 for int8 and int4), and the mean adds N
 quantized messages in hop 1 and K in hop 2, then divides by N. So for each
@@ -43,8 +43,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from zeroshard.comm.collectives import Comm, Landing, Pending, _launch, _named
-from zeroshard.comm.messages import decode_rows, encode_rows, encoding
-from zeroshard.comm.quantize import BlockCodec, CodecError
+from zeroshard.comm.compress.messages import decode_rows, encode_rows, encoding
+from zeroshard.comm.compress.quantize import BlockCodec, CodecError
 from zeroshard.comm.topology import Topology, TopologyError
 from zeroshard.estimate.formulas import shard_numel
 

@@ -61,8 +61,8 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from zeroshard.comm import calls
-from zeroshard.comm.stall import CollectiveError, Trace, differ
+from zeroshard.comm.watch import calls
+from zeroshard.comm.watch.stall import CollectiveError, Trace, differ
 
 _PREFIX = "zeroshard/position/"
 _PHASES = {"step": "engine.step()"}  # the trace's phase, in words

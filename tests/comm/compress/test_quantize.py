@@ -1,6 +1,6 @@
 """The block quantizers: zero, constant and non-finite blocks, exact int4 packing, the rotation, misuse, compiled.
 
-Each codec's error bound and bytes: tests/comm/test_codecs.py.
+Each codec's error bound and bytes: tests/comm/compress/test_codecs.py.
 """
 
 import itertools
@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from tests.comm.test_codecs import draw, sylvester
-from zeroshard.comm.quantize import (
+from tests.comm.compress.test_codecs import draw, sylvester
+from zeroshard.comm.compress.quantize import (
     BlockCodec,
     CodecError,
     dequantize,
@@ -27,7 +27,7 @@ U32 = 2.0 ** -24  # fp32 unit roundoff
 
 
 def _fp32_error_bound(q) -> torch.Tensor:
-    """Per block: |x - q*s| <= s * level_gap / 2 from rounding to the nearest level (tests/comm/test_codecs.py
+    """Per block: |x - q*s| <= s * level_gap / 2 from rounding to the nearest level (tests/comm/compress/test_codecs.py
     has each format's own, per element), plus fp32 rounding of x/s and of q*s: each at most qmax*s*u, u = 2^-24.
     """
     return q.scales * (q.codec.level_gap / 2 + 2 * q.codec.qmax * U32)
@@ -159,7 +159,7 @@ def test_compiled_quantizers_give_the_eager_values_bit_for_bit(fmt):
 def test_a_failed_compile_falls_back_to_the_eager_values_and_bad_input_keeps_compiling(monkeypatch, caplog):
     # A compiler that fails (none installed, a crash in it) is stood in for by a torch.compile whose kernels
     # raise; the reference is the eager codec's output.
-    import zeroshard.comm.quantize as quantize_module
+    import zeroshard.comm.compress.quantize as quantize_module
 
     x = torch.randn(1000, generator=torch.Generator().manual_seed(1))
     want = quantize(x, BlockCodec("int8", 64))

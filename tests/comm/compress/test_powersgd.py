@@ -1,4 +1,4 @@
-"""PowerSGD at stages 0-1 (comm/powersgd.py) against torch's own `powerSGD_hook`, its bytes, state and memory.
+"""PowerSGD at stages 0-1 (comm/compress/powersgd.py) against torch's own `powerSGD_hook`, its bytes, state and memory.
 
 One spawn per world size runs every check of that world:
 

@@ -27,8 +27,8 @@ import math
 import pytest
 import torch
 
-from zeroshard.comm.messages import decode_rows, encode_rows, encoding
-from zeroshard.comm.quantize import BlockCodec, CodecError, dequantize, hadamard, message_bytes, quantize
+from zeroshard.comm.compress.messages import decode_rows, encode_rows, encoding
+from zeroshard.comm.compress.quantize import BlockCodec, CodecError, dequantize, hadamard, message_bytes, quantize
 from zeroshard.dtypes import FP8_DTYPES, WIRE_FORMATS
 
 BLOCK = 64

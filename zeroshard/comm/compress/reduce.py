@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from zeroshard.comm.collectives import Comm, Pending, all_gather
-from zeroshard.comm.messages import decode_rows, encode_rows, encoding
-from zeroshard.comm.qgz import Hops, HopsPending, qgz_reduce_scatter
-from zeroshard.comm.quantize import BlockCodec, message_bytes
+from zeroshard.comm.compress.messages import decode_rows, encode_rows, encoding
+from zeroshard.comm.compress.qgz import Hops, HopsPending, qgz_reduce_scatter
+from zeroshard.comm.compress.quantize import BlockCodec, message_bytes
 from zeroshard.estimate.formulas import shard_numel
 
 

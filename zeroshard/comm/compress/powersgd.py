@@ -2,7 +2,7 @@
 
 It runs as torch's DDP hook `powerSGD_hook` runs it
 (torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook.py), to the bit
-for the same gradients, rank and seed (tests/comm/test_powersgd.py). For one
+for the same gradients, rank and seed (tests/comm/compress/test_powersgd.py). For one
 bucket and one optimizer step, M being each rank's own gradients (the
 window's sum):
 

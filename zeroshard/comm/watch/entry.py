@@ -51,9 +51,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from zeroshard.comm import calls, positions
+from zeroshard.comm.watch import calls, positions
 from zeroshard.comm.collectives import Comm
-from zeroshard.comm.stall import CollectiveError
+from zeroshard.comm.watch.stall import CollectiveError
 
 _GAVE_UP = 1 << 30  # added to a check's counter by a rank that stopped waiting: no rank can pass it after that
 _LOOK_MAX_S = 1.0  # past the first wait, how often a rank looks at the others' positions
