@@ -118,7 +118,7 @@ def _train(rank, world, device, run: Run, ckpt: str):
                 break
             out["losses"].append(math.nan)
         out["counters"].append((engine.global_steps, engine.skipped_steps))
-        out["norms"].append(engine.get_global_grad_norm())
+        out["norms"].append(engine.global_grad_norm)
         out["unchanged"].append(_same(before, _snapshot(engine)))
     logging.getLogger("zeroshard.engine.engine").removeHandler(handler)
     out["log"] = messages

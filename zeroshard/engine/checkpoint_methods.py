@@ -119,7 +119,7 @@ class CheckpointMethods:
         Every rank must call it; on error every rank raises `CheckpointError` and the engine is
         unchanged (called on some ranks only, they raise it within `rank_check_timeout`).
         """
-        self.check_checkpoint_options(load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
+        _check_load_options(load_module_strict, custom_load_fn)
         self._enter("load_checkpoint", CheckpointError, checkpoint_call=True)
         self._land_update()  # a delayed update in flight lands before the load replaces the state it writes
         self.wait_for_checkpoint()  # a save in flight lands first: it may be the one to load
@@ -165,17 +165,31 @@ class CheckpointMethods:
 
     def restore_counters(self, counters: Counters) -> None:
         self.global_steps, self.skipped_steps = counters.global_steps, counters.skipped_steps
-        self.micro_steps = self.global_steps * self.gradient_accumulation_steps
+        self.micro_steps = self.global_steps * self.config.gradient_accumulation_steps
 
     def check_checkpoint_boundary(self, action: str) -> None:
         self._check_usable()  # a failed engine's ranks may be out of step: restart, then load
         pending = self.state is TrainingState.STEP_DUE
-        if pending and self.gradient_accumulation_steps == 1:
+        if pending and self.config.gradient_accumulation_steps == 1:
             raise CheckpointError(f"{action} between engine.backward() and engine.step(): the gradients of that "
                                   "backward are not part of a checkpoint. Call it after engine.step()")
-        if pending or self.micro_steps % self.gradient_accumulation_steps:
+        if pending or self.micro_steps % self.config.gradient_accumulation_steps:
             raise CheckpointError(
                 f"{action} at micro-step {self.micro_steps}, inside an accumulation window of "
-                f"{self.gradient_accumulation_steps}: the window's partial gradients are not part of a "
+                f"{self.config.gradient_accumulation_steps}: the window's partial gradients are not part of a "
                 "checkpoint. Call it after the engine.step() that ends the window "
                 "(engine.is_gradient_accumulation_boundary() was true before that step)")
+
+
+_MIGRATE = "see docs/migrate-from-deepspeed.md"
+
+
+def _check_load_options(load_module_strict: bool, custom_load_fn: Callable | None) -> None:
+    """The DeepSpeed checkpoint options zeroshard does not implement yet: an error on every rank."""
+    if not load_module_strict:
+        raise CheckpointError("load_module_strict=False is not supported yet: a zeroshard checkpoint loads "
+                              "into the model it was saved from. To load part of a model, load a consolidated "
+                              "state dict with model.load_state_dict(..., strict=False) before initialize "
+                              f"({_MIGRATE})")
+    if custom_load_fn is not None:
+        raise CheckpointError(f"custom_load_fn is not supported yet ({_MIGRATE})")

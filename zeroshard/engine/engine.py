@@ -49,7 +49,6 @@ from zeroshard.engine.build import broadcast_buffers, build
 from zeroshard.engine.checkpoint_methods import CheckpointMethods
 from zeroshard.engine.compiled import CompileMethods, uncompiled
 from zeroshard.engine.delayed_update import DelayedUpdateMethods, delayed_update
-from zeroshard.engine.deepspeed_api import DeepSpeedMethods
 from zeroshard.engine.export import ExportMethods
 from zeroshard.engine.grad_sync import GradSyncMethods
 from zeroshard.engine.placement import log_placement
@@ -65,8 +64,7 @@ from zeroshard.stage3.sharded_use import sharded_use
 log = logging.getLogger(__name__)
 
 
-class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods, CompileMethods,
-             DelayedUpdateMethods, ReportMethods):
+class Engine(GradSyncMethods, CheckpointMethods, ExportMethods, CompileMethods, DelayedUpdateMethods, ReportMethods):
     """The training loop's handle: `loss = engine(*batch)`, `engine.backward(loss)`, `engine.step()`."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
@@ -165,13 +163,18 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
                 self.state = resume
 
     @property
+    def device(self) -> torch.device:
+        """This rank's device: where the parameters live and where inputs belong."""
+        return self._device
+
+    @property
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 without fp16)."""
         return self.scaler.scale if self.scaler is not None else 1.0
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step is the last of its accumulation window."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate `loss` (this rank's mean over its micro-batch) and reduce as the stage says.
@@ -190,7 +193,6 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
                 if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise GradientError(f"engine.backward(loss) needs a scalar loss tensor that requires grad; got {what} "
                                 "(reduce it with .mean() or .sum(), and compute it outside torch.no_grad())")
-        self.check_no_sync()  # a window's last backward reduces: not inside engine.no_sync()
         self.post_step.wait()  # the gathers of parameters no forward used (overlap_param_gather)
         if not self._sync:
             with self.pipeline_backward():
@@ -203,7 +205,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         reduce_now = self.is_gradient_accumulation_boundary() or self.switches.shard_grads
         if self.is_gradient_accumulation_boundary():
             self.offload.tiers.hold_grads()  # the step's first gradient shards on disk stay in memory for it
-        self.reducer.begin(reduce_now, 1.0 / (self.comm.world_size * self.gradient_accumulation_steps))
+        self.reducer.begin(reduce_now, 1.0 / (self.comm.world_size * self.config.gradient_accumulation_steps))
         if self.schedule is not None:
             self.schedule.begin_backward()
         if self.scaler is not None:
@@ -263,7 +265,7 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         self._check_usable()
         if self.state is not TrainingState.STEP_DUE:
             raise EngineStateError("engine.step() was called without engine.backward(loss) since the last step")
-        boundary, self._step_applied = self.is_gradient_accumulation_boundary(), False
+        boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.state = TrainingState.STEP if boundary else TrainingState.IDLE
         if not boundary:
@@ -319,7 +321,6 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         self._skips.applied()
-        self._step_applied = True
         self._end_step(overflow=False)
 
     def _end_step(self, overflow: bool) -> None:

@@ -74,14 +74,10 @@ class ExportMethods:
                     state[other] = state[first]
         return state
 
-    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's: `torch.save` the full state dict, in the training dtype (16-bit with bf16 or fp16),
-        to `save_dir/save_filename` on rank 0; returns True. Every rank calls it (stage 3 gathers).
-        `exclude_frozen_parameters`: leave out parameters that do not require grad."""
+    def _save_16bit(self, path: Path, exclude_frozen: bool) -> bool:
+        """`torch.save` the full state dict to `path` on rank 0 (DeepSpeed's `save_16bit_model`); True."""
         self._enter("save_16bit_model", CheckpointError)
-        state = self._export_state(exclude_frozen=exclude_frozen_parameters)
-        path = Path(save_dir) / save_filename
+        state = self._export_state(exclude_frozen=exclude_frozen)
 
         def write() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -134,7 +134,7 @@ class GradSyncMethods:
             for tie in self.cross.ties:  # a gradient partial over tp is summed there first, in place
                 self.cross.settle(tie.param)
             self.cross.reduce_ties()
-        scale = 1.0 / (self.comm.world_size * self.gradient_accumulation_steps)
+        scale = 1.0 / (self.comm.world_size * self.config.gradient_accumulation_steps)
         pending = []
         for target in self.reducer.targets:
             # Right after a per-micro-batch pass only the tied targets are left: a fixed set, the same on
