@@ -167,7 +167,7 @@ def test_the_walker_finds_known_edges(edges):
     assert len(edges) > 40
     assert "zeroshard.core.bucket" in edges["zeroshard.engine.build"]
     assert "zeroshard.engine.state" in edges["zeroshard.engine.engine"]
-    assert "zeroshard.checkpoint" in edges["zeroshard.engine.checkpoint_methods"]  # from zeroshard import checkpoint
+    assert "zeroshard.checkpoint" in edges["zeroshard.engine.checkpoints"]  # from zeroshard import checkpoint
     assert "zeroshard.comm" in edges["zeroshard.core.bucket"]
     assert "zeroshard.errors" in edges["zeroshard.config.errors"]
     assert "zeroshard.checkpoint.consolidate" in edges["zeroshard.consolidate"]

@@ -202,4 +202,4 @@ class DeepSpeedEngine(Engine):
         """DeepSpeed's: `torch.save` the full state dict, in the training dtype (16-bit with bf16 or fp16),
         to `save_dir/save_filename` on rank 0; returns True. Every rank calls it (stage 3 gathers).
         `exclude_frozen_parameters`: leave out parameters that do not require grad."""
-        return self._save_16bit(Path(save_dir) / save_filename, exclude_frozen_parameters)
+        return self._exports.save_16bit(Path(save_dir) / save_filename, exclude_frozen_parameters)
