@@ -75,7 +75,7 @@ def main() -> None:
         engine.save_checkpoint(root / "async", tag=f"round{i}", asynchronous=True)
         staging = time.perf_counter() - start
         during = []
-        while engine._async_save is not None:  # published at the end of the step that finds every file done
+        while engine._checkpoints.in_flight is not None:  # published at the end of the step that finds every file done
             during.append(step())
         start = time.perf_counter()
         engine.save_checkpoint(root / "sync", tag=f"round{i}")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import zeroshard
-import zeroshard.engine.engine as engine_module
+import zeroshard.engine.optimizer_step as engine_module
 from zeroshard.app.models import GPT, PRESETS
 
 

@@ -224,14 +224,16 @@ OptimizerSpec = str | Callable[[torch.nn.Module], torch.optim.Optimizer | None] 
 
 
 def make_engine_with_schedule(case: Case = Case(), *, model: ModelSpec = None, optimizer: OptimizerSpec = None,
-                              config: dict | None = None, seed: int = 0, device: str | torch.device = "cpu"):
+                              config: dict | None = None, seed: int = 0, device: str | torch.device = "cpu",
+                              deepspeed: bool = False):
     """`zeroshard.initialize` on a model and an optimizer: (engine, the case's LR schedule or None).
 
     `model`: a module, a function that builds one (after `torch.manual_seed(seed)`), or None for
     `make_model(seed, device, case.freeze, case.variant)`. `optimizer`: a `make_optimizer` kind, a
     function of the model (returning None: the config's "optimizer" block), or None for
     `case.optimizer`. The schedule is built on the optimizer before `initialize`. `config`: the
-    whole config, or None for `case.config()`.
+    whole config, or None for `case.config()`. `deepspeed`: a `zeroshard.deepspeed.DeepSpeedEngine`, with
+    DeepSpeed's methods.
     """
     import zeroshard
 
@@ -243,7 +245,11 @@ def make_engine_with_schedule(case: Case = Case(), *, model: ModelSpec = None, o
     kind = case.optimizer if optimizer is None else optimizer
     opt = make_optimizer(kind, model) if isinstance(kind, str) else kind(model)
     schedule = make_schedule(case, opt)
-    return zeroshard.initialize(model, opt, case.config() if config is None else config), schedule
+    engine_class = zeroshard.Engine
+    if deepspeed:
+        from zeroshard.deepspeed import DeepSpeedEngine as engine_class
+    return zeroshard.initialize(model, opt, case.config() if config is None else config,
+                                engine_class=engine_class), schedule
 
 
 def make_engine(case: Case = Case(), **kwargs):

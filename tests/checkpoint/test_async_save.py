@@ -103,7 +103,7 @@ def _full_disk(rank, world, device, save_dir: Path, fail_rank: int):
     try:
         engine.save_checkpoint(save_dir, tag="doomed", asynchronous=True)
         gate.set()
-        while not engine._async_save.written():  # this rank's write has ended, so the next boundary knows
+        while not engine._checkpoints.in_flight.written():  # this rank's write has ended, so the next boundary knows
             threading.Event().wait(0.01)
         with pytest.raises(zeroshard.CheckpointError) as raised:
             train_steps(engine, schedule, case, world, rank, device, range(1, 2))

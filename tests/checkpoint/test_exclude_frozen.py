@@ -67,7 +67,7 @@ def _train(engine, rank: int, world: int, device, steps) -> list[float]:
     for step in steps:
         ids = batch(100 + step, rows=4)[rank::world].to(device)
         total = torch.zeros((), dtype=torch.float64)
-        for micro in ids.split(engine.train_micro_batch_size_per_gpu()):
+        for micro in ids.split(engine.config.train_micro_batch_size_per_gpu):
             loss = engine(input_ids=micro, labels=micro).loss
             engine.backward(loss)
             engine.step()

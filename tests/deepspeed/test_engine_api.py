@@ -1,4 +1,4 @@
-"""The engine's DeepSpeed methods (engine/deepspeed_api.py), each against its reference: torch itself
+"""The engine's DeepSpeed methods (zeroshard/deepspeed/engine.py), each against its reference: torch itself
 (schedulers, clip_grad_norm_), a run without the call, or DeepSpeed's documented value. One rank, in process."""
 
 import argparse
@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import zeroshard
 import zeroshard.deepspeed as deepspeed
-from zeroshard.engine.deepspeed_api import AccumulationSteps
+from zeroshard.deepspeed.engine import AccumulationSteps
 
 
 def _model(seed=0):

@@ -94,7 +94,7 @@ def _reference(rank, world, device, case: Case):
     before = _weights(engine)
     engine.optimizer.flush()
     engine.offload.tiers.cast_to_params()  # the masters the flush changed, into the parameters
-    engine.gather_params()  # stages 1-2: the updated shards, all-gathered
+    engine._update.gather_params()  # stages 1-2: the updated shards, all-gathered
     return losses, before, _weights(engine)
 
 

@@ -100,14 +100,14 @@ def _train(rank, world, device, run: Run, ckpt: str):
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
-    logging.getLogger("zeroshard.engine.engine").addHandler(handler)
+    logging.getLogger("zeroshard.engine.optimizer_step").addHandler(handler)
     armed, last = [False], rank == world - 1
     if run.how == "inf":  # before accumulation and reduction: one element of one rank's gradient
         engine.module.blocks[0].attn.qkv.weight.register_hook(_poison_hook(armed))
     out = {"losses": [], "counters": [], "norms": [], "unchanged": [], "errors": {}}
     for step in run.steps:
         if run.counters_off and step == 1 and last:
-            engine.restore_counters(Counters(2, 0))  # as if this rank had loaded a later checkpoint
+            engine._adapter.restore_counters(Counters(2, 0))  # as if this rank had loaded a later checkpoint
         before = _snapshot(engine)
         armed[0] = last and step in run.poison
         try:
@@ -118,9 +118,9 @@ def _train(rank, world, device, run: Run, ckpt: str):
                 break
             out["losses"].append(math.nan)
         out["counters"].append((engine.global_steps, engine.skipped_steps))
-        out["norms"].append(engine.get_global_grad_norm())
+        out["norms"].append(engine.global_grad_norm)
         out["unchanged"].append(_same(before, _snapshot(engine)))
-    logging.getLogger("zeroshard.engine.engine").removeHandler(handler)
+    logging.getLogger("zeroshard.engine.optimizer_step").removeHandler(handler)
     out["log"] = messages
     if engine.state.name == "FAILED":
         return out

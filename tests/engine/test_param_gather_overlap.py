@@ -135,8 +135,8 @@ def _readers(out_dir: str, x: torch.Tensor, hidden: torch.Tensor) -> dict:
 
 def _after_the_step(rank, world, device, out_dir) -> dict:
     case = Case(stage=2, optimizer="adamw1")
-    engines = [make_engine(dataclasses.replace(case, overlap_gather=overlap), device=device)
-               for overlap in (False, True)]
+    engines = [make_engine(dataclasses.replace(case, overlap_gather=overlap), device=device, deepspeed=True)
+               for overlap in (False, True)]  # DeepSpeed's readers too: parameters(), save_16bit_model
     x, _ = (t.to(device) for t in micro_batch(100, case, world, rank, 0))
     hidden = torch.randn(2, x.shape[1], engines[0].module.cfg.n_embd, generator=torch.Generator().manual_seed(7))
     out = {}

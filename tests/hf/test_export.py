@@ -22,16 +22,17 @@ def _trained_gpt2(rank, device, out: Path) -> dict:
     import transformers as tf
 
     import zeroshard
+    from zeroshard.deepspeed import DeepSpeedEngine
 
     with zeroshard.meta_init():
         model = tf.AutoModelForCausalLM.from_config(config_of("gpt2"))
     engine = zeroshard.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), STAGE3,
-                                  wrap=[tf.models.gpt2.modeling_gpt2.GPT2Block])
+                                  wrap=[tf.models.gpt2.modeling_gpt2.GPT2Block], engine_class=DeepSpeedEngine)
     for step in range(5):
         x = batch(10 * step + rank).to(device)
         engine.backward(engine(input_ids=x, labels=x).loss)
         engine.step()
-    engine.eval()  # no dropout: the logits are the weights' own
+    engine.module.eval()  # no dropout: the logits are the weights' own
     with torch.no_grad():
         logits = engine(input_ids=IDS.to(device)).logits.cpu()
     assert engine.save_pretrained(out / "saved") == out / "saved"
@@ -93,12 +94,13 @@ def _load(model: str | nn.Module, path: Path, device, **options):
 def _plain_module_export(rank, out: Path) -> tuple[dict, bool | None]:
     """A plain module's save_pretrained; then module.state_dict() called on rank 1 only raises there."""
     import zeroshard
+    from zeroshard.deepspeed import DeepSpeedEngine
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     model[0].requires_grad_(False)
     below = zeroshard.initialize(model, torch.optim.SGD(model[2].parameters(), lr=0.1),
-                                 {"zero_optimization": {"stage": 2}})
+                                 {"zero_optimization": {"stage": 2}}, engine_class=DeepSpeedEngine)
     below.save_16bit_model(out / "stage2", "trained.bin", exclude_frozen_parameters=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))

@@ -50,7 +50,7 @@ def _generate_at_stage3(rank, world, device):
             "stage": 3, "stage3_wrap_classes": [block], "stage3_param_persistence_threshold": 0}})
         _train_step(engine, rank, device)  # generation between training steps
         reference.load_state_dict(engine.full_state_dict())
-        engine.eval()
+        engine.module.eval()
         reference.eval()
         prompt = _tokens(rank, 3 + 4 * rank).to(device)  # 3 tokens on rank 0, 7 on rank 1
         settings = {"do_sample": False, "pad_token_id": 0, "attention_mask": torch.ones_like(prompt)}
@@ -68,7 +68,7 @@ def _generate_at_stage3(rank, world, device):
             engine.module.generate(prompt, synced_gpus=False, **settings)
         except GenerationError as exc:
             out[kind, "unsynced"] = str(exc)
-        engine.train()
+        engine.module.train()
         _train_step(engine, rank, device)  # training goes on after generating
         out[kind, "live_after"] = engine.schedule.live_numel()
     return out

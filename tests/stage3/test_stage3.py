@@ -58,7 +58,7 @@ def test_gathered_parameters_and_modifier_rank():
 def _generate(rank, world, device):
     engine = make_engine(Case(stage=3), device=device)
     reference = make_model(device=device)
-    engine.eval()
+    engine.module.eval()
     idx = torch.zeros(1, 1, dtype=torch.long, device=device)
 
     def fail_once(module, args):  # the model's own error, after units were gathered

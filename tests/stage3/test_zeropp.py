@@ -208,7 +208,7 @@ def _grad_norms(rank, world, device, variants: dict):
     for name, zeropp in variants.items():
         engine = _engine(case, device, zeropp)
         _train(engine, case, world, rank, 1)
-        norms[name] = engine.get_global_grad_norm()
+        norms[name] = engine.global_grad_norm
     return norms
 
 

@@ -1,15 +1,16 @@
 """`import zeroshard.deepspeed as deepspeed`: a DeepSpeed training script on zeroshard, unchanged.
 
 `initialize` takes DeepSpeed's arguments and returns its 4-tuple (engine,
-optimizer, dataloader, lr_scheduler); the engine answers DeepSpeed's methods
-(`engine/deepspeed_api.py`). `init_distributed` and `add_config_arguments`
-serve the launch; `zero.Init` and `zero.GatheredParameters` serve stage 3;
+optimizer, dataloader, lr_scheduler); its engine is a `DeepSpeedEngine`, the
+native `zeroshard.Engine` with DeepSpeed's methods (`engine.py`).
+`init_distributed` and `add_config_arguments` serve the launch; `zero.Init` and `zero.GatheredParameters` serve stage 3;
 `checkpointing` is DeepSpeed's activation checkpointing API.
 A DeepSpeed name not provided here raises `MissingAPIError`, saying what to
 do instead; docs/migrate-from-deepspeed.md has the whole table.
 """
 
 from zeroshard.deepspeed import checkpointing, zero
+from zeroshard.deepspeed.engine import DeepSpeedEngine
 from zeroshard.deepspeed.initialize import initialize
 from zeroshard.deepspeed.launch import add_config_arguments, init_distributed
 from zeroshard.deepspeed.unsupported import (
@@ -18,7 +19,6 @@ from zeroshard.deepspeed.unsupported import (
     UnsupportedError,
     missing,
 )
-from zeroshard.engine import Engine as DeepSpeedEngine
 
 __all__ = ["DeepSpeedEngine", "MissingAPIError", "UnsupportedError", "add_config_arguments", "checkpointing",
            "init_distributed", "initialize", "zero"]

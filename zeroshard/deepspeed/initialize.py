@@ -18,8 +18,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from zeroshard.comm.group import LaunchError, this_rank_gpu
 from zeroshard.config import ConfigError
+from zeroshard.deepspeed.engine import DeepSpeedEngine
 from zeroshard.deepspeed.unsupported import UnsupportedError
-from zeroshard.engine import Engine
 from zeroshard.engine import initialize as zeroshard_initialize
 from zeroshard.errors import ModelError
 
@@ -27,8 +27,9 @@ from zeroshard.errors import ModelError
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data: Dataset | None = None, lr_scheduler=None, distributed_port: int = 29500, mpu=None,
                dist_init_required: bool | None = None, collate_fn=None, config=None, mesh_param=None,
-               config_params=None) -> tuple[Engine, torch.optim.Optimizer, DataLoader | None, object]:
-    """DeepSpeed's `initialize`: returns (engine, engine.optimizer, a DataLoader or None, engine.lr_scheduler).
+               config_params=None) -> tuple[DeepSpeedEngine, torch.optim.Optimizer, DataLoader | None, object]:
+    """DeepSpeed's `initialize`: returns (engine, engine.optimizer, a DataLoader or None, engine.lr_scheduler), the
+    engine a `DeepSpeedEngine`.
 
     `distributed_port` has no effect (torchrun sets MASTER_PORT); `mpu` and `mesh_param` raise
     `UnsupportedError` (a mesh goes to `zeroshard.initialize(..., mesh=)`). `dist_init_required=False` with no process group is a
@@ -50,7 +51,7 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         optimizer = optimizer(model.parameters() if model_parameters is None else model_parameters)
         model_parameters = None  # consumed by the callable (a generator cannot be read twice)
     engine = zeroshard_initialize(model, optimizer, config, model_parameters=model_parameters,
-                                  lr_scheduler=lr_scheduler)
+                                  lr_scheduler=lr_scheduler, engine_class=DeepSpeedEngine)
     loader = None if training_data is None else _dataloader(engine, training_data, collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
@@ -79,7 +80,7 @@ def _to_this_rank_gpu(model: nn.Module) -> None:
         model.to(this_rank_gpu())
 
 
-def _dataloader(engine: Engine, dataset: Dataset, collate_fn) -> DataLoader:
+def _dataloader(engine: DeepSpeedEngine, dataset: Dataset, collate_fn) -> DataLoader:
     """DeepSpeed's: this rank's share of `dataset` (a DistributedSampler, shuffled with seed 0 as torch's default),
     in micro-batches of `train_micro_batch_size_per_gpu`; the last incomplete one dropped when the config's
     `dataloader_drop_last` is true."""

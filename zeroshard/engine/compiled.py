@@ -1,4 +1,4 @@
-"""torch.compile and the engine: a model compiled before `initialize`, and DeepSpeed's `engine.compile()`.
+"""torch.compile and the engine: a model compiled before `initialize`, and `engine.compile()` (DeepSpeed's).
 
 Both ways end in the same place: `engine.module` is the user's own module
 (its parameter names, units and checkpoint keys carry no `_orig_mod.`), and
@@ -56,8 +56,15 @@ def _traced_call(module: nn.Module) -> Callable:
     return call
 
 
-class CompileMethods:
-    """Mixed into `Engine`: DeepSpeed's `compile()` and `is_compiled`."""
+class CompiledForward:
+    """Whether and how the engine's model runs compiled: DeepSpeed's `engine.compile()` and `is_compiled`."""
+
+    def __init__(self, module: nn.Module, call: Callable | None):
+        """`call`: the compiled call of `torch.compile(model)` passed to `initialize` (`uncompiled`), or None;
+        set in place now that the engine is built."""
+        self.module = module
+        if call is not None:
+            module._compiled_call_impl = call
 
     def compile(self, backend: str | Callable = "inductor", compile_kwargs: dict | None = None) -> None:
         """Compile the model's forward with `torch.compile(backend=backend, **compile_kwargs)`, in place.
@@ -66,14 +73,14 @@ class CompileMethods:
         on. Compiling an engine that is compiled already (here, or by `torch.compile(model)` before
         `initialize`) is an error: the first compilation's options would silently stay.
         """
-        if self.is_compiled:
+        if self.active:
             raise ModelError("the engine's model is compiled already (engine.compile() or torch.compile(model) "
                              "before zeroshard.initialize); compile it once")
         self.module._compiled_call_impl = torch.compile(_traced_call(self.module), backend=backend,
                                                         **(compile_kwargs or {}))
 
     @property
-    def is_compiled(self) -> bool:
-        """Whether the model's forward runs compiled (`engine.compile()`, `torch.compile` before `initialize`,
-        or `engine.module.compile()`)."""
+    def active(self) -> bool:
+        """Whether the forward runs compiled (here, by `torch.compile` before `initialize`, or by
+        `engine.module.compile()`)."""
         return self.module._compiled_call_impl is not None

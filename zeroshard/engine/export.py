@@ -1,4 +1,5 @@
-"""The engine's exports of whole weights: Hugging Face's `save_pretrained` and DeepSpeed's `save_16bit_model`.
+"""Exports: the engine's whole weights, as Hugging Face's `save_pretrained`, DeepSpeed's `save_16bit_model` and
+`full_state_dict`.
 
 Both are collective (every rank calls them; called on some ranks only they
 raise `CheckpointError` naming the call and its fix, at once where the other
@@ -8,8 +9,6 @@ at every stage: the full state dict is built on rank 0 only (at stage 3 by
 gathering one unit at a time, `engine.full_state_dict(rank0_only=True)`), so
 no other rank ever holds a full copy; rank 0 writes, then tells every rank
 whether it succeeded, so all of them return or raise together.
-
-`Engine` inherits `ExportMethods`.
 """
 
 from __future__ import annotations
@@ -22,12 +21,16 @@ import torch
 
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.safetensors_files import WEIGHTS_FILE
-from zeroshard.comm import all_gather_object
+from zeroshard.comm import CollectiveError, all_gather_object
 from zeroshard.errors import ModelError
+from zeroshard.stage3.gathered import full_state_dict
 
 
-class ExportMethods:
-    """Mixed into `Engine`."""
+class Exports:
+    """`engine`'s (a `zeroshard.Engine`'s) exports of its whole weights; every rank calls them."""
+
+    def __init__(self, engine):
+        self.engine = engine
 
     def save_pretrained(self, save_dir: str | os.PathLike, **kwargs) -> Path:
         """Write the model as `AutoModel*.from_pretrained(save_dir)` loads it; returns `save_dir`.
@@ -38,18 +41,19 @@ class ExportMethods:
         with every key of `module.state_dict()`, which `module.load_state_dict(safetensors.torch.load_file(
         path))` loads; keyword arguments are then an error. Weights are in the training dtype.
         """
+        module = self.engine.module
         transformers = sys.modules.get("transformers")
-        is_transformers = transformers is not None and isinstance(self.module, transformers.PreTrainedModel)
+        is_transformers = transformers is not None and isinstance(module, transformers.PreTrainedModel)
         if kwargs and not is_transformers:
             raise ModelError(f"save_pretrained keyword arguments {sorted(kwargs)} are passed to a transformers "
-                             f"model's save_pretrained, but this model is a {type(self.module).__name__}; drop them")
-        self._enter("save_pretrained", CheckpointError)
+                             f"model's save_pretrained, but this model is a {type(module).__name__}; drop them")
+        self.engine._enter("save_pretrained", CheckpointError)
         state = self.pretrained_state() if is_transformers else self._export_state(exclude_frozen=False)
         save_dir = Path(save_dir)
 
         def write() -> None:
             if is_transformers:
-                self.module.save_pretrained(save_dir, state_dict=state, **kwargs)
+                module.save_pretrained(save_dir, state_dict=state, **kwargs)
             else:
                 from safetensors.torch import save_file
 
@@ -66,7 +70,7 @@ class ExportMethods:
         the name it keeps (as from the model's own state dict). Every rank calls it (stage 3 gathers)."""
         state = self._export_state(exclude_frozen=False)
         names: dict[int, list[str]] = {}
-        for name, param in self.module.named_parameters(remove_duplicate=False):
+        for name, param in self.engine.module.named_parameters(remove_duplicate=False):
             names.setdefault(id(param), []).append(name)
         for first, *others in names.values():
             for other in others:
@@ -74,14 +78,10 @@ class ExportMethods:
                     state[other] = state[first]
         return state
 
-    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
-                         exclude_frozen_parameters: bool = False) -> bool:
-        """DeepSpeed's: `torch.save` the full state dict, in the training dtype (16-bit with bf16 or fp16),
-        to `save_dir/save_filename` on rank 0; returns True. Every rank calls it (stage 3 gathers).
-        `exclude_frozen_parameters`: leave out parameters that do not require grad."""
-        self._enter("save_16bit_model", CheckpointError)
-        state = self._export_state(exclude_frozen=exclude_frozen_parameters)
-        path = Path(save_dir) / save_filename
+    def save_16bit(self, path: Path, exclude_frozen: bool) -> bool:
+        """`torch.save` the full state dict to `path` on rank 0 (DeepSpeed's `save_16bit_model`); True."""
+        self.engine._enter("save_16bit_model", CheckpointError)
+        state = self._export_state(exclude_frozen=exclude_frozen)
 
         def write() -> None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -92,21 +92,42 @@ class ExportMethods:
 
     def _export_state(self, exclude_frozen: bool) -> dict[str, torch.Tensor]:
         """The full state dict on rank 0 (CPU copies), {} elsewhere."""
-        self._land_update()  # a delayed update in flight, first: the state written is the whole of it
+        self.engine._update.land()  # a delayed update in flight, first: the state written is the whole of it
         state = self.full_state_dict(rank0_only=True)
         if exclude_frozen:
-            frozen = {name for name, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            named = self.engine.module.named_parameters(remove_duplicate=False)
+            frozen = {name for name, p in named if not p.requires_grad}
             state = {k: v for k, v in state.items() if k not in frozen}
         return {k: v.cpu() for k, v in state.items()}
 
     def _on_rank0(self, write, what: str) -> None:
         """Run `write` on rank 0; every rank raises `CheckpointError` if it failed there."""
         failure = None
-        if self.comm.rank == 0:
+        if self.engine.comm.rank == 0:
             try:
                 write()
             except Exception as exc:  # sent to every rank, so none returns as if it had been written
                 failure = f"{type(exc).__name__}: {exc}"
-        failures = all_gather_object(self.comm, failure)
+        failures = all_gather_object(self.engine.comm, failure)
         if failures[0] is not None:
             raise CheckpointError(f"{what} failed on rank 0, which writes it: {failures[0]}")
+
+    def full_state_dict(self, rank0_only: bool) -> dict[str, torch.Tensor]:
+        """The complete model state dict (full tensors, copies): on every rank, or on rank 0 only.
+
+        At stage 3 every rank must call it: the units are gathered one at a time (called on some
+        ranks only, they raise `CollectiveError` within `rank_check_timeout`). Below stage 3 it runs
+        no collective and any rank may call it alone.
+        """
+        engine = self.engine
+        keep = not rank0_only or engine.comm.rank == 0
+        engine.post_step.wait()  # stages 1-2: the last step's gathers in flight (overlap_param_gather)
+        if engine.schedule is None:
+            return {k: v.detach().clone() for k, v in engine.module.state_dict().items()} if keep else {}
+        engine._check_usable()
+        engine._enter("full_state_dict", CollectiveError)
+        try:
+            return full_state_dict(engine.module, engine.schedule, keep)
+        except CollectiveError as exc:
+            engine._fail(f"a gather failed in full_state_dict ({exc})")
+            raise

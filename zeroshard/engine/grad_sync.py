@@ -1,4 +1,4 @@
-"""GradSyncMethods: gradient sync driven by the caller instead of autograd hooks.
+"""GradSync: gradient sync driven by the caller instead of autograd hooks.
 
 With sync on (the default) each parameter's post-accumulate-grad hook hands
 its gradient to the reducer during `engine.backward`. A pipeline schedule
@@ -19,127 +19,163 @@ fire for only some parameters. With sync off:
   pass that does not depend on any hook having fired;
 - `engine.scale_gradients(f)` divides the window's gradients by `f` in the
   step's one multiply (a pipeline schedule's micro-batch count).
+
+Whether sync is on is the caller's setting, kept across windows; what the
+window's `.grad` holds is one state, `Window`, reset at every boundary.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Iterator
+from enum import Enum
+from typing import TYPE_CHECKING
 
-import torch
-
-from zeroshard.comm import wait_all
+from zeroshard.comm import CollectiveError, Comm, wait_all
+from zeroshard.config import Config
+from zeroshard.core.bucket import Bucket, StageSwitches
+from zeroshard.core.reducer import GradReducer
+from zeroshard.core.staging import StagingPool
+from zeroshard.engine.offload import Offload
 from zeroshard.engine.state import EngineStateError, TrainingState
+from zeroshard.stage3.schedule import GatherSchedule
+
+if TYPE_CHECKING:  # imported by the engine only with a mesh: `import zeroshard` stays free of DTensor
+    from zeroshard.parallel.cross import CrossParallel
 
 
-class GradSyncMethods:
-    """Mixed into `Engine`: sync off and on, reduce now, scale, and backward passes the caller runs."""
+class Window(Enum):
+    """What this accumulation window's `.grad` holds with sync off (with sync on it stays CLEAN)."""
 
-    _sync = True  # gradient sync by hooks during engine.backward
-    _unreduced = False  # .grad holds gradients no reduction has taken yet
-    _reduced_in_window = False  # a reduction ran in this window (stages 0-1 allow one)
-    _tied_left = False  # the last pass was ties=False and no backward ran since: only tied targets remain
-    _grad_divisor = 1.0  # engine.scale_gradients: the window's gradients are divided by it at the step
+    CLEAN = "clean"  # no backward of the caller's and no reduction yet in this window
+    UNREDUCED = "unreduced"  # .grad holds gradients no reduction has taken yet
+    REDUCED = "reduced"  # a reduction ran in this window and took everything (stages 0-1 allow one)
+    TIED_LEFT = "tied left"  # a ties=False pass ran, no backward since: only the tied copies remain on .grad
+
+
+class GradSync:
+    """The engine's gradient sync: hooks or the caller's passes, the window's state and its divisor."""
+
+    def __init__(self, reducer: GradReducer, cross: CrossParallel | None, comm: Comm, pool: StagingPool,
+                 switches: StageSwitches, config: Config, buckets: list[Bucket], schedule: GatherSchedule | None,
+                 offload: Offload):
+        """`cross`: on a mesh, tp's partial sums and the ties across pp stages."""
+        self.reducer, self.cross, self.comm, self.pool, self.switches = reducer, cross, comm, pool, switches
+        self.config, self.buckets, self.schedule, self.offload = config, buckets, schedule, offload
+        self.sync = True  # the caller's setting: hooks reduce during engine.backward
+        self.window = Window.CLEAN
+        self.divisor = 1.0  # engine.scale_gradients: the window's gradients are divided by it at the step
 
     @property
-    def step_due(self) -> bool:
-        """Whether a backward ran since the last engine.step(): the step comes next."""
-        return self.state is TrainingState.STEP_DUE
+    def unreduced(self) -> bool:
+        """Whether the step must first reduce what `.grad` still holds (the end-of-step pass)."""
+        return self.window in (Window.UNREDUCED, Window.TIED_LEFT)
 
-    @property
-    def gradient_sync(self) -> bool:
-        """Whether backward reduces through hooks (True) or leaves gradients on `.grad` for reduce_gradients."""
-        return self._sync
+    def _scale(self) -> float:
+        """The reduction's factor: the mean over the ranks and the window's micro-steps."""
+        return 1.0 / (self.comm.world_size * self.config.gradient_accumulation_steps)
 
-    def set_gradient_sync(self, enabled: bool) -> None:
-        """Turn hook-driven gradient sync on or off (see the module's docstring); only between steps."""
-        if self.state not in (TrainingState.IDLE,) or self._unreduced:
+    # -- sync on: the hooks reduce during engine.backward -------------------------
+
+    def on_grad(self, target: int, param: int, state: TrainingState) -> None:
+        """A parameter's post-accumulate-grad hook: its gradient to the reducer (sync on)."""
+        if not self.sync:  # gradients stay on .grad for reduce_gradients()
+            return
+        if state is not TrainingState.BACKWARD:
+            raise EngineStateError(
+                "a gradient was accumulated outside engine.backward(loss); call "
+                "engine.backward(loss) instead of loss.backward() so zeroshard can reduce it"
+            )
+        if self.cross is not None:
+            self.cross.settle(self.reducer.targets[target].params[param])
+        self.reducer.on_grad(target, param)
+
+    def begin_hooked(self, boundary: bool) -> bool:
+        """Before a backward whose hooks reduce: whether they reduce now (stages 0-1 only at the boundary)."""
+        reduce_now = boundary or self.switches.shard_grads
+        if boundary:
+            self.offload.tiers.hold_grads()  # the step's first gradient shards on disk stay in memory for it
+        self.reducer.begin(reduce_now, self._scale())
+        if self.schedule is not None:
+            self.schedule.begin_backward()
+        return reduce_now
+
+    def finish_hooked(self, reduce_now: bool) -> None:
+        """After that backward: what the hooks did not reach reduced, or the micro-step's gradients summed."""
+        self.reducer.finish()
+        if self.schedule is not None:
+            self.schedule.end_backward()  # waits for prefetches still in flight
+        if not reduce_now:
+            for bucket in self.buckets:
+                bucket.accumulate_micro_step()
+
+    def abandon(self) -> None:
+        """The engine failed: drop this window's partial gradients and whatever is in flight."""
+        try:
+            self.reducer.abandon()
+        except CollectiveError:  # the stuck collective itself: nothing more to learn from it
+            pass
+        for bucket in self.buckets:
+            bucket.zero_grad(self.pool)
+        if self.schedule is not None:
+            self.schedule.forget()
+
+    # -- sync off: the caller's backward passes and reductions --------------------
+
+    def set_sync(self, enabled: bool, state: TrainingState) -> None:
+        if state is not TrainingState.IDLE or self.unreduced:
             raise EngineStateError("set_gradient_sync() between optimizer steps only: call it before the first "
                                    "backward of a window, after engine.step()")
-        self._sync = bool(enabled)
+        self.sync = bool(enabled)
 
-    @contextmanager
-    def pipeline_backward(self) -> Iterator[None]:
-        """Run a backward pass of your own inside (a pipeline schedule's): gradients stay on `.grad`.
-
-        Turns gradient sync off for the rest of training. Afterwards the engine
-        expects `engine.step()`; more forwards and backwards may come first.
-        """
-        self._check_usable()
-        if self.state not in (TrainingState.IDLE, TrainingState.STEP_DUE):
-            raise EngineStateError(f"pipeline_backward() in state {self.state.value}: run it between forwards, "
-                                   "not inside another backward or step")
-        self._sync = False
-        self._begin_explicit_backward()
-        try:
-            yield
-        except BaseException as exc:
-            self.fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
-            raise
-        self._end_explicit_backward()
-
-    def _begin_explicit_backward(self) -> None:
-        if self._reduced_in_window and not self.switches.shard_grads:
+    def begin_backward(self) -> None:
+        """A backward of the caller's is about to run: sync is off from now on."""
+        self.sync = False
+        if self._reduced_once():
             raise EngineStateError(f"a backward after reduce_gradients() in the same step at ZeRO stage "
                                    f"{self.config.stage}: stages 0-1 reduce a window once, so its gradients would be "
                                    "reduced twice. Reduce after the window's last backward, or use stage 2 or 3")
-        self._tied_left = False
         if self.schedule is not None:
             self.schedule.begin_backward()
-        self.state = TrainingState.BACKWARD
-        self.comm.trace.phase = "backward"
 
-    def _end_explicit_backward(self) -> None:
+    def end_backward(self) -> None:
         if self.schedule is not None:
             self.schedule.end_backward()
-        self._unreduced = True
-        self.state = TrainingState.STEP_DUE
-        self.comm.trace.phase = "step"
+        self.window = Window.UNREDUCED
 
-    def reduce_gradients(self, ties: bool = True) -> None:
-        """Reduce the gradients `.grad` holds now (sync off); see the module's docstring.
+    def check_reduce(self, ties: bool) -> None:
+        """The caller's `reduce_gradients(ties)` is allowed now (the engine checked the training state)."""
+        if self.sync:
+            raise EngineStateError("reduce_gradients() with gradient sync on: engine.backward has reduced already. "
+                                   "Turn sync off first (engine.set_gradient_sync(False)) to reduce when you choose")
+        if self._reduced_once():
+            raise EngineStateError(f"reduce_gradients() a second time in one step at ZeRO stage {self.config.stage}: "
+                                   "stages 0-1 reduce the window's gradients once, at its end. Reduce per "
+                                   "micro-batch at stage 2 or 3, or once per step")
+        if not ties and not self.switches.shard_grads:
+            raise EngineStateError("reduce_gradients(ties=False) reduces part of a window: stages 2-3 only")
+
+    def _reduced_once(self) -> bool:
+        """Stages 0-1 reduce a window once: has it been?"""
+        return self.window in (Window.REDUCED, Window.TIED_LEFT) and not self.switches.shard_grads
+
+    def reduce(self, ties: bool) -> None:
+        """Reduce what `.grad` holds now into each target (see the module's docstring).
 
         `ties=False` (stages 2-3, a pipeline's per-micro-batch pass) leaves the copies of parameters tied
         across stages on `.grad`: their sum over the stages is a collective between stages, which must not
         run in the middle of a schedule. A pass with `ties=True` (the end of step's) sums and reduces them,
         and reduces every target not yet reduced in this window or still holding a gradient.
         """
-        self._check_usable()
-        if self.state is not TrainingState.STEP_DUE:
-            raise EngineStateError("reduce_gradients() after a backward and before engine.step() only")
-        if self._sync:
-            raise EngineStateError("reduce_gradients() with gradient sync on: engine.backward has reduced already. "
-                                   "Turn sync off first (engine.set_gradient_sync(False)) to reduce when you choose")
-        if self._reduced_in_window and not self.switches.shard_grads:
-            raise EngineStateError(f"reduce_gradients() a second time in one step at ZeRO stage {self.config.stage}: "
-                                   "stages 0-1 reduce the window's gradients once, at its end. Reduce per "
-                                   "micro-batch at stage 2 or 3, or once per step")
-        if not ties and not self.switches.shard_grads:
-            raise EngineStateError("reduce_gradients(ties=False) reduces part of a window: stages 2-3 only")
-        self._reduce_now(ties)
-
-    def _reduce_now(self, ties: bool) -> None:
-        try:
-            self._reduce_targets(ties)
-        except BaseException as exc:
-            self.fail(f"a gradient reduction failed on this rank ({type(exc).__name__}: {exc})")
-            raise
-        self._reduced_in_window = True
-        self._tied_left = not ties and bool(self.cross and self.cross.ties)
-        self._unreduced = self._tied_left
-
-    def _reduce_targets(self, ties: bool) -> None:
         tied = {id(t.param) for t in self.cross.ties} if self.cross is not None else set()
         if ties and tied:
             for tie in self.cross.ties:  # a gradient partial over tp is summed there first, in place
                 self.cross.settle(tie.param)
             self.cross.reduce_ties()
-        scale = 1.0 / (self.comm.world_size * self.gradient_accumulation_steps)
+        scale = self._scale()
         pending = []
         for target in self.reducer.targets:
             # Right after a per-micro-batch pass only the tied targets are left: a fixed set, the same on
             # every dp rank (which targets hold a gradient can differ between ranks).
-            if self._tied_left and not any(id(p) in tied for p in target.params):
+            if self.window is Window.TIED_LEFT and not any(id(p) in tied for p in target.params):
                 continue
             for index, param in enumerate(target.params):
                 if self.cross is not None and (ties or id(param) not in tied):
@@ -148,16 +184,12 @@ class GradSyncMethods:
                     target.take_grad(index, self.pool)
             pending.append(target.reduce_grad(self.comm, self.pool, scale))
         wait_all(pending)
+        self.window = Window.TIED_LEFT if not ties and tied else Window.REDUCED
 
-    def scale_gradients(self, factor: float) -> None:
-        """Divide this window's gradients by `factor` at the step (a pipeline's micro-batches with a mean loss)."""
+    def scale(self, factor: float) -> None:
         if not factor > 0:
             raise ValueError(f"scale_gradients({factor!r}): the factor must be positive")
-        self._grad_divisor = float(factor)
+        self.divisor = float(factor)
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss` times fp16's loss scale (in fp32), for a backward run outside engine.backward; else `loss`."""
-        return loss.float() * self.scaler.scale if self.scaler is not None else loss
-
-    def _end_window(self) -> None:
-        self._unreduced, self._reduced_in_window, self._grad_divisor, self._tied_left = False, False, 1.0, False
+    def end_window(self) -> None:
+        self.window, self.divisor = Window.CLEAN, 1.0

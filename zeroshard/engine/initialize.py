@@ -40,7 +40,7 @@ def initialize(
     model_parameters: Iterable[Any] | None = None,
     lr_scheduler: SchedulerArg = None,
     mesh: Mesh | None = None, tied: dict[str, str] | None = None,
-    offload: OffloadArg = None,
+    offload: OffloadArg = None, engine_class: type[Engine] = Engine,
 ) -> Engine:
     """Wrap `model` and `optimizer` for ZeRO training on `group` (default: the world).
 
@@ -64,6 +64,7 @@ def initialize(
     "none", "cpu", "nvme"), "nvme_path" (for each block on "nvme") and "ratio" (of the optimizer state), such
     as {"optimizer": "nvme", "param": "cpu", "nvme_path": "/local_nvme"}. It fills the keys the config leaves
     out; a key the config sets to another value is a `ConfigError` (docs/deepspeed-config.md).
+    `engine_class`: what is built, `Engine` or a subclass (zeroshard.deepspeed.initialize's `DeepSpeedEngine`).
 
     Rank 0 logs one block: every "auto" resolved, every batch key derived, every DeepSpeed key with no effect
     (zeroshard.config.logs makes it visible). A config that fails on one rank only (a typo in that rank's
@@ -83,7 +84,7 @@ def initialize(
         optimizer = choose_optimizer(model, optimizer, config, model_parameters)
     except ConfigError as error:  # before the group exists: the other ranks would wait for this one
         error_everywhere(error, model, group)
-    engine = Engine(model, optimizer, config, None if mesh else group, init, mesh=mesh, tied=tied)
+    engine = engine_class(model, optimizer, config, None if mesh else group, init, mesh=mesh, tied=tied)
     engine.lr_scheduler = schedule_for(config, engine.optimizer, lr_scheduler)
     if engine.comm.rank == 0 and (block := report.block()):
         log.info("%s", block)

@@ -1,17 +1,38 @@
-"""ReportMethods: what the engine reports of itself: traffic, memory, the full state dict."""
+"""Reports: what the engine reports of itself: traffic, memory, where the parameters live."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+import torch.nn as nn
 
-from zeroshard.comm import CollectiveError, OpStats
+from zeroshard.comm import Comm, OpStats
+from zeroshard.config import Config
+from zeroshard.core.activation_meter import ActivationMeter
+from zeroshard.core.bucket import Bucket
+from zeroshard.core.flat import FlatParams
 from zeroshard.core.memory import model_state_bytes, total, with_activations
+from zeroshard.core.staging import StagingPool
+from zeroshard.engine.offload import Offload
 from zeroshard.engine.placement import ParamPlacement, param_placement
-from zeroshard.stage3.gathered import full_state_dict
+from zeroshard.engine.step_update import StepUpdate
+from zeroshard.stage3.unit import Unit
+
+if TYPE_CHECKING:  # imported by the engine only with a mesh: `import zeroshard` stays free of DTensor
+    from zeroshard.parallel.cross import CrossParallel
 
 
-class ReportMethods:
-    """The engine's reports (mixed into `Engine`)."""
+class Reports:
+    """The engine's reports, counted from what this rank holds."""
+
+    def __init__(self, config: Config, comm: Comm, cross: CrossParallel | None, module: nn.Module,
+                 optimizer: torch.optim.Optimizer, buckets: list[Bucket], units: list[Unit],
+                 frozen: list[FlatParams], pool: StagingPool, offload: Offload, activations: ActivationMeter,
+                 names: dict[int, str], update: StepUpdate):
+        self.config, self.comm, self.cross, self.module, self.optimizer = config, comm, cross, module, optimizer
+        self.buckets, self.units, self.frozen, self.pool, self.offload = buckets, units, frozen, pool, offload
+        self.activations, self.names, self.update = activations, names, update
 
     def comm_stats(self, dim: str = "dp") -> dict[str, OpStats]:
         """Per logical collective: calls, bytes (logical full buffer), blocked seconds, algorithms.
@@ -34,9 +55,9 @@ class ReportMethods:
 
         `pool`: "device", "host" or "disk" (offload), each by the same kinds; None: all pools together.
         A delayed update in flight is waited for first (its optimizer state is being made)."""
-        self._wait_update()
+        self.update.wait()  # a delayed update in flight: its optimizer state is being made
         by_pool = with_activations(
-            model_state_bytes(self.module, self.buckets, self.optimizer, self.pool, self.frozen_flats(),
+            model_state_bytes(self.module, self.buckets, self.optimizer, self.pool, self.frozen,
                               self.offload.tiers, self.offload.param_tier, self.offload.buffers()),
             self.activations.last, self.activations.window_peak)
         if pool is None:
@@ -53,23 +74,4 @@ class ReportMethods:
         collective; `.total.bytes` equals `memory_stats()["params"]` while no unit is gathered."""
         zero = self.config.zero_optimization
         return param_placement(self.config.stage, self.comm.world_size, self.comm.rank, self.module, self.buckets,
-                               self.units, self._names, zero.stage3_param_persistence_threshold)
-
-    def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The complete model state dict (full tensors, copies): on every rank, or on rank 0 only.
-
-        At stage 3 every rank must call it: the units are gathered one at a time (called on some
-        ranks only, they raise `CollectiveError` within `rank_check_timeout`). Below stage 3 it runs
-        no collective and any rank may call it alone.
-        """
-        keep = not rank0_only or self.comm.rank == 0
-        self.wait_for_params()  # stages 1-2: the last step's gathers in flight (overlap_param_gather)
-        if self.schedule is None:
-            return {k: v.detach().clone() for k, v in self.module.state_dict().items()} if keep else {}
-        self._check_usable()
-        self._enter("full_state_dict", CollectiveError)
-        try:
-            return full_state_dict(self.module, self.schedule, keep)
-        except CollectiveError as exc:
-            self.fail(f"a gather failed in full_state_dict ({exc})")
-            raise
+                               self.units, self.names, zero.stage3_param_persistence_threshold)

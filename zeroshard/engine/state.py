@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from enum import Enum
 
+from zeroshard.core.bucket import Bucket
+from zeroshard.core.local import local
 from zeroshard.errors import ZeroshardError
 
 
@@ -28,3 +30,15 @@ class TrainingState(Enum):
 class EngineStateError(ZeroshardError, RuntimeError):
     """A call that the training state does not allow: backward twice, step without backward, a gradient
     outside engine.backward, any call on a failed engine, or parameters replaced after initialize."""
+
+
+def check_params_in_place(buckets: list[Bucket], names: dict[int, str]) -> None:
+    """`EngineStateError` if a parameter no longer lives in its flat buffer (replaced after initialize)."""
+    for bucket in buckets:
+        if bucket.switches.shard_params:  # its parameters are empty between uses
+            continue
+        if local(bucket.params[0]).data_ptr() != bucket.flat.data.data_ptr():
+            raise EngineStateError(
+                f"parameter '{names[id(bucket.params[0])]}' no longer lives in zeroshard's flat "
+                "buffer (model.to(), .half() or .cuda() after initialize replaces parameters); move and "
+                "cast the model before zeroshard.initialize")

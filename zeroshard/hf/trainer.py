@@ -38,7 +38,7 @@ from transformers.trainer_utils import _is_peft_model, has_length
 
 from zeroshard.deepspeed.initialize import initialize
 from zeroshard.deepspeed.unsupported import UnsupportedError
-from zeroshard.engine import Engine
+from zeroshard.deepspeed.engine import DeepSpeedEngine
 from zeroshard.hf.arguments import filled_config
 from zeroshard.hf.window import check_windows
 
@@ -63,7 +63,7 @@ class _SteppedByEngine:
 class _ZeroshardTraining:
     """Mixed into transformers' `Trainer` and `Seq2SeqTrainer` (see the module docstring)."""
 
-    engine: Engine | None = None
+    engine: DeepSpeedEngine | None = None
     _stepped_lr: float | None = None  # the learning rate of the engine's last optimizer step
 
     # -- building the engine ---------------------------------------------------
@@ -86,7 +86,7 @@ class _ZeroshardTraining:
         self.callback_handler.train_dataloader = train_dataloader
         return self.engine, train_dataloader
 
-    def _build_engine(self, max_steps: int) -> Engine:
+    def _build_engine(self, max_steps: int) -> DeepSpeedEngine:
         """As transformers' `deepspeed_init`: the config filled, then the optimizer and scheduler from the config's
         blocks, else the Trainer's own; the engine over the model."""
         config = filled_config(self.args, self.model, max_steps)

@@ -1,33 +1,36 @@
-"""CheckpointMethods: the engine's checkpoint calls and the checkpoint package's `Trainer` protocol.
+"""Checkpoints: the engine's checkpoint calls (save, load, the asynchronous save in flight).
 
-On a mesh each model part (pp, tp coordinate) saves and loads its own
-data-parallel checkpoint under the directory (`checkpoint/mesh.py`).
+They hand the checkpoint package the engine's `CheckpointAdapter`, never the
+engine. On a mesh each model part (pp, tp coordinate) saves and loads its
+own data-parallel checkpoint under the directory (`checkpoint/mesh.py`).
 """
 
 from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import Callable, Generator
+from typing import Callable
 
 import torch.distributed as dist
 
 from zeroshard import checkpoint
-from zeroshard.checkpoint import CheckpointError, Counters
-from zeroshard.checkpoint.async_save import save_async
+from zeroshard.checkpoint import CheckpointError
+from zeroshard.checkpoint.async_save import AsyncSave, save_async
 from zeroshard.checkpoint.files import LATEST, point_latest
 from zeroshard.checkpoint.mesh import check_mesh, part_dir, write_mesh
 from zeroshard.comm import all_gather_object
-from zeroshard.core.flat import FlatParams
-from zeroshard.engine.state import TrainingState
+from zeroshard.engine.checkpoint_adapter import CheckpointAdapter
 
 
-class CheckpointMethods:
-    """Mixed into `Engine`."""
+class Checkpoints:
+    """`engine`'s (a `zeroshard.Engine`'s) checkpoint calls, over its `adapter`; the asynchronous save in flight."""
 
-    def save_checkpoint(self, save_dir: str | Path, tag: str | int | float | None = None,
-                        client_state: dict | None = None, save_latest: bool = True,
-                        exclude_frozen_parameters: bool = False, asynchronous: bool | None = None) -> Path:
+    def __init__(self, engine, adapter: CheckpointAdapter):
+        self.engine, self.adapter = engine, adapter
+        self.in_flight: AsyncSave | None = None  # an asynchronous save not yet published as `latest`
+
+    def save(self, save_dir: str | Path, tag: str | int | float | None, client_state: dict | None,
+             save_latest: bool, exclude_frozen_parameters: bool, asynchronous: bool | None) -> Path:
         """Write a sharded checkpoint to `save_dir/tag` (default tag `global_step<N>`; a number becomes
         `str(tag)`) and point `save_dir/latest` at it (unless `save_latest` is false); returns the tag's
         directory. Every rank must call it, at an accumulation boundary. `client_state`: your own plain data
@@ -43,15 +46,17 @@ class CheckpointMethods:
         `engine.step()` once every rank's file is complete (`checkpoint/async_save.py`); a failed write
         raises `CheckpointError` on every rank at that step. A save in flight is completed first.
         """
-        asynchronous = self.config.checkpoint.async_save if asynchronous is None else asynchronous
-        self._enter("save_checkpoint", CheckpointError, checkpoint_call=True)
-        self._land_update()  # a delayed update in flight, first: the state written is the whole of it
-        self.wait_for_checkpoint()  # a second save waits for the first
-        if self.mesh is None and not asynchronous:
-            return checkpoint.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-        if self.mesh is None:
-            self._async_save = save_async(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
-            return self._async_save.path
+        engine = self.engine
+        asynchronous = engine.config.checkpoint.async_save if asynchronous is None else asynchronous
+        engine._enter("save_checkpoint", CheckpointError, checkpoint_call=True)
+        engine._update.land()  # a delayed update in flight, first: the state written is the whole of it
+        self.wait()  # a second save waits for the first
+        if engine.mesh is None and not asynchronous:
+            return checkpoint.save(self.adapter, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        if engine.mesh is None:
+            self.in_flight = save_async(self.adapter, save_dir, tag, client_state, save_latest,
+                                        exclude_frozen_parameters)
+            return self.in_flight.path
         if asynchronous:
             raise CheckpointError("an asynchronous save on a dp x tp x pp mesh is not supported yet: save with "
                                   "asynchronous=False (config checkpoint.async_save false); nothing was written")
@@ -61,18 +66,19 @@ class CheckpointMethods:
                     exclude_frozen: bool) -> Path:
         """On a mesh: each model part writes its tag; only once every part's is complete does any part's
         `latest` move to it, so the parts' `latest` never name different steps after a failed save."""
+        mesh = self.engine.mesh
         if dist.get_rank() == 0:
-            write_mesh(save_dir, self.mesh)
-        where, path, error = part_dir(save_dir, self.mesh), None, None
+            write_mesh(save_dir, mesh)
+        where, path, error = part_dir(save_dir, mesh), None, None
         try:
-            path = checkpoint.save(self, where, tag, client_state, save_latest=False,
+            path = checkpoint.save(self.adapter, where, tag, client_state, save_latest=False,
                                    exclude_frozen_parameters=exclude_frozen)
         except CheckpointError as exc:  # raised in this part's dp group only: the other parts must hear it
             error = str(exc)
         self._every_part_agrees(error)
         if save_latest:
             error = None
-            if self.comm.rank == 0:  # each part's first dp rank
+            if self.engine.comm.rank == 0:  # each part's first dp rank
                 try:
                     point_latest(where, path.name)
                 except OSError as exc:
@@ -82,32 +88,28 @@ class CheckpointMethods:
 
     def _every_part_agrees(self, error: str | None) -> None:
         """Raise the same `CheckpointError` on every rank of the mesh if any part's save failed."""
-        rows = all_gather_object(self.cross.world, (self.mesh.model_part, error))
+        rows = all_gather_object(self.engine.cross.world, (self.engine.mesh.model_part, error))
         failed = [f"{part}: {e}" for part, e in rows if e]
         if failed:
             raise CheckpointError(f"the checkpoint was not completed by every model part ({'; '.join(failed)}); "
                                   "no part's 'latest' moved to it, so a load resumes every part from the previous "
                                   "checkpoint")
 
-    def wait_for_checkpoint(self) -> Path | None:
-        """Block until the asynchronous save in flight (if any) is written by every rank and published as
-        `latest`; returns its tag's directory (None: no save in flight). Every rank must call it; a failed
-        write raises `CheckpointError` on every rank. Call it before the process ends."""
-        save, self._async_save = self._async_save, None
+    def wait(self) -> Path | None:
+        """The save in flight written by every rank and published: its tag's directory (None: none)."""
+        save, self.in_flight = self.in_flight, None
         return save.wait() if save is not None else None
 
-    def _poll_checkpoint(self) -> None:
+    def poll(self) -> None:
         """At the end of an optimizer step: publish the asynchronous save in flight once every rank has
         written it, or raise its failure on every rank."""
-        save, self._async_save = self._async_save, None
+        save, self.in_flight = self.in_flight, None
         if save is not None and save.poll() is None:
-            self._async_save = save  # some rank is still writing
+            self.in_flight = save  # some rank is still writing
 
-    def load_checkpoint(self, load_dir: str | Path, tag: str | int | float | None = None,
-                        load_module_strict: bool = True, load_optimizer_states: bool = True,
-                        load_lr_scheduler_states: bool = True, load_module_only: bool = False,
-                        custom_load_fn: Callable | None = None, *,
-                        must_exist: bool = False) -> tuple[Path, dict] | tuple[None, None]:
+    def load(self, load_dir: str | Path, tag: str | int | float | None, load_module_strict: bool,
+             load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool,
+             custom_load_fn: Callable | None, must_exist: bool) -> tuple[Path, dict] | tuple[None, None]:
         """Load a checkpoint written by any world size, stage or dtype; returns (its directory, client_state).
 
         DeepSpeed's signature. `tag` None: the one `load_dir/latest` names (or `load_dir` itself if it is a
@@ -119,17 +121,18 @@ class CheckpointMethods:
         Every rank must call it; on error every rank raises `CheckpointError` and the engine is
         unchanged (called on some ranks only, they raise it within `rank_check_timeout`).
         """
-        self.check_checkpoint_options(load_module_strict=load_module_strict, custom_load_fn=custom_load_fn)
-        self._enter("load_checkpoint", CheckpointError, checkpoint_call=True)
-        self._land_update()  # a delayed update in flight lands before the load replaces the state it writes
-        self.wait_for_checkpoint()  # a save in flight lands first: it may be the one to load
-        load = partial(checkpoint.load, self, tag=tag, load_optimizer_states=load_optimizer_states,
+        _check_load_options(load_module_strict, custom_load_fn)
+        engine = self.engine
+        engine._enter("load_checkpoint", CheckpointError, checkpoint_call=True)
+        engine._update.land()  # a delayed update in flight lands before the load replaces the state it writes
+        self.wait()  # a save in flight lands first: it may be the one to load
+        load = partial(checkpoint.load, self.adapter, tag=tag, load_optimizer_states=load_optimizer_states,
                        load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                        must_exist=must_exist)
-        if self.mesh is None:
+        if engine.mesh is None:
             return load(load_dir)
-        check_mesh(load_dir, self.mesh)  # every rank reads the same files: the same verdict everywhere
-        return self._load_part(load, part_dir(load_dir, self.mesh))
+        check_mesh(load_dir, engine.mesh)  # every rank reads the same files: the same verdict everywhere
+        return self._load_part(load, part_dir(load_dir, engine.mesh))
 
     def _load_part(self, load: Callable, where: Path) -> tuple[Path, dict] | tuple[None, None]:
         """Load this model part, then agree over the whole mesh: every part at the same tag and step."""
@@ -139,43 +142,27 @@ class CheckpointMethods:
         except Exception as exc:  # raised in this part's dp group only: the other parts must hear it, whatever it is
             error = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
         loaded = outcome[0].name if outcome[0] is not None else None
-        rows = all_gather_object(self.cross.world, (self.mesh.model_part, loaded, self.global_steps, error))
+        engine = self.engine
+        rows = all_gather_object(engine.cross.world, (engine.mesh.model_part, loaded, engine.global_steps, error))
         if len({(tag, steps) for _, tag, steps, _ in rows}) > 1 or any(e for *_, e in rows):
             what = "; ".join(f"{part}: {e or f'tag {tag}, step {steps}'}" for part, tag, steps, e in rows)
             if loaded is not None:  # this part loaded, another did not, or another step: the mesh is torn
-                self.fail(f"the model parts loaded different checkpoints ({what})")
+                engine._fail(f"the model parts loaded different checkpoints ({what})")
             raise CheckpointError(f"the model parts did not all load the same checkpoint: {what}. Each part "
                                   "resolves 'latest' on its own; an interrupted save can leave them apart. Load "
                                   "an explicit tag that every part holds, then restart")
         return outcome
 
-    # The checkpoint package's `Trainer` protocol.
 
-    def frozen_flats(self) -> list[FlatParams]:
-        return [f for unit in self.units for f in unit.frozen]
+_MIGRATE = "see docs/migrate-from-deepspeed.md"
 
-    def param_names(self) -> dict[int, str]:
-        return self._names
 
-    def resident_buckets(self, write: bool) -> Generator[list[int], None, None]:
-        return self.offload.tiers.in_turn(write)  # the disk tier a sub-group at a time, as in the step
-
-    def counters(self) -> Counters:
-        return Counters(self.global_steps, self.skipped_steps)
-
-    def restore_counters(self, counters: Counters) -> None:
-        self.global_steps, self.skipped_steps = counters.global_steps, counters.skipped_steps
-        self.micro_steps = self.global_steps * self.gradient_accumulation_steps
-
-    def check_checkpoint_boundary(self, action: str) -> None:
-        self._check_usable()  # a failed engine's ranks may be out of step: restart, then load
-        pending = self.state is TrainingState.STEP_DUE
-        if pending and self.gradient_accumulation_steps == 1:
-            raise CheckpointError(f"{action} between engine.backward() and engine.step(): the gradients of that "
-                                  "backward are not part of a checkpoint. Call it after engine.step()")
-        if pending or self.micro_steps % self.gradient_accumulation_steps:
-            raise CheckpointError(
-                f"{action} at micro-step {self.micro_steps}, inside an accumulation window of "
-                f"{self.gradient_accumulation_steps}: the window's partial gradients are not part of a "
-                "checkpoint. Call it after the engine.step() that ends the window "
-                "(engine.is_gradient_accumulation_boundary() was true before that step)")
+def _check_load_options(load_module_strict: bool, custom_load_fn: Callable | None) -> None:
+    """The DeepSpeed checkpoint options zeroshard does not implement yet: an error on every rank."""
+    if not load_module_strict:
+        raise CheckpointError("load_module_strict=False is not supported yet: a zeroshard checkpoint loads "
+                              "into the model it was saved from. To load part of a model, load a consolidated "
+                              "state dict with model.load_state_dict(..., strict=False) before initialize "
+                              f"({_MIGRATE})")
+    if custom_load_fn is not None:
+        raise CheckpointError(f"custom_load_fn is not supported yet ({_MIGRATE})")

@@ -1,8 +1,9 @@
-"""The engine's DeepSpeed surface: the methods and attributes a DeepSpeed training script calls.
+"""DeepSpeedEngine: the engine with DeepSpeed's methods, what `zeroshard.deepspeed.initialize` returns.
 
-`Engine` inherits `DeepSpeedMethods`; each method here is DeepSpeed's name and
-signature over the engine's own state. What zeroshard cannot honour raises an
-error that says so (docs/migrate-from-deepspeed.md has the whole table).
+Each method here is DeepSpeed's name and signature over the native engine's
+state (`zeroshard.Engine`); nothing below this package reads them. What
+zeroshard cannot honour raises an error that says so
+(docs/migrate-from-deepspeed.md has the whole table).
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
-from zeroshard.checkpoint import CheckpointError
-from zeroshard.engine.state import EngineStateError
+from zeroshard.engine import Engine, EngineStateError
 
 _MIGRATE = "see docs/migrate-from-deepspeed.md"
 
@@ -31,11 +32,31 @@ class AccumulationSteps(int):
         return int(self)
 
 
-class DeepSpeedMethods:
-    """Mixed into `Engine`."""
+class DeepSpeedEngine(Engine):
+    """`zeroshard.Engine` answering a DeepSpeed training script's calls on its engine."""
 
-    _inside_no_sync = False  # set by no_sync(); read by check_no_sync() in Engine.backward
-    _step_applied = False  # cleared by every Engine.step(), set by its optimizer update: was_step_applied()
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._inside_no_sync = False  # set by no_sync(); read by check_no_sync() in backward
+        self._step_applied = False  # cleared by every step(), set when it updated the weights: was_step_applied()
+
+    # -- the loop, with DeepSpeed's checks -----------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`Engine.backward`; inside `no_sync()` the window's last backward raises (`check_no_sync`)."""
+        self.check_no_sync()
+        super().backward(loss)
+
+    def step(self) -> None:
+        """`Engine.step`, remembering whether it updated the weights (`was_step_applied`)."""
+        applied = self.global_steps - self.skipped_steps
+        self._step_applied = False
+        super().step()
+        self._step_applied = self.global_steps - self.skipped_steps > applied
+
+    def forward(self, *args, **kwargs):
+        """`engine(*args, **kwargs)`, by DeepSpeed's other name for it."""
+        return self(*args, **kwargs)
 
     # -- batch sizes and steps ---------------------------------------------------
 
@@ -51,7 +72,7 @@ class DeepSpeedMethods:
     def train_batch_size(self) -> int | None:
         """Samples per optimizer step over all ranks: micro-batch x accumulation steps x N."""
         micro = self.config.train_micro_batch_size_per_gpu
-        return None if micro is None else micro * self.gradient_accumulation_steps * self.comm.world_size
+        return None if micro is None else micro * self.config.gradient_accumulation_steps * self.comm.world_size
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """Not yet: the accumulation steps are fixed at `initialize` (stage 0-1 buffers are sized by them)."""
@@ -70,6 +91,7 @@ class DeepSpeedMethods:
         return self.config.gradient_clipping
 
     def zero_optimization_stage(self) -> int:
+        """The ZeRO stage, 0 to 3."""
         return self.config.stage
 
     def zero_optimization(self) -> bool:
@@ -77,9 +99,11 @@ class DeepSpeedMethods:
         return self.config.stage > 0
 
     def fp16_enabled(self) -> bool:
+        """Whether the config's fp16 block is on."""
         return self.config.fp16.enabled
 
     def bfloat16_enabled(self) -> bool:
+        """Whether the config's bf16 block is on."""
         return self.config.bf16.enabled
 
     # -- the optimizer's values --------------------------------------------------
@@ -105,11 +129,6 @@ class DeepSpeedMethods:
     # -- where the engine runs ---------------------------------------------------
 
     @property
-    def device(self) -> torch.device:
-        """This rank's device: where the parameters live and where inputs belong."""
-        return self._device
-
-    @property
     def global_rank(self) -> int:
         """This process's rank in the engine's group."""
         return self.comm.rank
@@ -124,15 +143,15 @@ class DeepSpeedMethods:
         """Ranks in the engine's group (DeepSpeed's data-parallel world size)."""
         return self.comm.world_size
 
-    def forward(self, *args, **kwargs):
-        """`engine(*args, **kwargs)`, by DeepSpeed's other name for it."""
-        return self(*args, **kwargs)
+    # -- the engine as DeepSpeed's nn.Module around the model --------------------
 
     def train(self, mode: bool = True):
+        """The model's `train(mode)`; returns the engine."""
         self.module.train(mode)
         return self
 
     def eval(self):
+        """The model's `eval()`; returns the engine."""
         return self.train(False)
 
     def parameters(self, recurse: bool = True):
@@ -169,20 +188,18 @@ class DeepSpeedMethods:
             self._inside_no_sync = False
 
     def check_no_sync(self) -> None:
+        """Raise `EngineStateError` for a backward inside `no_sync()` at the window's last micro-step."""
         if self._inside_no_sync and self.is_gradient_accumulation_boundary():
             raise EngineStateError(
                 f"engine.backward() inside no_sync() at micro-step {self.micro_steps}, the last of its window of "
-                f"{self.gradient_accumulation_steps}: its gradients must be reduced before engine.step() applies "
-                "them. Run the window's last backward outside no_sync()")
+                f"{self.config.gradient_accumulation_steps}: its gradients must be reduced before engine.step() "
+                "applies them. Run the window's last backward outside no_sync()")
 
-    # -- checkpoints -------------------------------------------------------------
+    # -- whole weights -----------------------------------------------------------
 
-    def check_checkpoint_options(self, load_module_strict: bool = True, custom_load_fn=None) -> None:
-        """The DeepSpeed checkpoint options zeroshard does not implement yet: an error on every rank."""
-        if not load_module_strict:
-            raise CheckpointError("load_module_strict=False is not supported yet: a zeroshard checkpoint loads "
-                                  "into the model it was saved from. To load part of a model, load a consolidated "
-                                  "state dict with model.load_state_dict(..., strict=False) before initialize "
-                                  f"({_MIGRATE})")
-        if custom_load_fn is not None:
-            raise CheckpointError(f"custom_load_fn is not supported yet ({_MIGRATE})")
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's: `torch.save` the full state dict, in the training dtype (16-bit with bf16 or fp16),
+        to `save_dir/save_filename` on rank 0; returns True. Every rank calls it (stage 3 gathers).
+        `exclude_frozen_parameters`: leave out parameters that do not require grad."""
+        return self._exports.save_16bit(Path(save_dir) / save_filename, exclude_frozen_parameters)
