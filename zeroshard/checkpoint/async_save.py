@@ -45,7 +45,7 @@ import torch
 
 from zeroshard.checkpoint.checks import agree
 from zeroshard.checkpoint.files import CheckpointError, rank_file
-from zeroshard.checkpoint.protocol import Trainer
+from zeroshard.checkpoint.protocol import Checkpointable
 from zeroshard.checkpoint.saving import Began, attempt, begin, publish, windows_of
 from zeroshard.checkpoint.turns import Turns
 from zeroshard.checkpoint.writer import write_tensors
@@ -54,7 +54,7 @@ from zeroshard.comm import Comm, all_gather_object
 log = logging.getLogger(__name__)
 
 
-def save_async(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None = None,
+def save_async(trainer: Checkpointable, save_dir: str | Path, tag: str | int | float | None = None,
                client_state: dict | None = None, save_latest: bool = True,
                exclude_frozen_parameters: bool = False) -> "AsyncSave":
     """Begin a save of the trainer's state at this step and return once it is staged in host memory; the
@@ -78,7 +78,7 @@ def save_async(trainer: Trainer, save_dir: str | Path, tag: str | int | float | 
     return AsyncSave(trainer.comm, began, staged, metadata, save_latest)
 
 
-def _check_tiers(trainer: Trainer) -> None:
+def _check_tiers(trainer: Checkpointable) -> None:
     zero = trainer.config.zero_optimization
     if "nvme" in (zero.offload_optimizer.device, zero.offload_param.device):
         raise CheckpointError("an asynchronous save stages the rank's whole state in host memory, and with offload "

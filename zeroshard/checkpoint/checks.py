@@ -11,7 +11,7 @@ import torch
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.holdings import Holdings, Trained
 from zeroshard.checkpoint.pieces import PieceReader
-from zeroshard.checkpoint.protocol import Trainer
+from zeroshard.checkpoint.protocol import Checkpointable
 from zeroshard.comm import Comm, all_gather_object
 
 
@@ -24,7 +24,7 @@ def agree(comm: Comm, error: str | None) -> None:
         raise CheckpointError(first if comm.world_size == 1 else f"rank {rank}: {first}")
 
 
-def holdings(trainer: Trainer) -> Holdings:
+def holdings(trainer: Checkpointable) -> Holdings:
     """What this rank of `trainer` holds, by kind and parameter name."""
     return Holdings.of(trainer.module, trainer.buckets, trainer.frozen_flats(), trainer.param_names())
 

@@ -13,7 +13,7 @@ is bit for bit what it was. Only then does each rank read exactly the
 elements its own shards need (byte ranges of the rank files) into the
 trainer: masters and optimizer state straight into the tensors that hold
 them, a group of buckets at a time as the trainer holds them in memory
-(`Trainer.resident_buckets`: offloaded to disk, a sub-group at a time,
+(`Checkpointable.resident_buckets`: offloaded to disk, a sub-group at a time,
 written back before the next ones are read), so a load needs no second
 copy of them. The ranks agree once more after, and an I/O failure part-way
 on any rank fails every rank's trainer with one error (`_apply_everywhere`).
@@ -42,7 +42,7 @@ from zeroshard.checkpoint.files import (
 from zeroshard.checkpoint.frozen import excluded, load_check
 from zeroshard.checkpoint.holdings import Holdings, Trained
 from zeroshard.checkpoint.pieces import PieceReader
-from zeroshard.checkpoint.protocol import Counters, Trainer
+from zeroshard.checkpoint.protocol import Counters, Checkpointable
 from zeroshard.checkpoint.rank_state import restore_rank_state
 from zeroshard.checkpoint.turns import master_state
 from zeroshard.checkpoint.verify import (
@@ -72,7 +72,7 @@ class _Parts:
 @dataclass(frozen=True)
 class _OptimizerPlan:
     """The optimizer state a load installs: its tensors read into each bucket's master-sized state in the
-    bucket's turn (`Trainer.resident_buckets`), the rest as state.pt has it."""
+    bucket's turn (`Checkpointable.resident_buckets`), the rest as state.pt has it."""
 
     keys: list[str]  # the state tensors laid out like the masters (Adam: exp_avg, exp_avg_sq)
     scalars: list[dict | None]  # by trained bucket: its other state (step); None: none saved (before a step)
@@ -91,7 +91,7 @@ class _Plan:
     optimizer: _OptimizerPlan | None  # None: keep the trainer's optimizer state
 
 
-def load(trainer: Trainer, load_dir: str | Path, tag: str | int | float | None = None,
+def load(trainer: Checkpointable, load_dir: str | Path, tag: str | int | float | None = None,
          load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True, load_module_only: bool = False,
          must_exist: bool = True) -> tuple[Path, dict] | tuple[None, None]:
     """Read a checkpoint into the trainer; returns (the tag directory, the saved client_state).
@@ -134,7 +134,7 @@ def load(trainer: Trainer, load_dir: str | Path, tag: str | int | float | None =
     return plan.path, from_plain(plan.state["client_state"])
 
 
-def _prepare(trainer: Trainer, held: Holdings, load_dir: str | Path, tag: str | None, parts: _Parts) -> _Plan:
+def _prepare(trainer: Checkpointable, held: Holdings, load_dir: str | Path, tag: str | None, parts: _Parts) -> _Plan:
     """Read and check everything the load needs; raises CheckpointError with the first problem."""
     path = resolve(load_dir, tag)
     manifest = read_manifest(path)
@@ -154,7 +154,7 @@ def _prepare(trainer: Trainer, held: Holdings, load_dir: str | Path, tag: str | 
     return _Plan(path, manifest, state, held, reader, optimizer)
 
 
-def _scaler_problems(trainer: Trainer, path: Path, state: dict, parts: _Parts) -> list[str]:
+def _scaler_problems(trainer: Checkpointable, path: Path, state: dict, parts: _Parts) -> list[str]:
     saved = state["loss_scaler"]
     if not parts.counters or trainer.scaler is None or saved is None:
         return []
@@ -163,7 +163,7 @@ def _scaler_problems(trainer: Trainer, path: Path, state: dict, parts: _Parts) -
              f"damaged or was rewritten; {DAMAGED_FIX}")] if lacking else []
 
 
-def _apply_everywhere(trainer: Trainer, held: Holdings, plan: _Plan, parts: _Parts) -> None:
+def _apply_everywhere(trainer: Checkpointable, held: Holdings, plan: _Plan, parts: _Parts) -> None:
     """`_apply`, then agree on how it went: past the checks only I/O can fail (a file that went away, a
     read error), but then this rank's trainer is partly loaded, so every rank's trainer is failed and
     every rank raises the same error, instead of the others training on."""
@@ -180,7 +180,7 @@ def _apply_everywhere(trainer: Trainer, held: Holdings, plan: _Plan, parts: _Par
         raise
 
 
-def _apply(trainer: Trainer, held: Holdings, plan: _Plan, parts: _Parts) -> None:
+def _apply(trainer: Checkpointable, held: Holdings, plan: _Plan, parts: _Parts) -> None:
     """Install what `_prepare` read and checked: the values, the optimizer state (PowerSGD's with it),
     counters, scheduler."""
     _load_values(trainer, held, plan)
@@ -194,7 +194,7 @@ def _apply(trainer: Trainer, held: Holdings, plan: _Plan, parts: _Parts) -> None
         trainer.lr_scheduler.load_state_dict(plan.state["lr_scheduler"])
 
 
-def _load_values(trainer: Trainer, held: Holdings, plan: _Plan) -> None:
+def _load_values(trainer: Checkpointable, held: Holdings, plan: _Plan) -> None:
     """Masters and their optimizer state a group of buckets at a time (offload: each group written back to
     disk before the next ones are read), frozen parameters (those the checkpoint holds) and buffers; then
     the replicated parameters are gathered (each bucket's own part took its master in its turn)."""
@@ -236,7 +236,7 @@ def _load_trained(optimizer: torch.optim.Optimizer, t: Trained, reader: PieceRea
             reader.read_into("optim." + key, run.name, run.start, values[run.at : run.at + run.numel])
 
 
-def _optimizer_plan(trainer: Trainer, held: Holdings, manifest: dict, state: dict) -> _OptimizerPlan:
+def _optimizer_plan(trainer: Checkpointable, held: Holdings, manifest: dict, state: dict) -> _OptimizerPlan:
     """What the optimizer takes from the checkpoint, for this job's masters (no tensor read yet)."""
     optimizer, keys = trainer.optimizer, manifest["optimizer_state"]
     index = _param_index(optimizer)
@@ -265,7 +265,7 @@ def _param_index(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     return {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
 
 
-def _load_counters(trainer: Trainer, state: dict) -> None:
+def _load_counters(trainer: Checkpointable, state: dict) -> None:
     trainer.restore_counters(Counters(state["global_steps"], state["skipped_steps"]))
     if trainer.scaler is not None and state["loss_scaler"] is not None:
         trainer.scaler.load_state_dict(state["loss_scaler"])

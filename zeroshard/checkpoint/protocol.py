@@ -1,6 +1,6 @@
 """What the checkpoint package needs of a trainer, and nothing more.
 
-The engine implements `Trainer`; the checkpoint code reads and writes a
+The engine's CheckpointAdapter implements `Checkpointable`; the checkpoint code reads and writes a
 trainer only through it, so it never sees the engine's internals and the
 engine can change without breaking the format.
 """
@@ -28,7 +28,7 @@ class Counters:
     skipped_steps: int  # optimizer steps skipped (fp16 overflow)
 
 
-class Trainer(Protocol):
+class Checkpointable(Protocol):
     """A trainer as a checkpoint sees it: its modules and optimizer, where its shards are, its counters."""
 
     module: nn.Module

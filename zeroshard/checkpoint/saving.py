@@ -55,7 +55,7 @@ from zeroshard.checkpoint.frozen import EXCLUDED, save_record
 from zeroshard.checkpoint.holdings import Holdings, Span
 from zeroshard.checkpoint.model_config import hf_config
 from zeroshard.checkpoint.rank_state import rank_state
-from zeroshard.checkpoint.protocol import Trainer
+from zeroshard.checkpoint.protocol import Checkpointable
 from zeroshard.checkpoint.turns import Surveyed, Turns, own_tensors, survey
 from zeroshard.checkpoint.writer import bytes_entry, write_streamed
 from zeroshard.comm import Comm, all_gather_object
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 # -- save ---------------------------------------------------------------------------
 
 
-def save(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None = None,
+def save(trainer: Checkpointable, save_dir: str | Path, tag: str | int | float | None = None,
          client_state: dict | None = None, save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Path:
     """Write the trainer's training state to `save_dir/tag` (default tag: global_step<N>); returns that path.
 
@@ -110,7 +110,7 @@ class Began:
         return {"format": FORMAT, "rank": str(self.rank), "save_id": self.save_id, "runs": runs_metadata(runs)}
 
 
-def begin(trainer: Trainer, save_dir: str | Path, tag: str | int | float | None,
+def begin(trainer: Checkpointable, save_dir: str | Path, tag: str | int | float | None,
           client_state: dict | None, exclude_frozen: bool = False) -> Began:
     """Everything of a save before a rank file is written, agreed by every rank: the checks (boundary, tag,
     finite state, plain client_state), rank 0's state.pt and manifest of this step, the partial directory.
@@ -167,7 +167,7 @@ def publish(comm: Comm, began: Began, everyone: list[dict[str, dict]], save_late
     return began.save_dir / began.tag
 
 
-def _survey(trainer: Trainer, held: Holdings) -> tuple[list[Surveyed], str | None]:
+def _survey(trainer: Checkpointable, held: Holdings) -> tuple[list[Surveyed], str | None]:
     """`survey`: the masters and optimizer state as the trainer holds them, a group at a time (offload: read
     from disk); state that cannot be read back is an error every rank raises, not one rank's exception."""
     try:
@@ -260,7 +260,7 @@ class _Window:
     get: Callable[[], torch.Tensor]
 
 
-def windows_of(trainer: Trainer, held: Holdings, surveyed: list[Surveyed]
+def windows_of(trainer: Checkpointable, held: Holdings, surveyed: list[Surveyed]
              ) -> tuple[dict[str, _Window], dict[str, list]]:
     """This rank's tensors (its shard of masters, optimizer state and frozen flats; rank 0 adds the
     replicated; its own PowerSGD state, `rank_state.py`) and the runs of parameters each holds, less the
@@ -290,7 +290,7 @@ def windows_of(trainer: Trainer, held: Holdings, surveyed: list[Surveyed]
     return windows, runs
 
 
-def _write_windows(trainer: Trainer, path: Path, windows: dict[str, _Window], metadata: dict[str, str]) -> dict:
+def _write_windows(trainer: Checkpointable, path: Path, windows: dict[str, _Window], metadata: dict[str, str]) -> dict:
     """The rank file, a turn of the trainer's buckets at a time: what is always in memory first, then each
     bucket's tensors in the order of its turn, so each group of the disk tier is read once."""
     order = sorted(windows, key=lambda key: (windows[key].turn, key))
@@ -303,7 +303,7 @@ def _write_windows(trainer: Trainer, path: Path, windows: dict[str, _Window], me
         return write_streamed(path, {key: (windows[key].dtype, windows[key].numel) for key in order}, fetch, metadata)
 
 
-def _serialized_state(trainer: Trainer, held: Holdings, surveyed: list[Surveyed], client_state: dict | None,
+def _serialized_state(trainer: Checkpointable, held: Holdings, surveyed: list[Surveyed], client_state: dict | None,
                       save_id: str) -> tuple[bytes | None, str | None]:
     """state.pt's bytes, checked to load with weights_only=True; or why they cannot be written."""
     optimizer = trainer.optimizer
@@ -342,7 +342,7 @@ def _serialized_state(trainer: Trainer, held: Holdings, surveyed: list[Surveyed]
     return buffer.getvalue(), None
 
 
-def _manifest(trainer: Trainer, held: Holdings, surveyed: list[Surveyed], save_id: str) -> dict:
+def _manifest(trainer: Checkpointable, held: Holdings, surveyed: list[Surveyed], save_id: str) -> dict:
     """The manifest of the save's step, less `files` (added when every rank's file is written)."""
     optimizer = trainer.optimizer
     state_keys = sorted({k for seen in surveyed for k in seen.state_keys})
@@ -360,7 +360,7 @@ def _manifest(trainer: Trainer, held: Holdings, surveyed: list[Surveyed], save_i
     return manifest
 
 
-def _state_dict_keys(trainer: Trainer) -> dict[str, str]:
+def _state_dict_keys(trainer: Checkpointable) -> dict[str, str]:
     """Each key of the module's state dict -> the parameter or buffer name it is stored under."""
     first: dict[int, str] = {}
     names = trainer.param_names()

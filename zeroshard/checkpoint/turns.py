@@ -2,7 +2,7 @@
 
 With the optimizer state offloaded to disk (ZeRO-Infinity) a bucket's master
 and optimizer state are in memory only during its turn of
-`Trainer.resident_buckets`, a sub-group at a time, the next ones read ahead
+`Checkpointable.resident_buckets`, a sub-group at a time, the next ones read ahead
 as in the optimizer step. A save or a load reads or writes them turn by turn,
 so it holds one turn's worth of them (with the read-ahead), never the whole
 tier: a model whose optimizer state is larger than host memory saves and
@@ -25,7 +25,7 @@ import torch
 
 from zeroshard.checkpoint.checks import nonfinite
 from zeroshard.checkpoint.holdings import Holdings, Trained
-from zeroshard.checkpoint.protocol import Trainer
+from zeroshard.checkpoint.protocol import Checkpointable
 
 
 def master_state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -53,7 +53,7 @@ class Surveyed:
         return [kind.removeprefix("optim.") for kind in self.tensors if kind != "param"]
 
 
-def survey(trainer: Trainer, held: Holdings) -> tuple[list[Surveyed], str | None]:
+def survey(trainer: Checkpointable, held: Holdings) -> tuple[list[Surveyed], str | None]:
     """Every bucket's tensors, one turn at a time: (what each holds, by bucket; why a save must not write
     them: the first non-finite master weight or optimizer state element, else None)."""
     found: list[Surveyed | None] = [None] * len(held.trained)
@@ -71,7 +71,7 @@ class Turns:
     """The trainer's groups made resident as a reader asks for them by turn (`Surveyed.turn`), in order;
     asked for an earlier turn, it starts a new pass over the groups."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Checkpointable):
         self._trainer = trainer
         self._turns: Generator[list[int], None, None] | None = None
         self._turn = -1  # the turn in memory now

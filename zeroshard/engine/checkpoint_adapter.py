@@ -1,4 +1,4 @@
-"""CheckpointAdapter: the engine as the checkpoint package sees it (`checkpoint/protocol.py`'s `Trainer`).
+"""CheckpointAdapter: the engine as the checkpoint package sees it (`checkpoint/protocol.py`'s `Checkpointable`).
 
 The checkpoint package reads and writes the engine only through this
 object, so the engine's own surface keeps none of its internals (counters
@@ -22,7 +22,7 @@ from zeroshard.engine.state import TrainingState
 
 
 class CheckpointAdapter:
-    """The checkpoint package's `Trainer` over `engine` (a `zeroshard.Engine`, which owns this adapter): its
+    """The checkpoint package's `Checkpointable` over `engine` (a `zeroshard.Engine`, which owns this adapter): its
     counters, state and parts as they are at each call, and what a load restores. Part of the engine, it
     reads the engine's private parts."""
 

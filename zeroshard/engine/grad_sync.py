@@ -85,7 +85,7 @@ class GradSync:
                 "engine.backward(loss) instead of loss.backward() so zeroshard can reduce it"
             )
         if self.cross is not None:
-            self.cross.settle(self.reducer.targets[target].params[param])
+            self.cross.match_placements(self.reducer.targets[target].params[param])
         self.reducer.on_grad(target, param)
 
     def begin_hooked(self, boundary: bool) -> bool:
@@ -168,7 +168,7 @@ class GradSync:
         tied = {id(t.param) for t in self.cross.ties} if self.cross is not None else set()
         if ties and tied:
             for tie in self.cross.ties:  # a gradient partial over tp is summed there first, in place
-                self.cross.settle(tie.param)
+                self.cross.match_placements(tie.param)
             self.cross.reduce_ties()
         scale = self._scale()
         pending = []
@@ -179,7 +179,7 @@ class GradSync:
                 continue
             for index, param in enumerate(target.params):
                 if self.cross is not None and (ties or id(param) not in tied):
-                    self.cross.settle(param)
+                    self.cross.match_placements(param)
                 if ties or id(param) not in tied:
                     target.take_grad(index, self.pool)
             pending.append(target.reduce_grad(self.comm, self.pool, scale))

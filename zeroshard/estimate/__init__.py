@@ -23,7 +23,7 @@ from zeroshard.estimate.formulas import (
     wire_bytes,
 )
 from zeroshard.estimate.offload import (
-    Offload,
+    OffloadSetup,
     UnboundedError,
     largest_model_offload,
     offload_pool_bytes,
@@ -67,7 +67,7 @@ __all__ = [
     "STAGES",
     "Flat",
     "LowRank",
-    "Offload",
+    "OffloadSetup",
     "StepBytes",
     "StepPeak",
     "UnboundedError",

@@ -79,7 +79,7 @@ class UnboundedError(ValueError):
 
 
 @dataclass(frozen=True)
-class Offload:
+class OffloadSetup:
     """One offload setup, as the config's `offload_optimizer` and `offload_param` blocks give it.
 
     `ratio`: the fraction of the optimizer bytes offloaded (1: all; the
@@ -296,7 +296,7 @@ def largest_model_offload(
 
 
 def offload_summary(numel: int, gpus: int, ranks_per_node: int, dtype: str, optimizer_bytes: int | None,
-                    setup: Offload, largest_unit: int = 0, persistent_numel: int = 0,
+                    setup: OffloadSetup, largest_unit: int = 0, persistent_numel: int = 0,
                     gpu_mem: int | None = None) -> dict:
     """The "offload" object of `zeroshard estimate --json`: the three pools per stage, JSON-ready.
 
@@ -330,7 +330,7 @@ def offload_summary(numel: int, gpus: int, ranks_per_node: int, dtype: str, opti
     return out
 
 
-def _largest_or_none(gpu_mem: int, gpus: int, stage: int, dtype: str, setup: Offload, **kwargs) -> int | None:
+def _largest_or_none(gpu_mem: int, gpus: int, stage: int, dtype: str, setup: OffloadSetup, **kwargs) -> int | None:
     layout = setup.layout()
     devices = (layout.pop("offload_optimizer"), layout.pop("offload_param"))
     layout.pop("pin_memory")

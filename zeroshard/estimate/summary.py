@@ -20,7 +20,7 @@ from zeroshard.estimate.formulas import (
     precision_bytes,
     wire_bytes,
 )
-from zeroshard.estimate.offload import Offload, offload_summary
+from zeroshard.estimate.offload import OffloadSetup, offload_summary
 from zeroshard.estimate.zeropp import (
     PERSISTENT,
     Flat,
@@ -37,7 +37,7 @@ ALL_PARTS = ZeroPP(qwz=True, hpz=True, qgz=True, gradient_bits=4)  # the paper's
 def summarize(numel: int, gpus: int, gpus_per_node: int | None = None, dtype: str = "bf16",
               optimizer_bytes: int | None = None, largest_unit: int = 0,
               gpu_mem: int | None = None, flats: list[Flat] | None = None,
-              zeropp: ZeroPP | None = None, offload: Offload | None = None) -> dict:
+              zeropp: ZeroPP | None = None, offload: OffloadSetup | None = None) -> dict:
     """The estimate for one setup, JSON-ready: what `zeroshard estimate --json` prints.
 
     Keys "0".."3" are stages. `memory_bytes`: model-state bytes per GPU;

@@ -48,7 +48,7 @@ class CrossParallel:
         ranks = self.mesh.device_mesh.mesh  # (pp, dp, tp): each coordinate's world rank
         return ranks.transpose(1, 2).reshape(-1, ranks.shape[1]).tolist()
 
-    def settle(self, param: nn.Parameter) -> None:
+    def match_placements(self, param: nn.Parameter) -> None:
         """Bring a DTensor gradient to its parameter's placements, in place on `.grad`.
 
         A gradient partial over `tp` where the parameter is replicated (sequence parallelism) is summed

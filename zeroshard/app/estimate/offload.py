@@ -64,7 +64,7 @@ def add_offload(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, type=count, default=None, metavar="N", help=f"{key} (default: {default:.3g})")
 
 
-def offload_setup(args: argparse.Namespace) -> off.Offload | None:
+def offload_setup(args: argparse.Namespace) -> off.OffloadSetup | None:
     """The offload the flags ask for (None: none); a flag that needs another is an argparse error."""
     for dest, flag, needs, given in _NEEDS:
         if getattr(args, dest) not in (None, False) and not given(args):
@@ -79,7 +79,7 @@ def offload_setup(args: argparse.Namespace) -> off.Offload | None:
                                   "pools leave out hpZ's secondary shards; drop --hpz, or the offload flags")
     sizes = {key: default if getattr(args, key) is None else getattr(args, key)
              for key, default in _LAYOUT_DEFAULTS.items()}
-    return off.Offload(optimizer=args.offload_optimizer or "none", param=args.offload_params or "none",
+    return off.OffloadSetup(optimizer=args.offload_optimizer or "none", param=args.offload_params or "none",
                        ratio=1.0 if args.offload_ratio is None else args.offload_ratio,
                        pin_memory=args.pin_memory, host_mem=args.host_mem, disk_mem=args.disk_mem, **sizes)
 
