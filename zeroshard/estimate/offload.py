@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from zeroshard.estimate.formulas import model_state_bytes, precision_bytes, shard_numel
+from zeroshard.errors import ZeroshardError
 
 DEVICES = ("none", "cpu", "nvme")  # offload_optimizer.device / offload_param.device
 POOLS = ("device", "host", "disk")
@@ -78,7 +79,7 @@ PARAM_BUFFER_SIZE = 100_000_000  # offload_param.buffer_size, elements
 MAX_IN_CPU = 1_000_000_000  # offload_param.max_in_cpu, elements
 
 
-class UnboundedError(ValueError):
+class UnboundedError(ZeroshardError, ValueError):
     """No memory limit grows with Ψ: every pool that does is unlimited, so no largest model exists."""
 
 
