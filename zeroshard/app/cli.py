@@ -18,10 +18,10 @@ from pathlib import Path
 from zeroshard.app.demo import compare
 from zeroshard.app.estimate import cli as estimate_cli
 from zeroshard.app.tune import cli as tune_cli
+from zeroshard.app.errors import UsageError
 from zeroshard.app.flags import add_command, add_dtype, add_group, add_nproc, positive_int
 from zeroshard.app.models import PRESETS
 from zeroshard.app.demo.train import add_arguments, engine_config, to_argv
-from zeroshard.app.demo.offload import OffloadFlagError
 from zeroshard.app.demo.mesh import flag_error, resolve_defaults
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.consolidate import write
@@ -254,7 +254,7 @@ def _check_config(args: argparse.Namespace) -> None:
     """Reject a --config file (with the flags on top) before launching ranks that would all fail."""
     try:
         engine_config(argparse.Namespace(**vars(args)))  # a copy: it fills in the resolved values
-    except OffloadFlagError as error:
+    except UsageError as error:  # flags that cannot work together: named as they are
         args.command_parser.error(str(error))
     except ConfigError as error:
         args.command_parser.error(f"argument --config: {error}")

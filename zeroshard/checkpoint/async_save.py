@@ -43,13 +43,14 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.checkpoint.checks import agree
+from zeroshard.checkpoint.checks import as_error
 from zeroshard.checkpoint.files import CheckpointError, rank_file
 from zeroshard.checkpoint.protocol import Checkpointable
 from zeroshard.checkpoint.saving import Began, attempt, begin, publish, windows_of
 from zeroshard.checkpoint.turns import Turns
 from zeroshard.checkpoint.writer import write_tensors
-from zeroshard.comm import Comm, all_gather_object
+from zeroshard.comm import Comm
+from zeroshard.comm.agreement import agree, as_said, barrier
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def save_async(trainer: Checkpointable, save_dir: str | Path, tag: str | int | f
                     turns.reach(windows[key].turn)
                 staged[key] = _host_copy(windows[key].get())
 
-    agree(trainer.comm, attempt(stage, "cannot stage its shard in host memory"))
+    agree(trainer.comm, as_error(attempt(stage, "cannot stage its shard in host memory")))
     return AsyncSave(trainer.comm, began, staged, metadata, save_latest)
 
 
@@ -149,19 +150,24 @@ class AsyncSave:
         published; None while some rank is still writing. Raises `CheckpointError` on every rank if any
         rank's write failed (the save is abandoned, the earlier checkpoints intact)."""
         done = self.written()
-        outcomes = all_gather_object(self._comm, (done, self._error, self._entries if done else None))
-        failed = [(rank, error) for rank, (_, error, _) in enumerate(outcomes) if error is not None]
-        if failed:
+        try:
+            outcomes = agree(self._comm, self._failure(), value=(done, self._entries if done else None), word=as_said)
+        except CheckpointError:
             atexit.unregister(self._unpublished_at_exit)
             self._abandon()
-            rank, error = failed[0]
-            raise CheckpointError(f"the asynchronous save of '{self._began.tag}' failed: rank {rank} {error}. "
-                                  "The save was abandoned and the previous checkpoint is still 'latest'; free "
-                                  "space (or fix the cause) and save again")
-        if not all(done for done, _, _ in outcomes):
+            raise
+        if not all(done for done, _ in outcomes):
             return None
         atexit.unregister(self._unpublished_at_exit)
-        return publish(self._comm, self._began, [entries for _, _, entries in outcomes], self._save_latest)
+        return publish(self._comm, self._began, [entries for _, entries in outcomes], self._save_latest)
+
+    def _failure(self) -> CheckpointError | None:
+        """This rank's failed write as the error every rank raises, or None."""
+        if self._error is None:
+            return None
+        return CheckpointError(f"the asynchronous save of '{self._began.tag}' failed: rank {self._comm.rank} "
+                               f"{self._error}. The save was abandoned and the previous checkpoint is still "
+                               "'latest'; free space (or fix the cause) and save again")
 
     def wait(self) -> Path | None:
         """Block until this rank's write ends, then publish (every rank must call it); returns the tag's path."""
@@ -179,7 +185,7 @@ class AsyncSave:
     def _abandon(self) -> None:
         """Remove the partial directory (rank 0), once every rank's writer has stopped writing into it."""
         self._thread.join()
-        agree(self._comm, None)  # every rank's writer has ended
+        barrier(self._comm, "every rank's checkpoint writer has ended")
         if self._comm.rank == 0:
             shutil.rmtree(self._began.partial, ignore_errors=True)
-        agree(self._comm, None)  # and no rank goes on before it is gone
+        barrier(self._comm, "the abandoned save's partial directory is removed")

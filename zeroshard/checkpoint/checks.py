@@ -1,7 +1,8 @@
 """Whether a checkpoint and an engine fit: every reason a save or load must stop, as one sentence.
 
 Each check returns (or raises) a message that names the cause and the fix;
-`agree` makes every rank raise the same one before anything changes.
+`as_error` makes it the CheckpointError that comm/agreement.py's `agree` has
+every rank raise before anything changes.
 """
 
 from __future__ import annotations
@@ -12,16 +13,12 @@ from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.holdings import Holdings, Trained
 from zeroshard.checkpoint.pieces import PieceReader
 from zeroshard.checkpoint.protocol import Checkpointable
-from zeroshard.comm import Comm, all_gather_object
 
 
-def agree(comm: Comm, error: str | None) -> None:
-    """Raise the same CheckpointError on every rank if any rank has an error."""
-    errors = all_gather_object(comm, error)
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        rank, first = failed[0]
-        raise CheckpointError(first if comm.world_size == 1 else f"rank {rank}: {first}")
+def as_error(why: str | None) -> CheckpointError | None:
+    """This rank's reason a save or load must stop, as the error every rank raises (`comm.agreement.agree`:
+    the lowest failed rank's, its rank in front when there are others); None when it has none."""
+    return None if why is None else CheckpointError(why)
 
 
 def holdings(trainer: Checkpointable) -> Holdings:

@@ -19,11 +19,13 @@ from pathlib import Path
 
 import torch
 
+from zeroshard.errors import ZeroshardError
+
 _TYPE = "__zeroshard_type__"  # marks a tagged dict; a user dict may not use this key
 _SCALARS = (bool, int, float, str)  # bool first: it is an int
 
 
-class NotPlain(ValueError):
+class NotPlain(ZeroshardError, ValueError):
     """Where in a value the first part that cannot be stored as plain data is, with its type."""
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from zeroshard.checkpoint.checks import agree, holdings, mismatch
+from zeroshard.checkpoint.checks import as_error, holdings, mismatch
 from zeroshard.checkpoint.client_state import from_plain
 from zeroshard.checkpoint.files import (
     DAMAGED_FIX,
@@ -53,6 +53,7 @@ from zeroshard.checkpoint.verify import (
     state_problems,
 )
 from zeroshard.comm import all_gather_object
+from zeroshard.comm.agreement import agree
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +122,9 @@ def load(trainer: Checkpointable, load_dir: str | Path, tag: str | int | float |
         error = (f"the checkpoint in {load_dir} cannot be read ({type(exc).__name__}: {exc}); it is damaged: "
                  f"{DAMAGED_FIX}")
     try:
-        agree(comm, error)
+        agree(comm, as_error(error))
         if plan.held.not_stored:  # saved without its frozen parameters: is the engine's base the one saved on?
-            agree(comm, load_check(plan.held, plan.manifest, comm))
+            agree(comm, as_error(load_check(plan.held, plan.manifest, comm)))
         _apply_everywhere(trainer, plan.held, plan, parts)
     finally:
         if plan is not None:
@@ -174,7 +175,7 @@ def _apply_everywhere(trainer: Checkpointable, held: Holdings, plan: _Plan, part
         why = (f"reading {plan.path} failed part-way ({type(exc).__name__}: {exc}); the weights are partly "
                "loaded, so this engine cannot continue: restart the job and load the checkpoint again")
     try:
-        agree(trainer.comm, why)
+        agree(trainer.comm, as_error(why))
     except CheckpointError as exc:
         trainer.fail(f"load_checkpoint failed part-way ({exc})")
         raise

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from zeroshard.checkpoint.checks import agree, first_not_plain, holdings
+from zeroshard.checkpoint.checks import as_error, first_not_plain, holdings
 from zeroshard.checkpoint.client_state import NotPlain, to_plain
 from zeroshard.checkpoint.files import (
     FORMAT,
@@ -59,6 +59,7 @@ from zeroshard.checkpoint.protocol import Checkpointable
 from zeroshard.checkpoint.turns import Surveyed, Turns, own_tensors, survey
 from zeroshard.checkpoint.writer import bytes_entry, write_streamed
 from zeroshard.comm import Comm, all_gather_object
+from zeroshard.comm.agreement import agree
 from zeroshard.version import __version__
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ def save(trainer: Checkpointable, save_dir: str | Path, tag: str | int | float |
         path = began.partial / rank_file(comm.rank)
         entries[rank_file(comm.rank)] = _write_windows(trainer, path, windows, began.metadata(runs))
 
-    agree(comm, attempt(write_shard, f"cannot write its shard to {began.partial}"))
+    agree(comm, as_error(attempt(write_shard, f"cannot write its shard to {began.partial}")))
     return publish(comm, began, all_gather_object(comm, entries), save_latest)
 
 
@@ -134,13 +135,13 @@ def begin(trainer: Checkpointable, save_dir: str | Path, tag: str | int | float 
     if comm.rank == 0 and error is None:
         state, error = _serialized_state(trainer, held, surveyed, client_state, save_id)
         manifest = _manifest(trainer, held, surveyed, save_id) | ({EXCLUDED: left_out} if exclude_frozen else {})
-    agree(comm, error)
+    agree(comm, as_error(error))
     tag, save_id = _agreed_tag(comm, tag, save_id, trainer.config.checkpoint.tag_validation)
     partial = partial_dir(save_dir, tag)
     started: list[int] = []
     if comm.rank == 0:
         error = attempt(lambda: started.append(_fresh_dir(save_dir, partial)), f"cannot create {partial}")
-    agree(comm, error)
+    agree(comm, as_error(error))
     return Began(save_dir, tag, save_id, partial, comm.rank, (started or [None])[0], held, surveyed, state, manifest)
 
 
@@ -161,7 +162,7 @@ def publish(comm: Comm, began: Began, everyone: list[dict[str, dict]], save_late
             _remove_stale(began.save_dir, began.started)
 
         error = attempt(finish, f"cannot complete {began.partial}")
-    agree(comm, error)  # every rank returns once the tag is in place
+    agree(comm, as_error(error))  # every rank returns once the tag is in place
     if comm.rank == 0:
         log.info("saved checkpoint %s (%d rank files)", began.save_dir / began.tag, comm.world_size)
     return began.save_dir / began.tag

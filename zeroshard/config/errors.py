@@ -11,6 +11,6 @@ class ConfigWarning(UserWarning):
     """A DeepSpeed key that zeroshard ignores because the config says `"strict": false`."""
 
 
-class AutoError(Exception):
+class AutoError(ZeroshardError):
     """An "auto" value zeroshard cannot work out; the argument says what to put instead (auto.py turns it
     into a line of the ConfigError)."""

@@ -17,6 +17,7 @@ from zeroshard.config.deepspeed_keys import RULES, Rule, Status, is_section, key
 from zeroshard.config.errors import ConfigError, ConfigWarning
 from zeroshard.config.report import LoadReport
 from zeroshard.config.values import show
+from zeroshard.errors import ZeroshardError
 
 NO_EFFECT = "No effect: "  # how the description of a field that changes nothing starts
 
@@ -47,7 +48,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return raw
 
 
-class _DuplicateKey(Exception):
+class _DuplicateKey(ZeroshardError):
     """Raised by `_reject_duplicate_keys`; the argument is the repeated key."""
 
 

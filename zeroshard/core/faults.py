@@ -4,17 +4,18 @@ A swap file's read or write can fail on one rank alone (a damaged file, a
 disk error, a full disk at construction). If that rank raised on its own,
 the others would go on into the next collective (the post-step all-gather,
 a unit's gather) and wait there for a rank that never comes. So each piece
-of such work is followed, on every rank, by a `fault_check` (comm/): one
-all-gather of an int64 flag per rank, the step check's pattern. When a flag
-is set, the ranks exchange their errors (`all_gather_object`, only then)
-and every rank raises one OffloadError naming each failed rank and its
-error (the file, the errno name, the fix); the failed rank chains its own
-error as the cause. No rank runs another collective of that work first.
+of such work is followed, on every rank, by the agreement of
+comm/agreement.py (`Agreement`): one all-gather of an int64 flag per rank
+(`fault_check`), the step check's pattern. When a flag is set, the ranks
+exchange their errors (`all_gather_object`, only then) and every rank
+raises one OffloadError naming each failed rank and its error (the file,
+the errno name, the fix); the failed rank chains its own error as the
+cause. No rank runs another collective of that work first.
 
 Where it runs: at construction (opening and filling the swap files), after
 an optimizer step with swap files (before the stages 1-2 all-gather), and at
 stage 3 with each gather of a unit whose parameter shards are on disk (after
-their reads). There the check is in flight beside the gather (`Agreement`),
+their reads). There the check is in flight beside the gather (`offload_agreement`),
 not a wait before it: a rank whose read failed joins the gather with NaN in
 place of its shard, and every rank raises when it waits for the gather,
 before anything uses it. Nothing is checked without swap files.
@@ -26,7 +27,8 @@ from typing import Callable, TypeVar
 
 import torch
 
-from zeroshard.comm import Comm, FaultFlags, all_gather_object
+from zeroshard.comm import Comm
+from zeroshard.comm.agreement import Agreement, Failure, Word
 from zeroshard.offload import OffloadError
 
 T = TypeVar("T")
@@ -34,7 +36,7 @@ T = TypeVar("T")
 
 def agreed(comm: Comm, work: Callable[[], T], what: str, device: torch.device,
            undo: Callable[[T], object] | None = None) -> T:
-    """`work()` on this rank, then `agree` on how it went: its result, or OffloadError on every rank.
+    """`work()` on this rank, then agree on how it went: its result, or OffloadError on every rank.
 
     `undo(result)` runs on a rank whose work succeeded when another rank's failed (closing what it opened).
     """
@@ -44,7 +46,7 @@ def agreed(comm: Comm, work: Callable[[], T], what: str, device: torch.device,
     except Exception as exc:  # any failure: the other ranks must hear of it before their next collective
         problem = exc
     try:
-        agree(comm, problem, what, device)
+        offload_agreement(comm, problem, what, device).settle()
     except OffloadError:
         if problem is None and undo is not None:
             undo(result)
@@ -52,32 +54,21 @@ def agreed(comm: Comm, work: Callable[[], T], what: str, device: torch.device,
     return result
 
 
-def agree(comm: Comm, problem: Exception | None, what: str, device: torch.device) -> None:
-    """Raise OffloadError on every rank if `what` failed on any rank (`problem`: this rank's error, or None)."""
-    Agreement(comm, problem, what, device).settle()
+def offload_agreement(comm: Comm, problem: Exception | None, what: str, device: torch.device) -> Agreement:
+    """The agreement on `what` (`problem`: this rank's error, or None), in flight: `settle()` raises one
+    OffloadError on every rank naming each failed rank, the failed rank's own error as its cause."""
+    return Agreement(comm, problem, what, device, word=_offload_error(what), chain=True)
 
 
-class Agreement:
-    """`agree` in two halves: every rank's flag is sent now, and `settle()` raises on every rank if any was set.
-    Collectives every rank posts in between run meanwhile; wait for them before `settle()`."""
-
-    def __init__(self, comm: Comm, problem: Exception | None, what: str, device: torch.device):
-        self.comm, self.problem, self.what = comm, problem, what
-        self._flags = FaultFlags(comm, problem is not None, device, what)
-
-    def settle(self) -> None:
-        failed = self._flags.failed()
-        if not failed:
-            return
-        reports = all_gather_object(self.comm, None if self.problem is None else _report(self.problem))
-        which = f"rank {failed[0]}" if len(failed) == 1 else f"ranks {', '.join(map(str, failed))}"
-        said = "; ".join(f"rank {r}: {reports[r]['text']}" for r in failed)
-        first = reports[failed[0]]
-        raise OffloadError(f"{self.what} failed on {which}, and every rank stops there: {said}",
-                           path=first["path"], errno=first["errno"]) from self.problem
+def _offload_error(what: str) -> Word:
+    def word(failed: list[Failure], world: int, rank: int) -> OffloadError:
+        which = f"rank {failed[0].rank}" if len(failed) == 1 else f"ranks {', '.join(str(f.rank) for f in failed)}"
+        said = "; ".join(f"rank {f.rank}: {_text(f)}" for f in failed)
+        return OffloadError(f"{what} failed on {which}, and every rank stops there: {said}",
+                            path=failed[0].path, errno=failed[0].errno)
+    return word
 
 
-def _report(error: Exception) -> dict:
-    """What the other ranks are told of this rank's error: its words, and the file and errno if any."""
-    text = str(error) if isinstance(error, OffloadError) else f"{type(error).__name__}: {error}"
-    return {"text": text, "path": getattr(error, "filename", None), "errno": getattr(error, "errno", None)}
+def _text(failure: Failure) -> str:
+    """A rank's error in the others' words: an OffloadError's own (file, errno, fix), another with its class."""
+    return failure.message if issubclass(failure.kind, OffloadError) else f"{failure.name}: {failure.message}"

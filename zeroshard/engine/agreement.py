@@ -7,9 +7,9 @@ every rank compares all of them and raises the same error.
 A rank whose config cannot even be loaded (a typo in its file), or whose
 model fails a check of its own before the group is joined (an edit of a
 meta parameter on that rank only), sends its `ConfigError` or `ModelError`
-instead, in the same exchange (`error_everywhere`): it still joins the
-group, so the others do not wait for it, and every rank raises that error,
-naming the rank.
+instead, in the same exchange (`error_everywhere`, comm/agreement.py): it
+still joins the group, so the others do not wait for it, and every rank
+raises that error, naming the rank.
 """
 
 from __future__ import annotations
@@ -22,16 +22,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zeroshard.comm import Comm, CommRecorder, all_gather_object, ensure_process_group
+from zeroshard.comm import Comm, CommRecorder, ensure_process_group
+from zeroshard.comm.agreement import Failure, agree
 from zeroshard.config import ConfigError
 from zeroshard.core.optim import hyperparams
 from zeroshard.engine.validate import device_of
 from zeroshard.errors import ModelError, ZeroshardError
 from zeroshard.stage3.materialize import default_device, on_meta
-
-_LOCAL_ERROR = "local_error"  # the key of what a rank whose own check failed sends instead of its description
-_KINDS = {"ConfigError": (ConfigError, "config"), "ModelError": (ModelError, "model")}
-
 
 class RankMismatchError(ZeroshardError, RuntimeError):
     """Ranks hold different models, optimizer layouts or configs."""
@@ -114,8 +111,7 @@ def _config_differences(mine, theirs, prefix: str = "") -> list[tuple[str, objec
 def check_ranks_agree(comm: Comm, model: nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> None:
     """Raise RankMismatchError on every rank if any rank differs from rank 0 (the ConfigError or ModelError
     of a rank whose own check failed, `error_everywhere`)."""
-    everyone = all_gather_object(comm, describe(model, optimizer, config))
-    _raise_local_errors(everyone, comm.rank)
+    everyone = agree(comm, None, value=describe(model, optimizer, config), word=_local_error)
     for rank, theirs in enumerate(everyone[1:], start=1):
         why = first_difference(everyone[0], theirs)
         if why is not None:
@@ -142,26 +138,23 @@ def error_everywhere(error: ConfigError | ModelError, model: nn.Module, group: d
     if device.type == "cuda":  # NCCL's object collectives run on the current device
         torch.cuda.set_device(device)
     comm = Comm.create(group, CommRecorder())
-    _raise_local_errors(all_gather_object(comm, {_LOCAL_ERROR: (type(error).__name__, str(error))}), comm.rank)
+    agree(comm, error, word=_local_error)
     raise error  # not reached: this rank's own error is among them
 
 
-def _raise_local_errors(everyone: list, me: int) -> None:
-    """The error of the ranks whose own check failed, raised on this rank (`me`); `from None`: raised while
-    this rank's own is handled, it would print that one first ("During handling of the above exception")."""
-    failed = [(r, *d[_LOCAL_ERROR]) for r, d in enumerate(everyone) if isinstance(d, dict) and _LOCAL_ERROR in d]
-    if not failed:
-        return
-    rank, kind, text = failed[0]
-    error, what = _KINDS[kind]
-    if len(failed) == len(everyone) and len({(k, t) for _, k, t in failed}) == 1:
-        if error is ModelError:  # the same model on every rank: each says it as one rank alone would
-            raise error(text) from None
+def _local_error(failed: list[Failure], world: int, me: int) -> ConfigError | ModelError:
+    """The error of the ranks whose own check failed, as rank `me` raises it (with no cause: the message says
+    it, and a cause would print this rank's own first)."""
+    first = failed[0]
+    if len(failed) == world and len({(f.name, f.message) for f in failed}) == 1:
+        if issubclass(first.kind, ModelError):  # the same model on every rank: each says it as one rank alone would
+            return first.kind(first.message)
         # The same mistake on every rank (one config file): rank 0 says it as one rank alone would, the others
         # in one line, so that a launcher printing every rank's error shows the message once.
         if me == 0:
-            raise error(text) from None
-        raise error("the config cannot be used (the same on every rank): rank 0's ConfigError names every "
-                    "problem") from None
-    others = f" (the {what}s of ranks {', '.join(str(r) for r, *_ in failed[1:])} failed too)" if failed[1:] else ""
-    raise error(f"the {what} of rank {rank} cannot be used{others}; every rank stops: {text}") from None
+            return first.kind(first.message)
+        return first.kind("the config cannot be used (the same on every rank): rank 0's ConfigError names every "
+                          "problem")
+    what = "model" if issubclass(first.kind, ModelError) else "config"
+    others = f" (the {what}s of ranks {', '.join(str(f.rank) for f in failed[1:])} failed too)" if failed[1:] else ""
+    return first.kind(f"the {what} of rank {first.rank} cannot be used{others}; every rank stops: {first.message}")

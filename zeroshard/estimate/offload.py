@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from zeroshard.estimate.formulas import model_state_bytes, precision_bytes, shard_numel
+from zeroshard.errors import ZeroshardError
 # The config's defaults for the offload blocks and sub_group_size (DeepSpeed's), read from its schema.
 from zeroshard.plan.defaults import BUFFER_COUNT, MAX_IN_CPU, PARAM_BUFFER_COUNT, PARAM_BUFFER_SIZE, SUB_GROUP_SIZE
 
@@ -74,7 +75,7 @@ FP32_BYTES = 4  # the offloaded master and gradient shards are fp32 whatever the
 
 
 
-class UnboundedError(ValueError):
+class UnboundedError(ZeroshardError, ValueError):
     """No memory limit grows with Ψ: every pool that does is unlimited, so no largest model exists."""
 
 

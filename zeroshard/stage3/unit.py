@@ -21,8 +21,9 @@ import torch
 import torch.nn as nn
 
 from zeroshard.comm import Comm, CompressedReduction, PendingGroup, broadcast
+from zeroshard.comm.agreement import Agreement
 from zeroshard.core.bucket import FP32, Bucket, StageSwitches
-from zeroshard.core.faults import Agreement
+from zeroshard.core.faults import offload_agreement
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.precision import Precision
 from zeroshard.core.staging import StagingPool
@@ -101,8 +102,8 @@ class Unit:
                 problem = problem or exc
                 swap.stand_in()
         # The same words on every rank; the failed rank's own error says which transfer failed.
-        return Agreement(comm, problem, f"reading the parameter shards of unit '{self.name}' from disk (or "
-                         "writing them back after the step)", self.gathered_flats[0].device)
+        return offload_agreement(comm, problem, f"reading the parameter shards of unit '{self.name}' from disk "
+                                 "(or writing them back after the step)", self.gathered_flats[0].device)
 
     def wait_gather(self) -> None:
         """GATHERING -> GATHERED."""

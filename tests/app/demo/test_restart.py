@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import zeroshard
-from zeroshard.app.demo.restart import BatchError, completed, keep_global_batch, resume, resume_source, save
+from zeroshard.app.demo.restart import completed, keep_global_batch, resume, resume_source, save
 from zeroshard.app.demo.train import lr_schedule
+from zeroshard.app.errors import UsageError
 
 
 def _checkpoint(directory, **client_state):
@@ -47,7 +48,7 @@ def test_fewer_ranks_keep_the_global_batch_by_accumulation_or_say_which_flag_to_
     assert not keep_global_batch(same, source, 4) and same.accumulation == 1  # 2 x 4 x 1 = 8 already
     fewer = _args(tmp_path)
     assert keep_global_batch(fewer, source, 2) and fewer.accumulation == 2  # 2 x 2 x 2 = 8
-    with pytest.raises(BatchError, match=r"global batch of 8 rows per step; --micro-batch 2 x 3 ranks = 6 rows "
+    with pytest.raises(UsageError, match=r"global batch of 8 rows per step; --micro-batch 2 x 3 ranks = 6 rows "
                                          r"does not divide it"):
         keep_global_batch(_args(tmp_path), source, 3)
 

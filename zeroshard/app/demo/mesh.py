@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 import zeroshard
+from zeroshard.app.errors import UsageError
 from zeroshard.app.demo.data import CharCorpus, load_text, micro_batch
 from zeroshard.app.demo.config import demo_model_config
 from zeroshard.app.models import GPT, PRESETS, GPTStage, lm_loss
@@ -43,10 +44,6 @@ from zeroshard.parallel.mesh import Mesh, build_mesh
 log = logging.getLogger("zeroshard.app.demo.train")
 
 DIMS = ("dp", "tp", "pp", "mesh")  # engine.comm_stats(dim): what each records is in the report's caption
-
-
-class MeshUsageError(ValueError):
-    """Flags that a mesh run cannot take: reported in one line, without a traceback."""
 
 
 def on_mesh(args: argparse.Namespace) -> bool:
@@ -137,7 +134,7 @@ def train_on_mesh(args: argparse.Namespace, config: zeroshard.Config,
     (train.lr_schedule). Returns the loss of each step (the last stage's, mean over its dp ranks).
     """
     if (why := flag_error(args, int(os.environ.get("WORLD_SIZE", 1)))) is not None:
-        raise MeshUsageError(why)
+        raise UsageError(why)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     mesh = build_mesh(pp=args.pp, tp=args.tp)
     corpus = CharCorpus.from_text(load_text(args.data))

@@ -23,14 +23,11 @@ from pathlib import Path
 import torch.distributed as dist
 
 import zeroshard
+from zeroshard.app.errors import UsageError
 from zeroshard.app.flags import true_or_false
 from zeroshard.estimate.offload import offload_pool_bytes
 
 _STEP_COUNTER_BYTES = 4  # torch's AdamW keeps one fp32 `step` per master, beside it in memory (host for a disk one)
-
-
-class OffloadFlagError(zeroshard.ConfigError):
-    """Offload flags that cannot work together (with the stage the flags and the config give)."""
 
 
 def add_offload(parser: argparse.ArgumentParser) -> None:
@@ -60,20 +57,20 @@ def default_nvme_path() -> Path:
 def offload_keys(args: argparse.Namespace, zero: dict, file: str | None) -> None:
     """Set `zero` (zero_optimization, flags applied) from the offload flags; the file's other keys stay.
 
-    Raises OffloadFlagError, naming the flag to change, for flags that cannot work together.
+    Raises UsageError, naming the flag to change, for flags that cannot work together.
     """
     if args.offload_params and args.offload in (None, "none"):
-        raise OffloadFlagError("--offload-params puts the parameter shards on the device --offload names: "
+        raise UsageError("--offload-params puts the parameter shards on the device --offload names: "
                                     "give --offload cpu or --offload nvme with it")
     if args.offload is not None:
         if args.offload != "none" and zero["stage"] == 0:
-            raise OffloadFlagError(f"--offload {args.offload} needs --stage 1, 2 or 3: stage 0 shards "
+            raise UsageError(f"--offload {args.offload} needs --stage 1, 2 or 3: stage 0 shards "
                                         "nothing, so every rank steps all parameters on the device; add --stage 1 "
                                         "or more, or drop --offload")
         zero["offload_optimizer"] = dict(zero.get("offload_optimizer") or {}, device=args.offload)
     if args.offload_params:
         if zero["stage"] != 3:
-            raise OffloadFlagError(f"--offload-params needs --stage 3: only stage 3 shards the parameters "
+            raise UsageError(f"--offload-params needs --stage 3: only stage 3 shards the parameters "
                                         f"(stage {zero['stage']} keeps them whole on every rank); add --stage 3, "
                                         "or drop --offload-params")
         block = dict(zero.get("offload_param") or {}, device=args.offload)
@@ -83,7 +80,7 @@ def offload_keys(args: argparse.Namespace, zero: dict, file: str | None) -> None
     on_disk = [name for name in ("offload_optimizer", "offload_param")
                if (zero.get(name) or {}).get("device") == "nvme"]
     if args.nvme_path is not None and not on_disk:
-        raise OffloadFlagError("--nvme-path is where disk offload writes: give --offload nvme with it")
+        raise UsageError("--nvme-path is where disk offload writes: give --offload nvme with it")
     for name in on_disk:
         if args.nvme_path is not None or not zero[name].get("nvme_path"):
             zero[name]["nvme_path"] = args.nvme_path or str(default_nvme_path())

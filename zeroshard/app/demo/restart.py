@@ -25,14 +25,11 @@ from pathlib import Path
 
 import torch
 
+from zeroshard.app.errors import UsageError
 from zeroshard.checkpoint import CheckpointError
 from zeroshard.checkpoint.files import LATEST, read_state, resolve
 
 log = logging.getLogger(__name__)
-
-
-class BatchError(ValueError):
-    """The checkpoint's global batch cannot be made on this many ranks with this micro-batch."""
 
 
 def restart_count() -> int:
@@ -65,7 +62,7 @@ def completed(args: argparse.Namespace) -> bool:
 
 def keep_global_batch(args: argparse.Namespace, source: str, world: int) -> bool:
     """Set `args.accumulation` so that micro-batch x ranks x accumulation is the checkpoint's global batch;
-    returns whether it changed. Raises `BatchError` naming the flags to change when no whole accumulation
+    returns whether it changed. Raises `UsageError` naming the flags to change when no whole accumulation
     does it (a checkpoint of another program, without `global_batch`, changes nothing)."""
     try:
         rows = read_state(resolve(source, None)).get("client_state", {}).get("global_batch")
@@ -75,7 +72,7 @@ def keep_global_batch(args: argparse.Namespace, source: str, world: int) -> bool
     if rows is None or rows == per_step * args.accumulation:
         return False
     if rows % per_step:
-        raise BatchError(f"{source} trained with a global batch of {rows} rows per step; --micro-batch "
+        raise UsageError(f"{source} trained with a global batch of {rows} rows per step; --micro-batch "
                          f"{args.micro_batch} x {world} ranks = {per_step} rows does not divide it, so no gradient "
                          "accumulation keeps it: give a --micro-batch (config train_micro_batch_size_per_gpu) "
                          f"that times {world} ranks divides {rows}, or run on as many ranks as that allows")

@@ -41,17 +41,14 @@ from zeroshard.app.flags import (
 )
 from zeroshard.app.models import GPT
 from zeroshard.app.demo.report import print_report, report_figures
-from zeroshard.app.demo.restart import BatchError, completed, keep_global_batch, resume, resume_source, save
+from zeroshard.app.errors import UsageError
+from zeroshard.app.demo.restart import completed, keep_global_batch, resume, resume_source, save
 from zeroshard.app.demo.run_log import StepLog, write_report
 from zeroshard.app.demo.compress import add_compress, compress_keys
 from zeroshard.app.demo.offload import add_offload, make_default_nvme_path, offload_keys, remove_default_nvme_path
-from zeroshard.app.demo.mesh import MeshUsageError, on_mesh, resolve_defaults, train_on_mesh
+from zeroshard.app.demo.mesh import on_mesh, resolve_defaults, train_on_mesh
 
 log = logging.getLogger(__name__)
-
-
-class UsageError(ValueError):
-    """Flags that cannot work together (not a bug): reported in one line, without a traceback."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -372,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
             train_on_mesh(args, engine_config(args), lr_schedule, console)
         else:
             train(args, console)
-    except (UsageError, MeshUsageError, BatchError, zeroshard.ZeroshardError) as error:
+    except zeroshard.ZeroshardError as error:  # UsageError among them
         # zeroshard's own errors name the cause and the fix: no traceback. Every rank says it: torchrun may
         # stop the others before rank 0 gets to print.
         console.print(f"[red]error[/] (rank {rank}): {error}", highlight=False)

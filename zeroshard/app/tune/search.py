@@ -38,11 +38,12 @@ from zeroshard.app.tune.config import ds_config, trial_argv, write_config
 from zeroshard.app.tune.step_time import Calibration, StepTime, predict_step
 from zeroshard.app.tune.trials import Limit, Outcome, TrialResult, run_trial
 from zeroshard.app.units import human_bytes
+from zeroshard.errors import ZeroshardError
 
 log = logging.getLogger(__name__)
 
 
-class TuneError(RuntimeError):
+class TuneError(ZeroshardError, RuntimeError):
     """The search cannot go on (the calibration failed); the message says why and what to change."""
 
 

@@ -18,7 +18,8 @@ store, with a timeout of its own (`rank_check_timeout`, 20 s by default):
 3. with everyone in, each rank reads every record (one `multi_get`) and all
    raise the same error if the calls differ, if the steps differ where they
    must not (`same_step`), or if a rank brought a problem of its own (a
-   checkpoint inside an accumulation window, say);
+   checkpoint inside an accumulation window, say: agreement.py's rule over
+   the records, the lowest such rank's error);
 4. a rank still waiting after its first look (1 s at most) looks at the
    others' positions each second: a rank in a collective (which cannot land
    while this rank waits here) or in another checked call, seen twice alike
@@ -52,6 +53,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from zeroshard.comm.watch import calls, positions
+from zeroshard.comm.agreement import first_unless_alike, raise_agreed, report
 from zeroshard.comm.collectives import Comm
 from zeroshard.comm.watch.stall import CollectiveError
 
@@ -66,9 +68,10 @@ def enter(comm: Comm, call: str, *, error: type[Exception] = CollectiveError, pr
     """Raise `error` on every rank that entered `call` unless every rank of the group entered it.
 
     Step and micro-step come from `comm.trace` (the engine sets them). `problem`: an error this
-    rank found before the call could start; every rank raises it (on this rank as its own
-    type), with its rank in front unless every rank had the same one. `same_step`: the ranks must also be at the same step and
-    micro-step (a checkpoint of ranks at different steps would mix them). `made`, `fix`: the call the
+    rank found before the call could start; every rank raises the lowest such rank's (its class
+    and message), with its rank in front unless every rank had the same one. `same_step`: the
+    ranks must also be at the same step and micro-step (a checkpoint of ranks at different steps
+    would mix them). `made`, `fix`: the call the
     user made when it is not `call` itself (transformers' save_pretrained, which calls state_dict) and its
     fix, for the errors of every rank (calls.py).
     """
@@ -87,7 +90,7 @@ def enter(comm: Comm, call: str, *, error: type[Exception] = CollectiveError, pr
     seq = comm.entries
     mine = positions.in_call(trace, call, seq, made=made, fix=fix)
     positions.publish(comm.group, rank, mine)
-    store.set(f"{seq}/{rank}", json.dumps({**mine, "problem": None if problem is None else str(problem)}))
+    store.set(f"{seq}/{rank}", json.dumps({**mine, "problem": report(problem)}))
     arrived = store.add(f"{seq}/count", 1)
     if arrived == world:
         store.set(f"{seq}/all", "1")
@@ -180,9 +183,4 @@ def _agree(records: list[dict], rank: int, call: str, error: type[Exception], pr
         raise error(f"the ranks entered {call} at different steps: {said}. Every rank must run the same number "
                     "of engine.backward() and engine.step() calls (the same number of batches on every rank) "
                     "before it; restart the job from a checkpoint")
-    failed = [(r, rec["problem"]) for r, rec in enumerate(records) if rec["problem"] is not None]
-    if failed:
-        first, text = failed[0]
-        if len(failed) < len(records) or len({t for _, t in failed}) > 1:  # else: one mistake, made everywhere
-            text = f"rank {first}: {text}"
-        raise type(problem)(text) if problem is not None else error(text)
+    raise_agreed([r["problem"] for r in records], rank, problem, word=first_unless_alike, default=error)
