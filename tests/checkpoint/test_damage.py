@@ -364,7 +364,7 @@ def _differences(a, b, where: str = "") -> list[str]:
 
 def _nan_save(e, rank: int, save_dir: Path) -> dict:
     """Rank 1 puts a NaN into its first master element; the save must stop on both ranks, writing nothing."""
-    trained = holdings(e).trained[0]
+    trained = holdings(e._adapter).trained[0]
     run = next(trained.own.runs())
     if rank == 1:
         with torch.no_grad():
@@ -544,7 +544,7 @@ def test_save_with_an_infinite_optimizer_moment_is_refused(tmp_path):
     e = make_engine(CASE)
     _train(e, 0, 0, 1, "cpu")
     e.save_checkpoint(tmp_path)
-    trained = holdings(e).trained[-1]
+    trained = holdings(e._adapter).trained[-1]
     run = list(trained.own.runs())[-1]
     exp_avg_sq = e.optimizer.state[trained.bucket.master]["exp_avg_sq"]
     exp_avg_sq[run.at + run.numel - 1] = float("inf")

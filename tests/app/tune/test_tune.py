@@ -18,7 +18,7 @@ import torch
 import zeroshard
 import zeroshard.deepspeed as deepspeed
 from zeroshard import estimate
-from zeroshard.app.tune.cli import search as tune_search
+from zeroshard.app.tune import search as tune_search
 from zeroshard.app.estimate.activation_count import count_activations
 from zeroshard.app.cli import main
 from zeroshard.app.demo.config import demo_model_config
