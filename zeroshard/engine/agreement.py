@@ -1,35 +1,37 @@
-"""Checks that every rank is about to train the same thing, before any collective depends on it.
+"""The fifth step of `initialize`: every rank agrees it is about to train the same thing, in one exchange.
 
 A collective that raises can leave the group out of step, so each rank
-sends a description of its model, optimizer layout and config once, and
-every rank compares all of them and raises the same error.
+sends once, before any tensor is made, a description of its model,
+optimizer layout and config, and what its model states need of the memory
+it lives under (`memory_fit.py`); every rank compares all of them and
+raises the same error.
 
 A rank whose config cannot even be loaded (a typo in its file), or whose
-model fails a check of its own before the group is joined (an edit of a
-meta parameter on that rank only), sends its `ConfigError` or `ModelError`
-instead, in the same exchange (`error_everywhere`): it still joins the
-group, so the others do not wait for it, and every rank raises that error,
-naming the rank.
+model fails a check of its own (an edit of a meta parameter on that rank
+only), sends its `ConfigError` or `ModelError` instead, in the same
+exchange: it joined the group all the same (`join.py`), so the others do
+not wait for it, and every rank raises that error, naming the rank.
 """
 
 from __future__ import annotations
 
-import os
 import reprlib
-from typing import NoReturn
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from zeroshard.comm import Comm, CommRecorder, all_gather_object, ensure_process_group
+from zeroshard.comm import all_gather_object
 from zeroshard.config import ConfigError
+from zeroshard.core.local import local
 from zeroshard.core.optim import hyperparams
-from zeroshard.engine.validate import device_of
+from zeroshard.engine.checks import Checked
+from zeroshard.engine.join import Joined
+from zeroshard.engine.load import Loaded
+from zeroshard.engine.memory_fit import check_states_fit, memory_rows
 from zeroshard.errors import ModelError, ZeroshardError
-from zeroshard.stage3.materialize import default_device, on_meta
 
 _LOCAL_ERROR = "local_error"  # the key of what a rank whose own check failed sends instead of its description
+_MEMORY = "memory"  # the key of a rank's memory need beside its description
 _KINDS = {"ConfigError": (ConfigError, "config"), "ModelError": (ModelError, "model")}
 
 
@@ -111,10 +113,20 @@ def _config_differences(mine, theirs, prefix: str = "") -> list[tuple[str, objec
     return out
 
 
-def check_ranks_agree(comm: Comm, model: nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> None:
-    """Raise RankMismatchError on every rank if any rank differs from rank 0 (the ConfigError or ModelError
-    of a rank whose own check failed, `error_everywhere`)."""
-    everyone = all_gather_object(comm, describe(model, optimizer, config))
+def agree(joined: Joined, loaded: Loaded, checked: Checked) -> bool:
+    """The one exchange of construction: every rank sends its description and its memory need
+    (`memory_fit.memory_rows`), or the failure of its own load or checks; every rank raises the same error if
+    any rank failed (`ConfigError`, `ModelError`), differs from rank 0 (`RankMismatchError`) or a memory limit
+    cannot hold its ranks' states (`OutOfMemoryError`). Returns whether host memory is short
+    (`memory_fit.check_states_fit`)."""
+    comm, failure = joined.comm, checked.failure
+    if failure is not None:  # in one process `join` raised a failed load; a failed check is raised here
+        mine = {_LOCAL_ERROR: (type(failure).__name__, str(failure))}
+    else:
+        mine = describe(loaded.model, loaded.optimizer, loaded.config.to_dict())
+        mine[_MEMORY] = memory_rows(comm, loaded.config, loaded.optimizer, joined.device,
+                                    [local(p) for g in checked.groups for p in g])
+    everyone = all_gather_object(comm, mine)
     _raise_local_errors(everyone, comm.rank)
     for rank, theirs in enumerate(everyone[1:], start=1):
         why = first_difference(everyone[0], theirs)
@@ -123,27 +135,7 @@ def check_ranks_agree(comm: Comm, model: nn.Module, optimizer: torch.optim.Optim
                 f"rank {rank} differs from rank 0: {why}. Every rank must build the same model "
                 "(same code, same config) and the same optimizer before zeroshard.initialize"
             )
-
-
-def error_everywhere(error: ConfigError | ModelError, model: nn.Module, group: dist.ProcessGroup | None
-                     ) -> NoReturn:
-    """Raise `error`, found on this rank before the group was joined (a config that failed to load, a model
-    check), on every rank of the group.
-
-    This rank joins the group as `initialize` would have and sends the error in
-    the exchange of `check_ranks_agree`, which the other ranks run in
-    `zeroshard.initialize`; without a group to join (one process), it raises at once.
-    """
-    joined = group is not None or dist.is_initialized()
-    if (dist.get_world_size(group) if joined else int(os.environ.get("WORLD_SIZE", "1"))) <= 1:
-        raise error
-    device = default_device() if on_meta(model) else device_of(model)
-    group = group or ensure_process_group(device)
-    if device.type == "cuda":  # NCCL's object collectives run on the current device
-        torch.cuda.set_device(device)
-    comm = Comm.create(group, CommRecorder())
-    _raise_local_errors(all_gather_object(comm, {_LOCAL_ERROR: (type(error).__name__, str(error))}), comm.rank)
-    raise error  # not reached: this rank's own error is among them
+    return check_states_fit([row for theirs in everyone for row in theirs[_MEMORY]])
 
 
 def _raise_local_errors(everyone: list, me: int) -> None:

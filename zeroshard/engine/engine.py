@@ -30,11 +30,8 @@ state machine of one micro-step is in `state.py`, construction in `build.py`.
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
 from zeroshard.checkpoint.async_save import AsyncSave
 from zeroshard.comm import CollectiveError
@@ -45,21 +42,19 @@ from zeroshard.core.local import local
 from zeroshard.core.activation_meter import ActivationMeter
 from zeroshard.core.precision import LossScaler, cast_inputs
 from zeroshard.core.reducer import GradientError
-from zeroshard.engine.build import broadcast_buffers, build
+from zeroshard.engine.build import Parts, broadcast_buffers
 from zeroshard.engine.checkpoint_methods import CheckpointMethods
-from zeroshard.engine.compiled import CompileMethods, uncompiled
-from zeroshard.engine.delayed_update import DelayedUpdateMethods, delayed_update
+from zeroshard.engine.compiled import CompileMethods
+from zeroshard.engine.delayed_update import DelayedUpdateMethods
 from zeroshard.engine.deepspeed_api import DeepSpeedMethods
 from zeroshard.engine.export import ExportMethods
 from zeroshard.engine.grad_sync import GradSyncMethods
 from zeroshard.engine.placement import log_placement
 from zeroshard.engine.reports import ReportMethods
 from zeroshard.engine.state import EngineStateError, TrainingState
-from zeroshard.engine.validate import check_mesh_config
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload import OffloadError
-from zeroshard.parallel.activation_checkpointing import ActivationCheckpointing, running_forward
-from zeroshard.parallel.mesh import Mesh
+from zeroshard.parallel.activation_checkpointing import running_forward
 from zeroshard.stage3.sharded_use import sharded_use
 
 log = logging.getLogger(__name__)
@@ -69,47 +64,34 @@ class Engine(GradSyncMethods, CheckpointMethods, DeepSpeedMethods, ExportMethods
              DelayedUpdateMethods, ReportMethods):
     """The training loop's handle: `loss = engine(*batch)`, `engine.backward(loss)`, `engine.step()`."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
-                 group: dist.ProcessGroup | None = None, init: Callable[[nn.Module], None] | None = None,
-                 mesh: Mesh | None = None, tied: dict[str, str] | None = None):
-        """`mesh`: ZeRO over its `dp` dimension, with `tp` and `pp` composed (parallel/); `tied`: this
-        pipeline stage's copies of parameters tied across stages, tie name -> parameter name."""
-        model, compiled_call = uncompiled(model)  # torch.compile(model) before initialize: its module
-        self.module, self.optimizer, self.config = model, optimizer, config
-        self.num_params = sum(p.numel() for p in model.parameters())  # as built; stage 3 empties them
+    def __init__(self, parts: Parts, config: Config,
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
+        """`parts`: what `zeroshard.initialize` built (`build.py`); `lr_scheduler`: stepped by `step()` after
+        each applied optimizer step. The engine builds nothing: it holds the parts and the loop's state, and
+        answers the hooks (`parts.calls`) from here on."""
+        self.module, self.optimizer, self.config = parts.module, parts.optimizer, config
+        self.num_params = parts.num_params  # as built; stage 3 empties them
         self.micro_steps = 0  # backward passes so far
         self.global_steps = 0  # optimizer steps so far
         self.global_grad_norm: float | None = None  # of the last step's gradients; inf if they were not finite
         self.skipped_steps = 0  # optimizer steps not applied: inf or nan in the gradients
         self._skips = NonFiniteSkips(config.non_finite)  # fp32 and bf16: skipped steps in a row
         self.scaler = LossScaler(config.fp16) if config.fp16.enabled else None
-        self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # from the config's block
+        self.lr_scheduler = lr_scheduler  # passed in code, or from the config's block
         self.state = TrainingState.IDLE
         self._failure: str | None = None  # why the engine is FAILED
         self._async_save: AsyncSave | None = None  # an asynchronous checkpoint in flight (checkpoint_methods.py)
-        self.mesh = mesh
-        check_mesh_config(mesh, config, init, model)
-        # Before the flat buffers: ties start every stage's copy from the lowest stage's values.
-        self.cross = None
-        if mesh is not None:  # imported here: `import zeroshard` stays free of torch.distributed.tensor (0.7 s)
-            from zeroshard.parallel.cross import CrossParallel
-
-            self.cross = CrossParallel(mesh, model, tied or {}, config.collective_timeout, config.rank_check_timeout)
-        parts = build(model, optimizer, config, mesh.group("dp") if mesh else group, init, self._on_grad,
-                      self.fail,
-                      grads_on_disk=mesh is None and not config.zero_optimization.offload_optimizer.delayed_update)
-        if compiled_call is not None:  # compiled in place once built: a failed build leaves the module as it was
-            model._compiled_call_impl = compiled_call
+        self.mesh, self.cross = parts.mesh, parts.cross  # on a mesh: ties, tp and pp reductions (parallel/cross.py)
         self.comm, self.precision, self.switches = parts.comm, parts.precision, parts.switches
         self._device, self._names, self.pool, self.reducer = parts.device, parts.names, parts.pool, parts.reducer
         self.buckets, self.units, self.schedule = parts.buckets, parts.units, parts.schedule
         self.offload = parts.offload  # where masters, optimizer state and stage 3's shards live
         self.post_step = parts.post_step  # stages 1-2: the all-gathers after each step (overlap_param_gather)
-        self.delayed = delayed_update(config, self.offload.tiers, self.buckets)  # the CPU step in the background
+        self.delayed = parts.delayed  # the CPU step in the background
         self.activations = ActivationMeter(self._owned_tensors, self._device)  # what each training forward saves
         # zeroshard.deepspeed.checkpointing.checkpoint in this engine's forward: the config's block, over tp
-        self.checkpointing = ActivationCheckpointing(config.activation_checkpointing,
-                                                     self.cross.tp_comm() if self.cross else None)
+        self.checkpointing = parts.checkpointing
+        parts.calls.on_grad, parts.calls.on_gather_failure = self._on_grad, self.fail  # the hooks reach the engine
         if self.comm.rank == 0:
             log_placement(self.placement())  # what is sharded, kept whole and frozen; the warning if nothing is
             for key, why in self.checkpointing.no_effect(self._device):
