@@ -1,4 +1,4 @@
-"""The fifth step of `initialize`: every rank agrees it is about to train the same thing, in one exchange.
+"""`initialize`, step 6: every rank agrees it is about to train the same thing, in one exchange.
 
 A collective that raises can leave the group out of step, so each rank
 sends once, before any tensor is made, a description of its model,

@@ -1,4 +1,4 @@
-"""The sixth step of `initialize`: the engine's parts, made from the checked inputs, the plan and the agreement.
+"""`initialize`, step 7: the engine's parts, made from the checked inputs, the plan and the agreement.
 
 Everything here runs once, on every rank in the same order, after every
 check and the agreement (`initialize.py`): the ties across pipeline stages;

@@ -1,4 +1,4 @@
-"""The third step of `initialize`: every check of this rank's model, optimizer and config, before anything is made.
+"""`initialize`, step 4: every check of this rank's model, optimizer and config, before anything is made.
 
 Nothing here allocates a tensor or runs a collective; the model and the
 optimizer are left as they were. A check that the other ranks pass too

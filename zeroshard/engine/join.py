@@ -1,4 +1,4 @@
-"""The second step of `initialize`: this rank's device and the process group, joined in this one place.
+"""`initialize`, step 3: this rank's device and the process group, joined in this one place.
 
 The device is the model's (`validate.device_of`), or for a model built on
 the meta device the one it will be materialised on (`default_device`:

@@ -1,4 +1,4 @@
-"""The fourth step of `initialize`: the plan of one model, what goes where, by its parameters alone.
+"""`initialize`, step 5: the plan of one model, what goes where, by its parameters alone.
 
 Stages 0-2: the trained parameters in size buckets, in backward order
 (`core/bucketing.py`); stage 3: the units and the parameters each one owns

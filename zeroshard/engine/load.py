@@ -1,4 +1,4 @@
-"""The first step of `initialize`: the config, the optimizer and the module from what the user passes.
+"""`initialize`, step 2: the config, the optimizer and the module from what the user passes.
 
 Nothing here runs a collective, so a config that fails on one rank only (a
 typo in that rank's file) is not raised here: `Loaded.failure` carries its
