@@ -11,8 +11,8 @@ reported and warned.
 
 Loading runs in order: offload keys given elsewhere (DeepSpeed's other
 names, `initialize(offload=...)`: offload_merge.py), key check (keys.py),
-`"auto"` values and batch sizes
-(auto.py, from the `ConfigFacts` that `initialize` passes), the `optimizer`
+`"auto"` values and batch sizes (auto.py, from the `ConfigFacts` that
+`initialize` passes), `initialize(wrap=...)` (wrap_merge.py), the `optimizer`
 and `scheduler` blocks (blocks.py), then the typed fields.
 `load_with_report` also returns what was decided (report.py).
 """
@@ -38,6 +38,7 @@ from zeroshard.config.offload import AioConfig, raise_problems, section as _sect
 from zeroshard.config.offload_merge import OffloadArg, merge_offload_argument, merge_other_names
 from zeroshard.config.report import LoadReport
 from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
+from zeroshard.config.wrap_merge import merge_wrap_argument
 from zeroshard.config.values import (
     NonNegativeInt,
     PositiveInt,
@@ -323,23 +324,21 @@ class Config(BaseModel):
              offload: OffloadArg = None) -> Config:
         """Build a config from a dict, a path to a JSON file, or a `Config`.
 
-        `facts` (world size, the model's dtype, the optimizer passed in code,
-        ...) resolve `"auto"` values and the batch sizes; `zeroshard.initialize`
-        passes them. `offload`: initialize's argument, written into the
-        offload blocks (offload_merge.py). A `Config` without facts or offload
-        is returned as is; with them it is checked again. Raises `ConfigError`
-        for an unreadable file, invalid JSON, unknown or rejected keys, an
-        "auto" nothing resolves, or bad values; the message lists every problem.
+        `facts` (world size, the model's dtype, the optimizer passed in code, ...) resolve `"auto"` values and
+        the batch sizes; `zeroshard.initialize` passes them. `offload`: initialize's argument, written into the
+        offload blocks (offload_merge.py). A `Config` without facts or offload is returned as is; with them it
+        is checked again. Raises `ConfigError` for an unreadable file, invalid JSON, unknown or rejected keys,
+        an "auto" nothing resolves, or bad values; the message lists every problem.
         """
         return cls.load_with_report(source, facts, offload)[0]
 
     @classmethod
     def load_with_report(cls, source: dict[str, Any] | str | Path | Config, facts: ConfigFacts | None = None,
-                         offload: OffloadArg = None) -> tuple[Config, LoadReport]:
-        """`load`, and what it decided: "auto" resolutions, derived batch keys, keys with no effect."""
+                         offload: OffloadArg = None, wrap: tuple[str, ...] = ()) -> tuple[Config, LoadReport]:
+        """`load`, and what it decided ("auto" resolutions, derived batch keys, no-effect keys); wrap: wrap_merge.py."""
         report, given = LoadReport(), None
         if isinstance(source, Config):
-            if facts is None and offload is None:
+            if facts is None and offload is None and not wrap:
                 return source, report
             # every key is in to_dict(); the keys set explicitly decide what offload= may fill in
             raw, origin, given = source.to_dict(), "Config", source.model_dump(mode="json", exclude_unset=True)
@@ -356,6 +355,7 @@ class Config(BaseModel):
         problems += key_problems(raw, cls, report)
         if not problems:
             raw, problems = resolve_autos(raw, facts or ConfigFacts(), report)
+            merge_wrap_argument(raw, wrap)
             raw, block_problems = _parse_blocks(raw)
             problems += block_problems
             try:

@@ -76,11 +76,12 @@ class Bucket:
     def __init__(self, flat: FlatParams, switches: StageSwitches, use_reduce_scatter: bool, param_group: int,
                  name: str = "", precision: Precision = FP32, accumulation: int = 1,
                  compressed: CompressedReduction | None = None, weights: BlockCodec | None = None,
-                 offload: bool = False, own_master: bool = False):
+                 offload: bool = False, own_master: bool = False, powersgd: PowerSgd | None = None):
         """`offload`: the master, its fp32 gradient and the optimizer state live in host memory (or, moved
         there by `OptimizerTiers`, on disk): the master is an fp32 tensor of its own on the CPU even in fp32
         training, and the reduced gradient shard is summed there in fp32 (`host_grad` at stage 1).
-        `own_master`: never share the parameters' storage (stage 3's shards offloaded, fp32 master kept)."""
+        `own_master`: never share the parameters' storage (stage 3's shards offloaded, fp32 master kept).
+        `powersgd`: stages 0-1, the low-rank reduction of the whole buffer and its state."""
         self.flat = flat
         self.compressed = compressed  # gradients travel quantized (communication_compression, ZeRO++'s qgZ)
         self.weights = weights  # stages 1-2: the updated shards travel quantized (communication_compression)
@@ -123,7 +124,7 @@ class Bucket:
         self.feedback = None if compressed is None else compressed.feedback_for(
             flat.padded_numel, all_reduce=not switches.shard_optimizer, device=flat.device)
         self.on_disk: GradOnDisk | None = None  # stages 2-3, the master on disk: grad_shard too (`swap_grads`)
-        self.powersgd: PowerSgd | None = None  # stages 0-1: the low-rank reduction and its state (set by the build)
+        self.powersgd = powersgd  # stages 0-1: the low-rank reduction and its state
 
     def _init_master(self) -> torch.Tensor:
         """What the optimizer updates: in fp32 the parameters' own storage, no copy; else an fp32 copy."""

@@ -1,34 +1,39 @@
-"""Checks that every rank is about to train the same thing, before any collective depends on it.
+"""`initialize`, step 6: every rank agrees it is about to train the same thing, in one exchange.
 
 A collective that raises can leave the group out of step, so each rank
-sends a description of its model, optimizer layout and config once, and
-every rank compares all of them and raises the same error.
+sends once, before any tensor is made, a description of its model,
+optimizer layout and config, and what its model states need of the memory
+it lives under (`memory_fit.py`); every rank compares all of them and
+raises the same error.
 
 A rank whose config cannot even be loaded (a typo in its file), or whose
-model fails a check of its own before the group is joined (an edit of a
-meta parameter on that rank only), sends its `ConfigError` or `ModelError`
-instead, in the same exchange (`error_everywhere`, comm/agreement.py): it
-still joins the group, so the others do not wait for it, and every rank
-raises that error, naming the rank.
+model fails a check of its own (an edit of a meta parameter on that rank
+only), sends its `ConfigError` or `ModelError` instead, in the same
+exchange: it joined the group all the same (`join.py`), so the others do
+not wait for it, and every rank raises that error, naming the rank.
 """
 
 from __future__ import annotations
 
-import os
 import reprlib
-from typing import NoReturn
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from zeroshard.comm import Comm, CommRecorder, ensure_process_group
-from zeroshard.comm.agreement import Failure, agree
+from zeroshard.comm import all_gather_object
 from zeroshard.config import ConfigError
+from zeroshard.core.local import local
 from zeroshard.core.optim import hyperparams
-from zeroshard.engine.validate import device_of
+from zeroshard.engine.checks import Checked
+from zeroshard.engine.join import Joined
+from zeroshard.engine.load import Loaded
+from zeroshard.engine.memory_fit import check_states_fit, memory_rows
 from zeroshard.errors import ModelError, ZeroshardError
-from zeroshard.stage3.materialize import default_device, on_meta
+
+_LOCAL_ERROR = "local_error"  # the key of what a rank whose own check failed sends instead of its description
+_MEMORY = "memory"  # the key of a rank's memory need beside its description
+_KINDS = {"ConfigError": (ConfigError, "config"), "ModelError": (ModelError, "model")}
+
 
 class RankMismatchError(ZeroshardError, RuntimeError):
     """Ranks hold different models, optimizer layouts or configs."""
@@ -108,10 +113,21 @@ def _config_differences(mine, theirs, prefix: str = "") -> list[tuple[str, objec
     return out
 
 
-def check_ranks_agree(comm: Comm, model: nn.Module, optimizer: torch.optim.Optimizer, config: dict) -> None:
-    """Raise RankMismatchError on every rank if any rank differs from rank 0 (the ConfigError or ModelError
-    of a rank whose own check failed, `error_everywhere`)."""
-    everyone = agree(comm, None, value=describe(model, optimizer, config), word=_local_error)
+def agree(joined: Joined, loaded: Loaded, checked: Checked) -> bool:
+    """The one exchange of construction: every rank sends its description and its memory need
+    (`memory_fit.memory_rows`), or the failure of its own load or checks; every rank raises the same error if
+    any rank failed (`ConfigError`, `ModelError`), differs from rank 0 (`RankMismatchError`) or a memory limit
+    cannot hold its ranks' states (`OutOfMemoryError`). Returns whether host memory is short
+    (`memory_fit.check_states_fit`)."""
+    comm, failure = joined.comm, checked.failure
+    if failure is not None:  # in one process `join` raised a failed load; a failed check is raised here
+        mine = {_LOCAL_ERROR: (type(failure).__name__, str(failure))}
+    else:
+        mine = describe(loaded.model, loaded.optimizer, loaded.config.to_dict())
+        mine[_MEMORY] = memory_rows(comm, loaded.config, loaded.optimizer, joined.device,
+                                    [local(p) for g in checked.groups for p in g])
+    everyone = all_gather_object(comm, mine)
+    _raise_local_errors(everyone, comm.rank)
     for rank, theirs in enumerate(everyone[1:], start=1):
         why = first_difference(everyone[0], theirs)
         if why is not None:
@@ -119,42 +135,25 @@ def check_ranks_agree(comm: Comm, model: nn.Module, optimizer: torch.optim.Optim
                 f"rank {rank} differs from rank 0: {why}. Every rank must build the same model "
                 "(same code, same config) and the same optimizer before zeroshard.initialize"
             )
+    return check_states_fit([row for theirs in everyone for row in theirs[_MEMORY]])
 
 
-def error_everywhere(error: ConfigError | ModelError, model: nn.Module, group: dist.ProcessGroup | None
-                     ) -> NoReturn:
-    """Raise `error`, found on this rank before the group was joined (a config that failed to load, a model
-    check), on every rank of the group.
-
-    This rank joins the group as `initialize` would have and sends the error in
-    the exchange of `check_ranks_agree`, which the other ranks run in
-    `zeroshard.initialize`; without a group to join (one process), it raises at once.
-    """
-    joined = group is not None or dist.is_initialized()
-    if (dist.get_world_size(group) if joined else int(os.environ.get("WORLD_SIZE", "1"))) <= 1:
-        raise error
-    device = default_device() if on_meta(model) else device_of(model)
-    group = group or ensure_process_group(device)
-    if device.type == "cuda":  # NCCL's object collectives run on the current device
-        torch.cuda.set_device(device)
-    comm = Comm.create(group, CommRecorder())
-    agree(comm, error, word=_local_error)
-    raise error  # not reached: this rank's own error is among them
-
-
-def _local_error(failed: list[Failure], world: int, me: int) -> ConfigError | ModelError:
-    """The error of the ranks whose own check failed, as rank `me` raises it (with no cause: the message says
-    it, and a cause would print this rank's own first)."""
-    first = failed[0]
-    if len(failed) == world and len({(f.name, f.message) for f in failed}) == 1:
-        if issubclass(first.kind, ModelError):  # the same model on every rank: each says it as one rank alone would
-            return first.kind(first.message)
+def _raise_local_errors(everyone: list, me: int) -> None:
+    """The error of the ranks whose own check failed, raised on this rank (`me`); `from None`: raised while
+    this rank's own is handled, it would print that one first ("During handling of the above exception")."""
+    failed = [(r, *d[_LOCAL_ERROR]) for r, d in enumerate(everyone) if isinstance(d, dict) and _LOCAL_ERROR in d]
+    if not failed:
+        return
+    rank, kind, text = failed[0]
+    error, what = _KINDS[kind]
+    if len(failed) == len(everyone) and len({(k, t) for _, k, t in failed}) == 1:
+        if error is ModelError:  # the same model on every rank: each says it as one rank alone would
+            raise error(text) from None
         # The same mistake on every rank (one config file): rank 0 says it as one rank alone would, the others
         # in one line, so that a launcher printing every rank's error shows the message once.
         if me == 0:
-            return first.kind(first.message)
-        return first.kind("the config cannot be used (the same on every rank): rank 0's ConfigError names every "
-                          "problem")
-    what = "model" if issubclass(first.kind, ModelError) else "config"
-    others = f" (the {what}s of ranks {', '.join(str(f.rank) for f in failed[1:])} failed too)" if failed[1:] else ""
-    return first.kind(f"the {what} of rank {first.rank} cannot be used{others}; every rank stops: {first.message}")
+            raise error(text) from None
+        raise error("the config cannot be used (the same on every rank): rank 0's ConfigError names every "
+                    "problem") from None
+    others = f" (the {what}s of ranks {', '.join(str(r) for r, *_ in failed[1:])} failed too)" if failed[1:] else ""
+    raise error(f"the {what} of rank {rank} cannot be used{others}; every rank stops: {text}") from None

@@ -1,27 +1,33 @@
-"""Building an engine's parts: buckets or stage-3 units, staging memory, the reducer and hooks.
+"""`initialize`, step 7: the engine's parts, made from the checked inputs, the plan and the agreement.
 
-Everything here runs once, in `Engine.__init__`, on every rank in the same
-order: parameters are flattened, broadcast from rank 0 and sharded; the
+Everything here runs once, on every rank in the same order, after every
+check and the agreement (`initialize.py`): the ties across pipeline stages;
+a model on the meta device gets its memory (`_materializer`, the one place:
+below stage 3 whole, at stage 3 unit by unit); the swap directories open;
+the planned parameters are flattened, broadcast from rank 0 and sharded; the
 user's optimizer is pointed at the master shards; hooks are installed.
+
+The hooks exist before the engine that answers them: they call through
+`EngineCalls`, a holder in the parts whose two callables `Engine.__init__`
+sets to its own methods. So the engine receives whole parts and builds
+nothing, and nothing built is patched afterwards.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from datetime import timedelta
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zeroshard.comm import Comm, CommRecorder, all_gather_object, broadcast, ensure_process_group
-from zeroshard.comm.topology import declared_scope
+from zeroshard.comm import Comm, broadcast
 from zeroshard.comm.compress.powersgd import PowerSgd, QSeeds
-from zeroshard.config import Config, ConfigError
+from zeroshard.config import Config
 from zeroshard.core.bucket import Bucket, StageSwitches
-from zeroshard.core.bucketing import bucket_params
+from zeroshard.core.bucketing import BucketPlan
 from zeroshard.core.faults import agreed
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import local
@@ -30,29 +36,26 @@ from zeroshard.core.param_gather import PostStepGather
 from zeroshard.core.precision import Precision
 from zeroshard.core.reducer import GradReducer
 from zeroshard.core.staging import StagingPool
-from zeroshard.engine.agreement import check_ranks_agree, error_everywhere
-from zeroshard.engine.memory_fit import check_states_fit
+from zeroshard.engine.checks import Checked
+from zeroshard.engine.step_update import DelayedUpdate, delayed_update
+from zeroshard.engine.join import Joined
+from zeroshard.engine.layout import Layout
+from zeroshard.engine.load import Loaded
 from zeroshard.engine.offload import Offload, OffloadBuild, offload_choice
 from zeroshard.engine.wire import Wire, wire
-from zeroshard.engine.validate import check_device_matches_group, check_model, device_of, mark_wrapped, trainable_groups
+from zeroshard.engine.validate import mark_wrapped
+from zeroshard.parallel.activation_checkpointing import ActivationCheckpointing
+from zeroshard.parallel.mesh import Mesh
 from zeroshard.stage3.gathered import Placement, place
 from zeroshard.stage3.gathers import Gathers
 from zeroshard.stage3.generation import sync_generation
-from zeroshard.stage3.materialize import (
-    Materializer,
-    check_materializable,
-    default_device,
-    materialize_whole,
-    on_meta,
-)
-from zeroshard.stage3.meta import recorded_init
-from zeroshard.errors import ModelError
+from zeroshard.stage3.materialize import Materializer, materialize_whole, on_meta
 from zeroshard.plan.staging import block_numel
 from zeroshard.stage3.module_state import ModuleStateHooks
 from zeroshard.stage3.resize import refuse_resize
 from zeroshard.stage3.schedule import GatherSchedule
 from zeroshard.stage3.unit import Unit, build_units
-from zeroshard.stage3.wrapping import plan_units, unit_modules
+from zeroshard.stage3.wrapping import UnitPlan
 
 log = logging.getLogger("zeroshard.config")
 
@@ -63,9 +66,21 @@ _FUSED_DEVICES = {"cpu", "cuda"}
 
 
 @dataclass
+class EngineCalls:
+    """What the hooks call on the engine, which does not exist yet when they are installed: `Engine.__init__`
+    sets both to its own methods."""
+
+    on_grad: Callable[[int, int], None] | None = None  # (reducer target, parameter index): a gradient is ready
+    on_gather_failure: Callable[[str], None] | None = None  # (why): a wait for a post-step gather failed
+
+
+@dataclass
 class Parts:
     """What an engine is made of, built once."""
 
+    module: nn.Module  # the user's module (inside torch.compile(model): compiled in place)
+    optimizer: torch.optim.Optimizer  # the user's (or the config's), pointed at the master shards
+    num_params: int  # the model's parameter elements as given (stage 3 then empties them)
     comm: Comm
     device: torch.device
     precision: Precision
@@ -78,77 +93,90 @@ class Parts:
     reducer: GradReducer
     offload: Offload  # where masters, optimizer state and stage 3's shards live (all on the device by default)
     post_step: PostStepGather  # stages 1-2: the all-gathers after each step, and the hooks that wait for them
+    delayed: DelayedUpdate | None  # offload_optimizer.delayed_update: the CPU step in the background
+    checkpointing: ActivationCheckpointing  # zeroshard.deepspeed.checkpointing.checkpoint's block, over tp
+    mesh: Mesh | None = None
+    cross: object | None = None  # parallel.cross.CrossParallel on a mesh: ties, tp and pp reductions
+    calls: EngineCalls = field(default_factory=EngineCalls)
 
 
-def build(model: nn.Module, optimizer: torch.optim.Optimizer, config: Config, group: dist.ProcessGroup | None,
-          init: Callable[[nn.Module], None] | None, on_grad: Callable[[int, int], None],
-          on_gather_failure: Callable[[str], None], grads_on_disk: bool = True) -> Parts:
-    """Check the inputs, join the group, and build the parts; `on_grad(target, param)` is the gradient hook,
-    `on_gather_failure(why)` what a failed wait for a post-step gather calls first (`PostStepGather`);
-    `grads_on_disk`: whether offload to disk may keep the gradient shards there (not on a tp/pp mesh)."""
-    if init is None and on_meta(model):
-        init = recorded_init(model)  # zero.Init + from_pretrained: the files' weights
-    precision = Precision.from_config(config)
-    try:  # this rank's own checks, before the group: a failure here reaches every rank (one rank's edit)
-        check_materializable(model, init)
-        if on_meta(model) and config.stage != 3:  # one script for every stage: meta_init and init= work below 3
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                log.info("stage %d: the model built on the meta device is materialised whole on every rank "
-                         "(only stage 3 materialises it shard by shard)", config.stage)
-            materialize_whole(model, init, default_device())
-        check_model(model, precision.param_dtype)
-    except ModelError as error:
-        error_everywhere(error, model, group)
-    device = default_device() if on_meta(model) else device_of(model)
-    group = group or ensure_process_group(device, timedelta(seconds=config.collective_timeout))
-    check_device_matches_group(device, group)
-    if device.type == "cuda":  # NCCL's object collectives run on the current device
-        torch.cuda.set_device(device)
-    comm = Comm.create(group, CommRecorder(), config.collective_timeout, config.rank_check_timeout,
-                       scope=declared_scope(group, config.zero_optimization.ranks_per_node))
-    switches = StageSwitches.for_stage(config.stage)
-    groups = trainable_groups(model, optimizer)  # before any change: a failure leaves all as it was
-    check_ranks_agree(comm, model, optimizer, config.to_dict())
-    host_short = check_states_fit(comm, config, optimizer, device, [local(p) for g in groups for p in g])
+def build(loaded: Loaded, joined: Joined, checked: Checked, layout: Layout, host_short: bool, mesh: Mesh | None,
+          tied: dict[str, str] | None) -> Parts:
+    """The parts of an engine over `loaded`'s model and optimizer; `host_short`: the agreement's verdict on
+    host memory (`memory_fit.check_states_fit`)."""
+    model, optimizer, config, comm, device = loaded.model, loaded.optimizer, loaded.config, joined.comm, joined.device
+    num_params = sum(p.numel() for p in model.parameters())
+    cross = _cross(mesh, model, tied, config)  # before the flat buffers: ties start from the lowest stage's values
+    precision, switches, calls = checked.precision, StageSwitches.for_stage(config.stage), EngineCalls()
     # Opened before the units: each unit's shards go to the host or disk as soon as it is built.
+    grads_on_disk = mesh is None and not config.zero_optimization.offload_optimizer.delayed_update
     stream = agreed(comm, lambda: OffloadBuild(config, comm, optimizer, grads_on_disk, host_short), _SETUP, device,
                     undo=OffloadBuild.close)
     with stream.closed_on_error():  # a retry on the same nvme_path finds the swap directories free
-        names, units, schedule, buckets, pool = _build_flats(model, optimizer, groups, config, comm, precision,
-                                                             switches, init, device, stream)
+        names, units, schedule, buckets, pool = _build_flats(model, optimizer, checked, layout, config, comm,
+                                                             switches, device, stream)
         offload = agreed(comm, lambda: stream.finish(optimizer, buckets, units), _SETUP, device)
     reducer = _build_reducer(buckets, units, schedule, comm, pool, config.zero_optimization.overlap_comm, names)
     for t, target in enumerate(reducer.targets):
         for i, p in enumerate(target.params):
-            p.register_post_accumulate_grad_hook(lambda _p, t=t, i=i: on_grad(t, i))
-    post_step = PostStepGather(buckets, comm, config.zero_optimization.overlap_param_gather, on_gather_failure)
+            p.register_post_accumulate_grad_hook(lambda _p, t=t, i=i: calls.on_grad(t, i))
+    post_step = PostStepGather(buckets, comm, config.zero_optimization.overlap_param_gather,
+                               lambda why: calls.on_gather_failure(why))
     post_step.install(model)
     _place_params(model, comm, buckets, units, schedule, post_step)
     refuse_resize(model, config.stage)  # resize_token_embeddings would have to rebuild the flat buffers
-    return Parts(comm, device, precision, switches, names, buckets, units, schedule, pool, reducer, offload,
-                 post_step)
+    delayed = delayed_update(config, offload.tiers, buckets)
+    checkpointing = ActivationCheckpointing(config.activation_checkpointing, cross.tp_comm() if cross else None)
+    if loaded.compiled_call is not None:  # compiled in place once built: a failed build leaves the module as it was
+        model._compiled_call_impl = loaded.compiled_call
+    return Parts(model, optimizer, num_params, comm, device, precision, switches, names, buckets, units, schedule,
+                 pool, reducer, offload, post_step, delayed, checkpointing, mesh, cross, calls)
 
 
-def _build_flats(model: nn.Module, optimizer: torch.optim.Optimizer, groups: list[list[nn.Parameter]],
-                 config: Config, comm: Comm, precision: Precision, switches: StageSwitches,
-                 init: Callable[[nn.Module], None] | None, device: torch.device, stream: OffloadBuild):
+def _cross(mesh: Mesh | None, model: nn.Module, tied: dict[str, str] | None, config: Config):
+    """The mesh's reductions across tp and pp (ties agreed over the world); None without a mesh."""
+    if mesh is None:
+        return None
+    from zeroshard.parallel.cross import CrossParallel  # here: `import zeroshard` stays free of DTensor (0.7 s)
+
+    return CrossParallel(mesh, model, tied or {}, config.collective_timeout, config.rank_check_timeout)
+
+
+def _materializer(model: nn.Module, init: Callable[[nn.Module], None] | None, stage: int,
+                  device: torch.device) -> Materializer | None:
+    """Memory for a model built on the meta device: below stage 3, where every rank holds the whole model, all
+    at once; at stage 3 the `Materializer` that initialises each unit as it is built. None for a real model."""
+    if not on_meta(model):
+        return None
+    if stage == 3:
+        return Materializer.for_model(model, init, device)
+    if dist.get_rank() == 0:  # one script for every stage: meta_init and init= work below 3
+        log.info("stage %d: the model built on the meta device is materialised whole on every rank "
+                 "(only stage 3 materialises it shard by shard)", stage)
+    materialize_whole(model, init, device)
+    return None
+
+
+def _build_flats(model: nn.Module, optimizer: torch.optim.Optimizer, checked: Checked, layout: Layout,
+                 config: Config, comm: Comm, switches: StageSwitches, device: torch.device, stream: OffloadBuild):
     """The flat buffers (stage 3: the units and their schedule), staging, the optimizer pointed at the masters:
     (names, units, schedule, buckets, pool)."""
     # Before mark_wrapped: its checks (zeroshard.pretrained's keys and shapes) fail with the model still free
     # for the retry their message suggests.
-    materialize = Materializer.for_model(model, init, device) if on_meta(model) else None
+    materialize = _materializer(model, checked.init, config.stage, device)
     mark_wrapped(model)
     names = {id(p): name for name, p in model.named_parameters()}
-    units, schedule = [], None
+    units, schedule, groups, precision = [], None, checked.groups, checked.precision
     choose = offload_choice(config, sum(local(p).numel() for g in groups for p in g))
     codecs = wire(comm, config, device)
     if switches.shard_params:
         built = ((lambda unit: agreed(comm, lambda: stream.unit_built(unit), _SETUP, device))
                  if stream.streams else None)
-        units, schedule = _build_units(model, groups, config, comm, codecs, precision, materialize, choose, built)
+        units, schedule = _build_units(model, layout.units, groups, config, comm, codecs, precision, materialize,
+                                       choose, built)
         buckets = [b for unit in units for b in unit.buckets]
     else:
-        buckets = _build_buckets(model, groups, config, comm, codecs, precision, switches, choose)
+        buckets = _build_buckets(model, layout.buckets, config, comm, codecs, precision, switches, choose)
     if precision.mixed:  # frozen parameters and buffers; the buckets' parameters already are (left untouched:
         dtype = precision.param_dtype  # a DTensor's .to() would replace even a tensor of the right dtype)
         model._apply(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
@@ -158,45 +186,37 @@ def _build_flats(model: nn.Module, optimizer: torch.optim.Optimizer, groups: lis
     return names, units, schedule, buckets, pool
 
 
-def _build_buckets(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, comm: Comm, codecs: Wire,
+def _build_buckets(model: nn.Module, plans: list[BucketPlan], config: Config, comm: Comm, codecs: Wire,
                    precision: Precision, switches: StageSwitches, offload: Callable[[int], bool]) -> list[Bucket]:
-    """Stages 0-2: size buckets in backward order, started from rank 0's values."""
+    """Stages 0-2: the planned buckets, started from rank 0's values."""
     zero = config.zero_optimization
-    buckets = bucket_params(model, groups, min(zero.reduce_bucket_size, zero.allgather_bucket_size))
-    flats = [FlatParams(b.params, comm.world_size, comm.rank) for b in buckets]
+    flats = [FlatParams(b.params, comm.world_size, comm.rank) for b in plans]
     broadcast_from_rank0(comm, model, flats)  # in the model's dtype: masters start from these values
     # Quantized gathers after the step dequantize into the parameters: the master must be a copy of its own.
     weights = codecs.weights if switches.shard_optimizer else None
-    built = [Bucket(flat, switches, zero.reduce_scatter, b.group, f"bucket {i}", precision,
-                    config.gradient_accumulation_steps, codecs.gradients, weights, offload=offload(flat.numel),
-                    own_master=weights is not None)
-             for i, (flat, b) in enumerate(zip(flats, buckets))]
-    _low_rank(config, precision, built)
-    return built
+    low_rank = _low_rank(config)
+    return [Bucket(flat, switches, zero.reduce_scatter, b.group, f"bucket {i}", precision,
+                   config.gradient_accumulation_steps, codecs.gradients, weights, offload=offload(flat.numel),
+                   own_master=weights is not None, powersgd=low_rank(flat))
+            for i, (flat, b) in enumerate(zip(flats, plans))]
 
 
-def _low_rank(config: Config, precision: Precision, buckets: list[Bucket]) -> None:
-    """PowerSGD's state for each bucket (stages 0-1; the config refuses it at 2-3), one seed sequence for all."""
+def _low_rank(config: Config) -> Callable[[FlatParams], PowerSgd | None]:
+    """PowerSGD's state for each bucket's flat buffer (stages 0-1; the config refuses it at 2-3, and fp16 is
+    refused by `checks.check_low_rank`), one seed sequence for all; None without it."""
     settings = config.communication_compression.gradients
     if settings.codec != "powersgd":
-        return
-    if precision.param_dtype == torch.float16:
-        raise ConfigError("communication_compression.gradients.codec \"powersgd\" cannot run with fp16.enabled: "
-                          "its error feedback carries each step's loss-scaled gradients into the next, whose loss "
-                          "scale may differ, so what it adds back would be off by their ratio. Train in bf16 "
-                          "(\"bf16\": {\"enabled\": true}) or fp32 with powersgd, or use another codec")
+        return lambda flat: None
     seeds = QSeeds()
-    for bucket in buckets:
-        bucket.powersgd = PowerSgd(bucket.flat.shapes, settings, seeds, bucket.flat.device)
+    return lambda flat: PowerSgd(flat.shapes, settings, seeds, flat.device)
 
 
-def _build_units(model: nn.Module, groups: list[list[nn.Parameter]], config: Config, comm: Comm, codecs: Wire,
-                 precision: Precision, materialize: Materializer | None,
+def _build_units(model: nn.Module, plans: list[UnitPlan], groups: list[list[nn.Parameter]], config: Config,
+                 comm: Comm, codecs: Wire, precision: Precision, materialize: Materializer | None,
                  offload: Callable[[int], bool], built: Callable[[Unit], None] | None = None,
                  ) -> tuple[list[Unit], GatherSchedule]:
-    """Stage 3: plan the units, then flatten, broadcast and shard them one by one (`built(unit)` after each)."""
+    """Stage 3: flatten, broadcast and shard the planned units one by one (`built(unit)` after each)."""
     zero, gathers = config.zero_optimization, Gathers(comm, codecs.weights, codecs.node)
-    plans = plan_units(model, unit_modules(model, zero.stage3_wrap_classes, zero.stage3_auto_wrap_min_params))
     units = build_units(plans, groups, comm, zero.stage3_param_persistence_threshold, materialize, precision,
                         config.gradient_accumulation_steps, zero.reduce_scatter, codecs.gradients, offload,
                         own_master=zero.offload_param.device != "none", built=built)

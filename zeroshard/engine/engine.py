@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
-import torch.nn as nn
 
 from zeroshard.comm import CollectiveError, OpStats
 from zeroshard.comm.watch.entry import enter
@@ -29,10 +27,10 @@ from zeroshard.core.activation_meter import ActivationMeter
 from zeroshard.core.grad_norm import NonFiniteError, StepCheck
 from zeroshard.core.precision import LossScaler
 from zeroshard.core.reducer import GradientError
-from zeroshard.engine.build import build
+from zeroshard.engine.build import Parts
 from zeroshard.engine.checkpoint_adapter import CheckpointAdapter
 from zeroshard.engine.checkpoints import Checkpoints
-from zeroshard.engine.compiled import CompiledForward, uncompiled
+from zeroshard.engine.compiled import CompiledForward
 from zeroshard.engine.export import Exports
 from zeroshard.engine.forward import Forward
 from zeroshard.engine.grad_sync import GradSync
@@ -40,12 +38,9 @@ from zeroshard.engine.optimizer_step import OptimizerStep
 from zeroshard.engine.placement import ParamPlacement, log_placement
 from zeroshard.engine.reports import Reports
 from zeroshard.engine.state import EngineStateError, TrainingState, check_params_in_place
-from zeroshard.engine.step_update import StepUpdate, delayed_update
-from zeroshard.engine.validate import check_mesh_config
+from zeroshard.engine.step_update import StepUpdate
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload import OffloadError
-from zeroshard.parallel.activation_checkpointing import ActivationCheckpointing
-from zeroshard.parallel.mesh import Mesh
 
 log = logging.getLogger(__name__)
 
@@ -53,44 +48,34 @@ log = logging.getLogger(__name__)
 class Engine:
     """The training loop's handle: `loss = engine(*batch)`, `engine.backward(loss)`, `engine.step()`."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config,
-                 group: dist.ProcessGroup | None = None, init: Callable[[nn.Module], None] | None = None,
-                 mesh: Mesh | None = None, tied: dict[str, str] | None = None):
-        """`mesh`: ZeRO over its `dp` dimension, with `tp` and `pp` composed (parallel/); `tied`: this
-        pipeline stage's copies of parameters tied across stages, tie name -> parameter name."""
-        model, compiled_call = uncompiled(model)  # torch.compile(model) before initialize: its module
-        self.module, self.optimizer, self.config = model, optimizer, config
-        self.num_params = sum(p.numel() for p in model.parameters())  # as built; stage 3 empties them
+    def __init__(self, parts: Parts, config: Config,
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
+        """`parts`: what `zeroshard.initialize` built (`build.py`); `lr_scheduler`: stepped by `step()` after
+        each applied optimizer step. The engine builds nothing: it holds the parts, its components and the
+        loop's state, and answers the hooks (`parts.calls`) from here on."""
+        self.module, self.optimizer, self.config = parts.module, parts.optimizer, config
+        self.num_params = parts.num_params  # as built; stage 3 empties them
         # backward passes, optimizer steps, and those not applied (inf or nan in the gradients) so far
         self.micro_steps, self.global_steps, self.skipped_steps = 0, 0, 0
         self.global_grad_norm: float | None = None  # of the last step's gradients; inf if they were not finite
         self.scaler = LossScaler(config.fp16) if config.fp16.enabled else None
-        self.lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None  # from the config's block
+        self.lr_scheduler = lr_scheduler  # passed in code, or from the config's block
         self.state = TrainingState.IDLE
         self._failure: str | None = None  # why the engine is FAILED
-        self.mesh = mesh
-        check_mesh_config(mesh, config, init, model)
-        # Before the flat buffers: ties start every stage's copy from the lowest stage's values.
-        self.cross = None
-        if mesh is not None:  # imported here: `import zeroshard` stays free of torch.distributed.tensor (0.7 s)
-            from zeroshard.parallel.cross import CrossParallel
-
-            self.cross = CrossParallel(mesh, model, tied or {}, config.collective_timeout, config.rank_check_timeout)
-        parts = build(model, optimizer, config, mesh.group("dp") if mesh else group, init, self._on_grad, self._fail,
-                      grads_on_disk=mesh is None and not config.zero_optimization.offload_optimizer.delayed_update)
-        self._compiled = CompiledForward(model, compiled_call)  # once built: a failed build leaves it as it was
+        self.mesh, self.cross = parts.mesh, parts.cross  # on a mesh: ties, tp and pp reductions (parallel/cross.py)
+        self._compiled = CompiledForward(self.module, None)  # a compiled model was compiled in place by the build
         self.comm, self.precision, self.switches = parts.comm, parts.precision, parts.switches
         self._device, self._names, self.pool, self.reducer = parts.device, parts.names, parts.pool, parts.reducer
         self.buckets, self.units, self.schedule = parts.buckets, parts.units, parts.schedule
         self._frozen_flats = [f for unit in self.units for f in unit.frozen]  # stage 3's sharded frozen flats
         self.offload = parts.offload  # where masters, optimizer state and stage 3's shards live
         self.post_step = parts.post_step  # stages 1-2: the all-gathers after each step (overlap_param_gather)
-        self.delayed = delayed_update(config, self.offload.tiers, self.buckets)  # the CPU step in the background
+        self.delayed = parts.delayed  # the CPU step in the background
         self.activations = ActivationMeter(self._owned_tensors, self._device)  # what each training forward saves
         # zeroshard.deepspeed.checkpointing.checkpoint in this engine's forward: the config's block, over tp
-        self.checkpointing = ActivationCheckpointing(config.activation_checkpointing,
-                                                     self.cross.tp_comm() if self.cross else None)
+        self.checkpointing = parts.checkpointing
         self._init_components()
+        parts.calls.on_grad, parts.calls.on_gather_failure = self._on_grad, self._fail  # the hooks reach the engine
         if self.comm.rank == 0:
             log_placement(self.placement())  # what is sharded, kept whole and frozen; the warning if nothing is
             for key, why in self.checkpointing.no_effect(self._device):

@@ -1,4 +1,27 @@
-"""`zeroshard.initialize`: the config and optimizer from what the user passes, then the engine."""
+"""`zeroshard.initialize`: one descent from what the user passes to a working engine.
+
+Each step is one call into one module, made once, in this order; no step
+calls back into a module an earlier step has left (`tests/engine/test_descent.py`):
+
+1. `validate.py`: the kinds of the arguments.
+2. `load.py`: the module (out of `torch.compile`), the config (every
+   "auto" resolved, `wrap=`'s classes merged before validation) and the
+   optimizer (the one passed, or the config's block's).
+3. `join.py`: this rank's device and the process group, joined here only.
+4. `checks.py`: every check of the model, optimizer and config.
+5. `layout.py`: the plan: the buckets (stages 0-2) or units (stage 3).
+6. `agreement.py`: one exchange, in which every rank learns that every
+   other passed its checks, holds the same model and config, and fits in
+   memory, or every rank raises the same error. Nothing is allocated
+   before it.
+7. `build.py`: the parts (flat buffers, broadcasts, shards, hooks).
+8. `config/build.py`: the LR schedule on the built optimizer.
+9. `engine.py`: `Engine(parts, config, lr_scheduler)`, which builds nothing.
+
+A failure before the agreement that only this rank meets (its config file,
+a meta parameter it edited) is carried down to the agreement, so every rank
+raises it; in one process it is raised where it is found.
+"""
 
 from __future__ import annotations
 
@@ -10,19 +33,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from zeroshard.config import Config, ConfigError
-from zeroshard.config.build import (
-    SchedulerArg,
-    check_lr_scheduler,
-    choose_optimizer,
-    config_facts,
-    parameter_list,
-    schedule_for,
-)
-from zeroshard.config.logs import show_info
+from zeroshard.config import Config
+from zeroshard.config.build import SchedulerArg, schedule_for
 from zeroshard.config.offload_merge import OffloadArg
-from zeroshard.engine.agreement import error_everywhere
+from zeroshard.engine.agreement import agree
+from zeroshard.engine.build import build
+from zeroshard.engine.checks import check
 from zeroshard.engine.engine import Engine
+from zeroshard.engine.join import join
+from zeroshard.engine.layout import make_plan
+from zeroshard.engine.load import load
 from zeroshard.engine.validate import check_arguments, check_mesh_arguments
 from zeroshard.parallel.mesh import Mesh
 
@@ -72,33 +92,13 @@ def initialize(
     """
     check_arguments(model, optimizer, group, wrap, init)
     check_mesh_arguments(mesh, group, tied)
-    group = mesh.group("dp") if mesh is not None else group
-    show_info()
-    try:
-        model_parameters = parameter_list(model_parameters)
-        check_lr_scheduler(lr_scheduler, optimizer)
-        facts = config_facts(model, group, optimizer, lr_scheduler)
-        config, report = Config.load_with_report(config if config is not None else {}, facts, offload)
-        if wrap:
-            config = _with_wrap_classes(config, wrap)
-        optimizer = choose_optimizer(model, optimizer, config, model_parameters)
-    except ConfigError as error:  # before the group exists: the other ranks would wait for this one
-        error_everywhere(error, model, group)
-    engine = engine_class(model, optimizer, config, None if mesh else group, init, mesh=mesh, tied=tied)
-    engine.lr_scheduler = schedule_for(config, engine.optimizer, lr_scheduler)
-    if engine.comm.rank == 0 and (block := report.block()):
-        log.info("%s", block)
+    loaded = load(model, optimizer, config, group, wrap, model_parameters, lr_scheduler, offload)
+    joined = join(loaded.model, mesh.group("dp") if mesh is not None else group, loaded)
+    checked = check(loaded, init, mesh)
+    layout = make_plan(loaded.model, loaded.config, checked)
+    host_short = agree(joined, loaded, checked)
+    parts = build(loaded, joined, checked, layout, host_short, mesh, tied)
+    engine = engine_class(parts, loaded.config, schedule_for(loaded.config, parts.optimizer, lr_scheduler))
+    if joined.comm.rank == 0 and loaded.report:
+        log.info("%s", loaded.report)
     return engine
-
-
-def _with_wrap_classes(config: Config, wrap: list[type[nn.Module]]) -> Config:
-    zero = config.zero_optimization
-    names = tuple(cls.__name__ for cls in wrap)
-    if zero.stage != 3:  # one script for every stage, as DeepSpeed's zero.Init does nothing below stage 3
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            log.info("wrap=%s has no effect at stage %d: it chooses stage 3's units", list(names), zero.stage)
-        return config
-    if zero.stage3_wrap_classes and zero.stage3_wrap_classes != names:
-        raise ConfigError(f"wrap={list(names)} and zero_optimization.stage3_wrap_classes="
-                          f"{list(zero.stage3_wrap_classes)} disagree; give the units in one place")
-    return config.model_copy(update={"zero_optimization": zero.model_copy(update={"stage3_wrap_classes": names})})

@@ -9,8 +9,9 @@ elements, with its offload settings; on a CPU device the device pool is host
 memory too), less the trained parameters it holds already, and compares
 each limit's sum over the ranks under it (a memory cgroup, the host's
 available memory: `offload.headroom`; a GPU's free memory) with that limit's
-headroom. Every rank gathers every rank's figures, so every rank raises the
-same `OutOfMemoryError`, naming the limit and the fixes.
+headroom. Every rank's figures travel in the agreement of construction
+(`agreement.py`), so every rank raises the same `OutOfMemoryError`, naming
+the limit and the fixes.
 
 Only a certain failure raises: the count leaves out what is not certain
 (activations, staging buffers, a gathered unit, fragmentation), so a run that
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeroshard.comm import Comm, all_gather_object
+from zeroshard.comm import Comm
 from zeroshard.config import Config
 from zeroshard.core.optimizer_tiers import swapped_state_keys
 from zeroshard.errors import OutOfMemoryError
@@ -49,10 +50,9 @@ class _Row:
     spill: int = 0  # bytes of this rank's states on disk: what the limit would hold without the disk tier
 
 
-def check_states_fit(comm: Comm, config: Config, optimizer: torch.optim.Optimizer, device: torch.device,
-                     params: list[torch.nn.Parameter]) -> bool:
-    """Raise `OutOfMemoryError` on every rank if some limit cannot hold its ranks' model states; else return
-    whether host memory is short (`_host_short`), the same on every rank."""
+def memory_rows(comm: Comm, config: Config, optimizer: torch.optim.Optimizer, device: torch.device,
+                params: list[torch.nn.Parameter]) -> list[_Row]:
+    """This rank's need against each limit it lives under, for the agreement to send to every rank."""
     pools = _state_bytes(config, optimizer, sum(p.numel() for p in params), comm.world_size)
     held = sum(p.numel() * p.element_size() for p in params if p.device.type == device.type and not p.is_meta)
     host = socket.gethostname()
@@ -64,7 +64,12 @@ def check_states_fit(comm: Comm, config: Config, optimizer: torch.optim.Optimize
         free, total = torch.cuda.mem_get_info(device)
         gpu = Headroom(free, f"the free memory of GPU {device.index}", total)
         rows.append(_Row((host, gpu.where), comm.rank, max(0, pools["device"] - held), gpu))
-    everyone = [row for rank_rows in all_gather_object(comm, rows) for row in rank_rows]
+    return rows
+
+
+def check_states_fit(everyone: list[_Row]) -> bool:
+    """Raise `OutOfMemoryError` if some limit cannot hold its ranks' model states (`everyone`: every rank's
+    `memory_rows`, the same on every rank); else return whether host memory is short (`_host_short`)."""
     over = _over_limits(everyone)
     if over:
         raise OutOfMemoryError(
