@@ -147,7 +147,7 @@ def build_fsdp2(part, mesh, a):
         dist.all_reduce(tie.grad.to_local(), group=pp_group)
         opt.step()
         opt.zero_grad()
-        return sum(l.item() for l in losses) / len(losses) if losses else None
+        return sum(loss.item() for loss in losses) / len(losses) if losses else None
     return pipe_step
 
 

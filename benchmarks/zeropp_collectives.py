@@ -43,7 +43,7 @@ def gradients(distribution: str, numel: int, rank: int) -> torch.Tensor:
 
 def variants(comm: Comm, hops: Hops, grads: torch.Tensor, mean: torch.Tensor) -> dict:
     """name -> (call, relative error of the result or None)."""
-    n, size = comm.world_size, grads.numel() // comm.world_size
+    size = grads.numel() // comm.world_size
     shard, scratch, full = torch.empty(size, dtype=torch.bfloat16), torch.empty_like(grads), torch.empty_like(grads)
     fp32_shard = torch.empty(size)
     out = {"reduce-scatter: plain bf16": (lambda: reduce_scatter(comm, shard, grads, scratch).wait(), None)}

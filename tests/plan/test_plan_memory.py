@@ -15,9 +15,7 @@ priced are the plan's padded flats.
 
 from __future__ import annotations
 
-import dataclasses
 
-import pytest
 import torch
 
 from tests.distributed import run_ranks

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from zeroshard.comm import Comm, CommRecorder
-from zeroshard.config import ActivationCheckpointingConfig, Config
+from zeroshard.config import Config
 from zeroshard.deepspeed.unsupported import UnsupportedError
 from zeroshard.parallel.activation_checkpointing import ActivationCheckpointing, ContiguousBuffers, running
 

@@ -43,11 +43,8 @@ from zeroshard.estimate.compression import compressed_reduction_bytes, error_fee
 from zeroshard.estimate.powersgd import LowRank, low_rank_plan, powersgd_bytes, powersgd_sizes, powersgd_state_bytes
 from zeroshard.estimate.summary import summarize
 from zeroshard.estimate.peak import StepPeak, step_peak
+from zeroshard.plan.flats import FROZEN, PERSISTENT, SHARDED, Flat  # the plan's flat buffers, priced here
 from zeroshard.estimate.zeropp import (
-    FROZEN,
-    PERSISTENT,
-    SHARDED,
-    Flat,
     ZeroPP,
     by_scope,
     hpz_secondary_bytes,

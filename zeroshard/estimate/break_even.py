@@ -38,8 +38,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from zeroshard.estimate.compression import compressed_reduction_bytes, error_feedback_bytes
-from zeroshard.estimate.formulas import padded_numel, step_check_bytes, wire_bytes
-from zeroshard.estimate.zeropp import PERSISTENT, SHARDED, Flat, stage3_comm_bytes
+from zeroshard.estimate.formulas import step_check_bytes, wire_bytes
+from zeroshard.estimate.zeropp import stage3_comm_bytes
+from zeroshard.plan.flats import PERSISTENT, SHARDED, Flat, padded_numel
 from zeroshard.plan.defaults import CODEC_BLOCK_SIZE
 
 # The share of a step's compute that backward takes (twice the forward's multiply-adds), which the

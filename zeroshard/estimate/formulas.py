@@ -13,7 +13,7 @@ for one setup into the object `zeroshard estimate --json` prints (estimate/summa
 from __future__ import annotations
 
 from zeroshard.dtypes import BYTES, DTYPES, MASTER_DTYPE, TRAINING_DTYPES
-from zeroshard.plan.flats import padded_numel, shard_numel  # the plan's split, priced here
+from zeroshard.plan.flats import shard_numel  # the plan's split, priced here
 
 STAGES = (0, 1, 2, 3)  # the formulas; which stages the engine runs is the engine's business
 

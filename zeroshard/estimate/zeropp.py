@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from zeroshard.plan.defaults import ZEROPP_BLOCK_SIZE, ZEROPP_GRADIENT_BITS
-from zeroshard.plan.flats import FROZEN, KINDS, PERSISTENT, SHARDED, Flat, padded_numel, shard_numel
+from zeroshard.plan.flats import FROZEN, KINDS, PERSISTENT, Flat, padded_numel, shard_numel
 
 SCALE_BYTES = 4  # one fp32 scale per block travels with the payload
 
