@@ -10,8 +10,9 @@ What a step calls below itself is the step's own business (a check may use
 `core/local.py`, and so may the build), and is not constrained.
 
 (b) A `TorchDispatchMode` sees every tensor operation; an output whose storage
-is none of its inputs' (a fresh allocation, off the meta device) of at least
-one parameter's elements counts as an allocation of model states. Each
+is none of its inputs' (a fresh allocation, off the meta device), floating
+point and of at least one parameter's elements counts as an allocation of
+model states (the bytes of an object collective's pickles do not). Each
 check's refusal must come with none counted, and a successful `initialize`
 under the same meter counts some (the meter can fail).
 """
@@ -88,7 +89,7 @@ def test_initialize_never_calls_back_into_a_module_it_has_left(world):
 
 
 class _Allocations(TorchDispatchMode):
-    """Counts fresh tensors of at least `numel` elements off the meta device."""
+    """Counts fresh floating-point tensors of at least `numel` elements off the meta device."""
 
     def __init__(self, numel: int):
         super().__init__()
@@ -99,8 +100,8 @@ class _Allocations(TorchDispatchMode):
         held = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
                 and t.device.type != "meta"}
         for t in tree_leaves(out):
-            if (isinstance(t, torch.Tensor) and t.device.type != "meta" and t.numel() >= self.numel
-                    and t.untyped_storage().data_ptr() not in held):
+            if (isinstance(t, torch.Tensor) and t.device.type != "meta" and t.is_floating_point()
+                    and t.numel() >= self.numel and t.untyped_storage().data_ptr() not in held):
                 self.count += 1
         return out
 
