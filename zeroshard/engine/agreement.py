@@ -20,7 +20,8 @@ import reprlib
 import torch
 import torch.nn as nn
 
-from zeroshard.comm import all_gather_object
+from zeroshard.comm.agreement import Failure
+from zeroshard.comm.agreement import agree as agree_or_raise
 from zeroshard.config import ConfigError
 from zeroshard.core.local import local
 from zeroshard.core.optim import hyperparams
@@ -30,9 +31,7 @@ from zeroshard.engine.load import Loaded
 from zeroshard.engine.memory_fit import check_states_fit, memory_rows
 from zeroshard.errors import ModelError, ZeroshardError
 
-_LOCAL_ERROR = "local_error"  # the key of what a rank whose own check failed sends instead of its description
 _MEMORY = "memory"  # the key of a rank's memory need beside its description
-_KINDS = {"ConfigError": (ConfigError, "config"), "ModelError": (ModelError, "model")}
 
 
 class RankMismatchError(ZeroshardError, RuntimeError):
@@ -119,15 +118,12 @@ def agree(joined: Joined, loaded: Loaded, checked: Checked) -> bool:
     any rank failed (`ConfigError`, `ModelError`), differs from rank 0 (`RankMismatchError`) or a memory limit
     cannot hold its ranks' states (`OutOfMemoryError`). Returns whether host memory is short
     (`memory_fit.check_states_fit`)."""
-    comm, failure = joined.comm, checked.failure
-    if failure is not None:  # in one process `join` raised a failed load; a failed check is raised here
-        mine = {_LOCAL_ERROR: (type(failure).__name__, str(failure))}
-    else:
+    comm, failure, mine = joined.comm, checked.failure, None
+    if failure is None:  # in one process `join` raised a failed load; a failed check is raised here
         mine = describe(loaded.model, loaded.optimizer, loaded.config.to_dict())
         mine[_MEMORY] = memory_rows(comm, loaded.config, loaded.optimizer, joined.device,
                                     [local(p) for g in checked.groups for p in g])
-    everyone = all_gather_object(comm, mine)
-    _raise_local_errors(everyone, comm.rank)
+    everyone = agree_or_raise(comm, failure, value=mine, word=_local_error, default=ConfigError)
     for rank, theirs in enumerate(everyone[1:], start=1):
         why = first_difference(everyone[0], theirs)
         if why is not None:
@@ -138,22 +134,19 @@ def agree(joined: Joined, loaded: Loaded, checked: Checked) -> bool:
     return check_states_fit([row for theirs in everyone for row in theirs[_MEMORY]])
 
 
-def _raise_local_errors(everyone: list, me: int) -> None:
-    """The error of the ranks whose own check failed, raised on this rank (`me`); `from None`: raised while
-    this rank's own is handled, it would print that one first ("During handling of the above exception")."""
-    failed = [(r, *d[_LOCAL_ERROR]) for r, d in enumerate(everyone) if isinstance(d, dict) and _LOCAL_ERROR in d]
-    if not failed:
-        return
-    rank, kind, text = failed[0]
-    error, what = _KINDS[kind]
-    if len(failed) == len(everyone) and len({(k, t) for _, k, t in failed}) == 1:
-        if error is ModelError:  # the same model on every rank: each says it as one rank alone would
-            raise error(text) from None
+def _local_error(failed: list[Failure], world: int, me: int) -> ConfigError | ModelError:
+    """The error of the ranks whose own load or check failed, as rank `me` raises it (with no cause: the
+    message says it, and a cause would print this rank's own first)."""
+    first = failed[0]
+    if len(failed) == world and len({(f.name, f.message) for f in failed}) == 1:
+        if issubclass(first.kind, ModelError):  # the same model on every rank: each says it as one rank alone would
+            return first.kind(first.message)
         # The same mistake on every rank (one config file): rank 0 says it as one rank alone would, the others
         # in one line, so that a launcher printing every rank's error shows the message once.
         if me == 0:
-            raise error(text) from None
-        raise error("the config cannot be used (the same on every rank): rank 0's ConfigError names every "
-                    "problem") from None
-    others = f" (the {what}s of ranks {', '.join(str(r) for r, *_ in failed[1:])} failed too)" if failed[1:] else ""
-    raise error(f"the {what} of rank {rank} cannot be used{others}; every rank stops: {text}") from None
+            return first.kind(first.message)
+        return first.kind("the config cannot be used (the same on every rank): rank 0's ConfigError names every "
+                          "problem")
+    what = "model" if issubclass(first.kind, ModelError) else "config"
+    others = f" (the {what}s of ranks {', '.join(str(f.rank) for f in failed[1:])} failed too)" if failed[1:] else ""
+    return first.kind(f"the {what} of rank {first.rank} cannot be used{others}; every rank stops: {first.message}")
