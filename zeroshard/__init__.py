@@ -9,6 +9,7 @@ from zeroshard.comm.topology import TopologyError
 from zeroshard.config import Config, ConfigError
 from zeroshard.core.grad_norm import NonFiniteError
 from zeroshard.core.optim import OptimizerError
+from zeroshard.core.optimizers import Optimizers
 from zeroshard.core.precision import LossScaleError
 from zeroshard.core.reducer import GradientError
 from zeroshard.engine import Engine, EngineStateError, initialize
@@ -22,6 +23,6 @@ from zeroshard.version import __version__
 __all__ = [
     "CheckpointError", "CollectiveError", "Config", "ConfigError", "Engine", "EngineStateError", "GenerationError",
     "GradientError",
-    "LaunchError", "LossScaleError", "ModelError", "NonFiniteError", "OptimizerError", "OutOfMemoryError", "RankMismatchError",
+    "LaunchError", "LossScaleError", "ModelError", "NonFiniteError", "OptimizerError", "Optimizers", "OutOfMemoryError", "RankMismatchError",
     "TopologyError", "ZeroshardError", "__version__", "consolidate", "gathered_parameters", "initialize", "meta_init", "pretrained",
 ]

@@ -91,18 +91,19 @@ class TwoSegments(torch.nn.Module):
         return (h @ self.v).sum()
 
 
-class Lamb(torch.optim.Optimizer):
-    """A per-tensor trust-ratio optimizer: its update depends on how elements are grouped."""
+class GlobalNormSGD(torch.optim.Optimizer):
+    """SGD on the gradient divided by the norm of all of them: one tensor's update depends on the others."""
 
     def __init__(self, params, lr=0.1):
         super().__init__(params, {"lr": lr})
 
     @torch.no_grad()
     def step(self):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
         for group in self.param_groups:
             for p in group["params"]:
-                ratio = p.norm() / (p.grad.norm() + 1e-12)
-                p.add_(p.grad, alpha=-group["lr"] * ratio.item())
+                p.add_(p.grad, alpha=-group["lr"] / (norm.item() + 1e-12))
 
 
 def _misuse(rank, world, device):
@@ -161,8 +162,9 @@ def _misuse(rank, world, device):
     def optimizer_for(kind):
         model = make_model()
         opt = {"lbfgs": lambda: torch.optim.LBFGS(model.parameters()),
-               "adafactor": lambda: torch.optim.Adafactor(model.parameters()),
-               "lamb": lambda: Lamb(model.parameters()),
+               "global_norm": lambda: GlobalNormSGD(model.parameters()),
+               "two_optimizers": lambda: [torch.optim.AdamW(model.parameters()),
+                                          torch.optim.SGD([model.wte.weight], lr=0.1)],
                "partial": lambda: torch.optim.AdamW(list(model.parameters())[1:]),
                "foreign": lambda: torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])}[kind]()
         zeroshard.initialize(model, opt, {})
@@ -178,7 +180,7 @@ def _misuse(rank, world, device):
         "fp16_model_bf16_config": attempt(lambda: fp16_model({"bf16": {"enabled": True}})),
         "reentrant_reuse": attempt(reentrant_reuse),
         **{kind: attempt(lambda k=kind: optimizer_for(k))
-           for kind in ("lbfgs", "adafactor", "lamb", "partial", "foreign")},
+           for kind in ("lbfgs", "global_norm", "two_optimizers", "partial", "foreign")},
     }
 
 
@@ -186,9 +188,9 @@ EXPECTED = {  # misuse -> a fragment of its message
     "backward_twice": "engine.backward() was called twice without engine.step()",
     "plain_backward": "call engine.backward(loss) instead of loss.backward()",
     "step_first": "engine.step() was called without engine.backward(loss)",
-    "lbfgs": "LBFGS could not be run on flat shards",
-    "adafactor": "Adafactor does not update parameters element by element",
-    "lamb": "Lamb does not update parameters element by element",
+    "lbfgs": "LBFGS could not be run on tensors of its param group's shapes",
+    "global_norm": "GlobalNormSGD's update of a tensor depends on other tensors",
+    "two_optimizers": "parameter 'wte.weight' is in optimizers 0 (AdamW) and 1 (SGD) of the list",
     "partial": "parameters ['wte.weight'] require grad but are in no param group",
     "foreign": "not a parameter of the model",
     "half_after_initialize": "no longer lives in zeroshard's flat buffer",

@@ -95,6 +95,7 @@ class Bucket:
         if switches.shard_params:
             flat.keep_shard_only()
         self.master = self._init_master()  # before the cast: from the model's own values
+        self.stepped = [self.master]  # what the optimizer steps: the master, or views of it (`optim.owned_views`)
         if flat.dtype != precision.param_dtype:
             flat.cast_(precision.param_dtype)
         self.full_grad: torch.Tensor | None = None
@@ -288,7 +289,8 @@ class Bucket:
         for i, staged in enumerate(self._staged):
             if not staged:
                 self.flat.slot(i, self.staging).zero_()
-        self.flat.padding(self.staging).zero_()
+        for gap in self.flat.padding(self.staging):
+            gap.zero_()
         return self.staging
 
     def _scratch(self, comm: Comm, pool: StagingPool) -> torch.Tensor | None:

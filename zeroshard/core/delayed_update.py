@@ -31,6 +31,7 @@ import threading
 import torch
 
 from zeroshard.core.optimizer_tiers import OptimizerTiers
+from zeroshard.core.optimizers import Optimizers
 
 
 def _frozen(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -44,6 +45,9 @@ def _frozen(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     frozen = object.__new__(type(optimizer))
     frozen.__dict__.update({k: v for k, v in vars(optimizer).items() if k != "step"})
     frozen.param_groups = [dict(group) for group in optimizer.param_groups]
+    if isinstance(optimizer, Optimizers):  # each member steps with its groups' copies
+        frozen.optimizers = [_frozen(member) for member in optimizer.optimizers]
+        frozen.param_groups = [group for member in frozen.optimizers for group in member.param_groups]
     return frozen
 
 

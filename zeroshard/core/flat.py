@@ -3,8 +3,10 @@
 The buffer's length is padded up to a multiple of the world size N (fewer
 than N elements of padding), so that it splits into N equal shards; rank r
 owns elements [r * shard_numel, (r + 1) * shard_numel). Shard boundaries may
-cut through a parameter: the optimizers zeroshard accepts work element by
-element, so they cannot tell.
+cut through a parameter: an element-wise optimizer cannot tell. For an
+optimizer that needs tensors whole the buffer is laid out owner by owner
+instead (`plan/owners.py`): each rank's shard holds its own tensors whole,
+padded to the largest rank's.
 
 At stage 3 the full buffer is not kept: `release_full()` gives its memory
 back (the storage shrinks to zero bytes) and points the parameters at empty
@@ -24,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from zeroshard.core.local import local, point_at
+from zeroshard.plan.owners import owned_layout
 
 
 def give_memory(param: nn.Parameter, tensor: torch.Tensor) -> None:
@@ -43,9 +46,10 @@ class FlatParams:
     """
 
     def __init__(self, params: list[nn.Parameter], world_size: int, rank: int,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, owners: list[int] | None = None):
         """`device`: where the buffer lives, for parameters on the meta device (values left
-        uninitialised: the caller initialises them through the views)."""
+        uninitialised: the caller initialises them through the views). `owners`: the rank that owns each
+        parameter whole (`plan/owners.py`), for an optimizer that needs tensors whole."""
         if not params:
             raise ValueError("FlatParams needs at least one parameter")
         first = params[0]
@@ -56,9 +60,13 @@ class FlatParams:
         self.params = list(params)
         self.shapes = [local(p).shape for p in params]  # a DTensor's local part: what this rank stores
         self.numels = [local(p).numel() for p in params]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
         self.numel = sum(self.numels)  # elements, without padding
-        self.shard_numel = -(-self.numel // world_size)  # elements per rank
+        self.owners = owners
+        if owners is None:
+            self.offsets = [sum(self.numels[:i]) for i in range(len(params))]
+            self.shard_numel = -(-self.numel // world_size)  # elements per rank
+        else:
+            self.offsets, self.shard_numel = owned_layout(self.numels, owners, world_size)
         self.padded_numel = self.shard_numel * world_size
         self.rank = rank
         self.data = torch.zeros(self.padded_numel, dtype=first.dtype,
@@ -151,6 +159,12 @@ class FlatParams:
         lo = self.rank * self.shard_numel
         return buffer[lo : lo + self.shard_numel]
 
-    def padding(self, buffer: torch.Tensor) -> torch.Tensor:
-        """The padding tail of `buffer`; it is kept at zero."""
-        return buffer[self.numel :]
+    def padding(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """The ranges of `buffer` no parameter fills (the tail; with owners, each segment's); kept at zero."""
+        ends = sorted(zip(self.offsets, self.numels)) + [(self.padded_numel, 0)]
+        gaps, at = [], 0
+        for offset, numel in ends:
+            if offset > at:
+                gaps.append(buffer[at:offset])
+            at = max(at, offset + numel)
+        return gaps

@@ -32,7 +32,7 @@ from typing import Generator, Iterator
 import torch
 
 from zeroshard.core.bucket import Bucket
-from zeroshard.core.optim import hyperparams
+from zeroshard.core.optim import hyperparams, member_of, set_step_grads
 from zeroshard.core.swapped import BufferPool, Swapped, SwapState, WriteBehind
 from zeroshard.offload import SwapDir
 
@@ -48,6 +48,7 @@ class Tier(Enum):
 def swapped_state_keys(optimizer: torch.optim.Optimizer, group: dict) -> list[str]:
     """The optimizer's state tensors of a master's size (Adam: exp_avg, exp_avg_sq), from one probe step."""
     probe = torch.zeros(4, requires_grad=True)
+    optimizer = member_of(optimizer, group)
     hp = {k: v for k, v in hyperparams(optimizer, group).items() if k not in ("fused", "capturable", "foreach")}
     opt = type(optimizer)([probe], **hp)
     probe.grad = torch.zeros(4)
@@ -153,12 +154,12 @@ class OptimizerTiers:
 
     def _step_buckets(self, indices: list[int], grads: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
         for i in indices:
-            self.buckets[i].master.grad = grads[i]
+            set_step_grads(self.buckets[i], grads[i])
         try:
             optimizer.step()
         finally:
             for i in indices:
-                self.buckets[i].master.grad = None
+                set_step_grads(self.buckets[i], None)
 
     def cast_to_params(self) -> None:
         """Every bucket's parameters from its master (a delayed update landing), the disk ones a sub-group at

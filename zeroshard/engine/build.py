@@ -37,6 +37,7 @@ from zeroshard.core.precision import Precision
 from zeroshard.core.reducer import GradReducer
 from zeroshard.core.staging import StagingPool
 from zeroshard.engine.checks import Checked
+from zeroshard.plan.owners import Owners
 from zeroshard.engine.step_update import DelayedUpdate, delayed_update
 from zeroshard.engine.join import Joined
 from zeroshard.engine.layout import Layout
@@ -168,29 +169,31 @@ def _build_flats(model: nn.Module, optimizer: torch.optim.Optimizer, checked: Ch
     names = {id(p): name for name, p in model.named_parameters()}
     units, schedule, groups, precision = [], None, checked.groups, checked.precision
     choose = offload_choice(config, sum(local(p).numel() for g in groups for p in g))
+    owned = _owners(checked.whole, comm.world_size, switches.shard_optimizer)
     codecs = wire(comm, config, device)
     if switches.shard_params:
         built = ((lambda unit: agreed(comm, lambda: stream.unit_built(unit), _SETUP, device))
                  if stream.streams else None)
         units, schedule = _build_units(model, layout.units, groups, config, comm, codecs, precision, materialize,
-                                       choose, built)
+                                       choose, built, owned)
         buckets = [b for unit in units for b in unit.buckets]
     else:
-        buckets = _build_buckets(model, layout.buckets, config, comm, codecs, precision, switches, choose)
+        buckets = _build_buckets(model, layout.buckets, config, comm, codecs, precision, switches, choose, owned)
     if precision.mixed:  # frozen parameters and buffers; the buckets' parameters already are (left untouched:
         dtype = precision.param_dtype  # a DTensor's .to() would replace even a tensor of the right dtype)
         model._apply(lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t)
     pool = StagingPool(block_numel((b.flat.padded_numel for b in buckets), per_unit=schedule is not None))
     shard_optimizer(optimizer, [[b for b in buckets if b.param_group == i] for i in range(len(groups))],
-                    fuse=device.type in _FUSED_DEVICES)
+                    checked.whole, fuse=device.type in _FUSED_DEVICES)
     return names, units, schedule, buckets, pool
 
 
 def _build_buckets(model: nn.Module, plans: list[BucketPlan], config: Config, comm: Comm, codecs: Wire,
-                   precision: Precision, switches: StageSwitches, offload: Callable[[int], bool]) -> list[Bucket]:
+                   precision: Precision, switches: StageSwitches, offload: Callable[[int], bool],
+                   owned: Callable[[int, list[nn.Parameter]], list[int] | None]) -> list[Bucket]:
     """Stages 0-2: the planned buckets, started from rank 0's values."""
     zero = config.zero_optimization
-    flats = [FlatParams(b.params, comm.world_size, comm.rank) for b in plans]
+    flats = [FlatParams(b.params, comm.world_size, comm.rank, owners=owned(b.group, b.params)) for b in plans]
     broadcast_from_rank0(comm, model, flats)  # in the model's dtype: masters start from these values
     # Quantized gathers after the step dequantize into the parameters: the master must be a copy of its own.
     weights = codecs.weights if switches.shard_optimizer else None
@@ -199,6 +202,19 @@ def _build_buckets(model: nn.Module, plans: list[BucketPlan], config: Config, co
                    config.gradient_accumulation_steps, codecs.gradients, weights, offload=offload(flat.numel),
                    own_master=weights is not None, powersgd=low_rank(flat))
             for i, (flat, b) in enumerate(zip(flats, plans))]
+
+
+def _owners(whole: list[bool], world_size: int, sharded: bool
+            ) -> Callable[[int | None, list[nn.Parameter]], list[int] | None]:
+    """The owning rank of each parameter of a flat buffer whose group's optimizer needs tensors whole (None:
+    split as usual), one count of owned elements for the whole model (`plan/owners.py`)."""
+    owners = Owners(world_size)
+
+    def owned(group: int | None, params: list[nn.Parameter]) -> list[int] | None:
+        if not sharded or group is None or not whole[group]:
+            return None
+        return owners.assign([local(p).numel() for p in params])
+    return owned
 
 
 def _low_rank(config: Config) -> Callable[[FlatParams], PowerSgd | None]:
@@ -214,12 +230,13 @@ def _low_rank(config: Config) -> Callable[[FlatParams], PowerSgd | None]:
 def _build_units(model: nn.Module, plans: list[UnitPlan], groups: list[list[nn.Parameter]], config: Config,
                  comm: Comm, codecs: Wire, precision: Precision, materialize: Materializer | None,
                  offload: Callable[[int], bool], built: Callable[[Unit], None] | None = None,
+                 owned: Callable[[int | None, list[nn.Parameter]], list[int] | None] = lambda group, params: None,
                  ) -> tuple[list[Unit], GatherSchedule]:
     """Stage 3: flatten, broadcast and shard the planned units one by one (`built(unit)` after each)."""
     zero, gathers = config.zero_optimization, Gathers(comm, codecs.weights, codecs.node)
     units = build_units(plans, groups, comm, zero.stage3_param_persistence_threshold, materialize, precision,
                         config.gradient_accumulation_steps, zero.reduce_scatter, codecs.gradients, offload,
-                        own_master=zero.offload_param.device != "none", built=built)
+                        own_master=zero.offload_param.device != "none", built=built, owned=owned)
     if materialize:  # modules that hold buffers but no parameters
         materialize([m for m in model.modules() if any(b.is_meta for b in m.buffers(recurse=False))], [])
     # The units' flat buffers were broadcast before sharding, one by one.

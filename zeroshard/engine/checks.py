@@ -18,9 +18,11 @@ import torch
 import torch.nn as nn
 
 from zeroshard.config import Config, ConfigError
+from zeroshard.core.local import is_dtensor
+from zeroshard.core.optim import OptimizerError
 from zeroshard.core.precision import Precision
 from zeroshard.engine.load import Loaded
-from zeroshard.engine.validate import check_mesh_config, check_model, trainable_groups
+from zeroshard.engine.validate import check_mesh_config, check_model, trainable_groups, whole_groups
 from zeroshard.errors import ModelError
 from zeroshard.parallel.mesh import Mesh
 from zeroshard.stage3.materialize import check_materializable, on_meta
@@ -34,6 +36,7 @@ class Checked:
     precision: Precision | None = None
     init: Callable[[nn.Module], None] | None = None  # a meta model's: init= or what meta_init recorded
     groups: list[list[nn.Parameter]] = field(default_factory=list)  # the optimizer's trained param groups
+    whole: list[bool] = field(default_factory=list)  # per group: its optimizer needs tensors whole
     failure: ConfigError | ModelError | None = None  # this rank's alone, raised on every rank by the agreement
 
 
@@ -52,8 +55,28 @@ def check(loaded: Loaded, init: Callable[[nn.Module], None] | None, mesh: Mesh |
     except ModelError as error:
         return Checked(precision, init, failure=error)
     groups = trainable_groups(model, loaded.optimizer)  # before any change: a failure leaves all as it was
+    whole = whole_groups(loaded.optimizer)
+    check_whole(config, groups, whole)
     check_low_rank(config, precision)
-    return Checked(precision, init, groups)
+    return Checked(precision, init, groups, whole)
+
+
+def check_whole(config: Config, groups: list[list[nn.Parameter]], whole: list[bool]) -> None:
+    """What an optimizer that needs tensors whole (`plan/owners.py`) does not run with yet."""
+    whole_params = [p for g, needs in zip(groups, whole) if needs for p in g]
+    if not whole_params:
+        return
+    if any(is_dtensor(p) for p in whole_params):
+        raise OptimizerError("an optimizer that needs tensors whole (Muon, Adafactor, LAMB, ...) is given a matrix "
+                             "split by tensor parallelism, whose pieces no rank holds together; give the tp-split "
+                             "matrices to an element-wise optimizer (AdamW), or train without tp")
+    if config.zero_optimization.offload_optimizer.device == "nvme":
+        raise ConfigError("zero_optimization.offload_optimizer.device \"nvme\" is not supported with an optimizer "
+                          "that needs tensors whole (Muon, Adafactor, LAMB, ...): its state is laid out by tensor, "
+                          "not by flat shard; use offload_optimizer.device \"cpu\" (offload_param may stay on nvme)")
+    if config.communication_compression.gradients.codec == "powersgd":
+        raise ConfigError("communication_compression.gradients.codec \"powersgd\" is not supported with an "
+                          "optimizer that needs tensors whole (Muon, Adafactor, LAMB, ...); use another codec")
 
 
 def check_low_rank(config: Config, precision: Precision) -> None:

@@ -51,7 +51,7 @@ log = logging.getLogger("zeroshard.config")
 
 def initialize(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     config: Config | dict | str | Path | None = None,
     group: dist.ProcessGroup | None = None,
     wrap: list[type[nn.Module]] | None = None,
@@ -65,7 +65,8 @@ def initialize(
     """Wrap `model` and `optimizer` for ZeRO training on `group` (default: the world).
 
     The default process group is initialized from torchrun's environment if it is not yet. Rank 0's parameter
-    values are broadcast to every rank. `wrap` (stage 3): module classes whose instances each form a unit, as
+    values are broadcast to every rank. `optimizer`: a torch optimizer, or a list of them over disjoint parameters
+    (Muon for the matrices, AdamW for the rest), stepped as one `zeroshard.Optimizers`. `wrap` (stage 3): module classes whose instances each form a unit, as
     the config key `zero_optimization.stage3_wrap_classes`.
     `init` (stage 3, a model built under `torch.device("meta")`): `init(module)` initialises the parameters a
     module holds directly; the model is materialised unit by unit on this rank's device, keeping only shards.
@@ -90,7 +91,7 @@ def initialize(
     (zeroshard.config.logs makes it visible). A config that fails on one rank only (a typo in that rank's
     file) raises `ConfigError` on every rank, naming the rank, instead of leaving the others waiting for it.
     """
-    check_arguments(model, optimizer, group, wrap, init)
+    optimizer = check_arguments(model, optimizer, group, wrap, init)
     check_mesh_arguments(mesh, group, tied)
     loaded = load(model, optimizer, config, group, wrap, model_parameters, lr_scheduler, offload)
     joined = join(loaded.model, mesh.group("dp") if mesh is not None else group, loaded)

@@ -37,7 +37,8 @@ def check_params_in_place(buckets: list[Bucket], names: dict[int, str]) -> None:
     for bucket in buckets:
         if bucket.switches.shard_params:  # its parameters are empty between uses
             continue
-        if local(bucket.params[0]).data_ptr() != bucket.flat.data.data_ptr():
+        flat = bucket.flat
+        if local(bucket.params[0]).data_ptr() != flat.data.data_ptr() + flat.offsets[0] * flat.data.element_size():
             raise EngineStateError(
                 f"parameter '{names[id(bucket.params[0])]}' no longer lives in zeroshard's flat "
                 "buffer (model.to(), .half() or .cuda() after initialize replaces parameters); move and "

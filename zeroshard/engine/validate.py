@@ -13,7 +13,8 @@ import torch.nn as nn
 from zeroshard.comm.group import LaunchError
 from zeroshard.config import ConfigError
 from zeroshard.core.local import is_dtensor, local
-from zeroshard.core.optim import OptimizerError, check_elementwise, is_fresh
+from zeroshard.core.optimizers import Optimizers, member_of
+from zeroshard.core.optim import OptimizerError, check_per_tensor, is_elementwise, is_fresh
 from zeroshard.dtypes import NAMES, torch_name
 from zeroshard.errors import ModelError
 from zeroshard.parallel.mesh import Mesh
@@ -21,13 +22,12 @@ from zeroshard.parallel.mesh import Mesh
 _WRAPPED = "_zeroshard_wrapped"  # set on a module once an engine owns its parameters
 
 
-def check_arguments(model, optimizer, group, wrap, init) -> None:
-    """The kinds of `initialize`'s arguments, checked before anything else runs."""
+def check_arguments(model, optimizer, group, wrap, init) -> torch.optim.Optimizer | None:
+    """The kinds of `initialize`'s arguments, checked before anything else runs; the optimizer (a list of
+    them as one `Optimizers`)."""
     if not isinstance(model, nn.Module):
         raise ModelError(f"model must be a torch.nn.Module; got {type(model).__name__} {model!r:.60}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise OptimizerError(f"optimizer must be a torch.optim.Optimizer built on the model's parameters (or "
-                             f"None, with an \"optimizer\" block in the config); got {type(optimizer).__name__}")
+    optimizer = _one_optimizer(model, optimizer)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise LaunchError(f"group must be a torch.distributed.ProcessGroup (or None for the world); "
                           f"got {type(group).__name__}")
@@ -38,6 +38,29 @@ def check_arguments(model, optimizer, group, wrap, init) -> None:
     if init is not None and not callable(init) and not hasattr(init, "for_model"):
         raise ModelError(f"init must be a function of one module, such as lambda m: m.reset_parameters(); "
                          f"got {type(init).__name__}")
+    return optimizer
+
+
+def _one_optimizer(model: nn.Module, optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer passed, or several over disjoint parameters as one `Optimizers`."""
+    several = isinstance(optimizer, (list, tuple))
+    for member in optimizer if several else [optimizer]:
+        if member is not None and not isinstance(member, torch.optim.Optimizer) or several and member is None:
+            raise OptimizerError(f"optimizer must be a torch.optim.Optimizer built on the model's parameters, a "
+                                 f"list of them over disjoint parameters (or None, with an \"optimizer\" block in "
+                                 f"the config); got {type(member).__name__}")
+    if not several:
+        return optimizer
+    names = {id(p): name for name, p in model.named_parameters()}
+    owner: dict[int, int] = {}
+    for i, member in enumerate(optimizer):
+        for p in (p for g in member.param_groups for p in g["params"]):
+            if id(p) in owner and owner[id(p)] != i:
+                raise OptimizerError(f"parameter '{names.get(id(p), list(p.shape))}' is in optimizers {owner[id(p)]} "
+                                     f"({type(optimizer[owner[id(p)]]).__name__}) and {i} ({type(member).__name__}) "
+                                     "of the list; give each parameter to one optimizer")
+            owner[id(p)] = i
+    return optimizer[0] if len(optimizer) == 1 else Optimizers(list(optimizer))
 
 
 def device_of(model: nn.Module) -> torch.device:
@@ -148,6 +171,15 @@ def trainable_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
     if missing:
         raise OptimizerError(f"parameters {missing} require grad but are in no param group of the optimizer; "
                              "add them to the optimizer or set requires_grad=False")
-    for group in optimizer.param_groups:
-        check_elementwise(optimizer, group)
     return [[p for p in g["params"] if p.requires_grad] for g in optimizer.param_groups]
+
+
+def whole_groups(optimizer: torch.optim.Optimizer) -> list[bool]:
+    """For each param group, whether its optimizer needs tensors whole (each owned by one rank), checked to
+    update each tensor from that tensor alone; element-wise ones (False) run on flat shards."""
+    whole = []
+    for group in optimizer.param_groups:
+        whole.append(not is_elementwise(member_of(optimizer, group), group))
+        if whole[-1]:
+            check_per_tensor(member_of(optimizer, group), group)
+    return whole

@@ -180,6 +180,7 @@ def build_units(
     use_reduce_scatter: bool = True, compressed: CompressedReduction | None = None,
     offload: Callable[[int], bool] = lambda numel: False,
     own_master: bool = False, built: Callable[[Unit], None] | None = None,
+    owned: Callable[[int | None, list[nn.Parameter]], list[int] | None] = lambda group, params: None,
 ) -> list[Unit]:
     """Flatten each planned unit's parameters, start them from rank 0's values, and shard them.
 
@@ -190,13 +191,14 @@ def build_units(
     gradient reduction for the sharded buckets (persistent ones, small, reduce exactly). `offload(numel)`: whether a
     bucket's master and optimizer state go to the host (`Bucket`'s `offload`); `own_master`: the
     parameter shards are offloaded, so no master may share their storage. `built(unit)` runs after each
-    unit is made, before the next (offload moves its shards out of memory there).
+    unit is made, before the next (offload moves its shards out of memory there). `owned(group, params)`:
+    the owning rank of each parameter, where the group's optimizer needs tensors whole (`plan/owners.py`).
     """
     group_of = {id(p): g for g, params in enumerate(groups) for p in params}
     device = materialize.device if materialize else None
     units = []
     for plan in plans:
-        parts = [(g, persistent, FlatParams(params, comm.world_size, comm.rank, device))
+        parts = [(g, persistent, FlatParams(params, comm.world_size, comm.rank, device, owned(g, params)))
                  for g, persistent, params in flat_parts(plan.params, group_of, len(groups), persistence_threshold)]
         if materialize:
             materialize(plan.owners, plan.params)
