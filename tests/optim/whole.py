@@ -137,7 +137,10 @@ def rank_rows(x: torch.Tensor, rank: int, world: int, accumulation: int, micro: 
 
 
 def train(rank: int, world: int, device, kind: str, stage: int, steps: int, rows: int, accumulation: int,
-          clip: float, dtype: str = "fp32", extra: dict | None = None) -> tuple[list[float], torch.Tensor]:
+          clip: float, dtype: str = "fp32", extra: dict | None = None, save_dir: str | None = None,
+          load_dir: str | None = None) -> tuple[list[float], torch.Tensor]:
+    """Steps `start`..`steps` of the mix on this rank's rows (`start`: 0, or the step a `load_dir` checkpoint
+    was saved at); with `save_dir`, a checkpoint after the last. Returns (this rank's loss per step, weights)."""
     import zeroshard
 
     model = make_model().to(device)
@@ -147,8 +150,10 @@ def train(rank: int, world: int, device, kind: str, stage: int, steps: int, rows
               **({"bf16": {"enabled": True}} if dtype == "bf16" else {}), **(extra or {})}
     engine = zeroshard.initialize(model, make_optimizers(kind, model), config,
                                   wrap=[Block] if stage == 3 else None)
+    if load_dir is not None:
+        engine.load_checkpoint(load_dir)
     losses = []
-    for step in range(steps):
+    for step in range(engine.global_steps, steps):
         x, y = batch(step, rows)
         total = 0.0
         for micro in range(accumulation):
@@ -158,6 +163,8 @@ def train(rank: int, world: int, device, kind: str, stage: int, steps: int, rows
             engine.step()
             total += loss.item() / accumulation
         losses.append(total)
+    if save_dir is not None:
+        engine.save_checkpoint(save_dir)
     with zeroshard.gathered_parameters(list(model.parameters())):
         weights = torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
     return losses, weights

@@ -7,10 +7,13 @@ every rank raise before anything changes.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from zeroshard.checkpoint.files import CheckpointError
-from zeroshard.checkpoint.holdings import Holdings, Trained
+from zeroshard.checkpoint.holdings import Holdings, Span, Trained
+from zeroshard.core.optimizers import Optimizers
 from zeroshard.checkpoint.pieces import PieceReader
 from zeroshard.checkpoint.protocol import Checkpointable
 
@@ -26,10 +29,11 @@ def holdings(trainer: Checkpointable) -> Holdings:
     return Holdings.of(trainer.module, trainer.buckets, trainer.frozen_flats(), trainer.param_names())
 
 
-def nonfinite(t: Trained, tensors: dict[str, torch.Tensor], step: int) -> str | None:
+def nonfinite(t: Trained, tensors: dict[str, torch.Tensor], step: int, spans: dict[str, Span]) -> str | None:
     """Why this bucket's part of a save must not be written: its first non-finite fp32 master weight or
     optimizer state element, by parameter name; None when every element is finite. `tensors`: the rank's
-    own part of the master ("param") and of each optimizer state tensor ("optim.<key>"), in memory.
+    own part of the master ("param") and of each optimizer state tensor ("optim.<key>"), in memory; `spans`:
+    the kinds laid out by owned tensor, not like the master.
 
     One sum per tensor decides (a NaN or inf anywhere makes it non-finite; it reads the shard once and
     allocates nothing); only then is the element found, in chunks of `_CHUNK` elements, so that the
@@ -40,7 +44,7 @@ def nonfinite(t: Trained, tensors: dict[str, torch.Tensor], step: int) -> str | 
             continue  # (a finite tensor whose sum overflows is searched, and passes)
         what, verb = ("master weights", "hold") if kind == "param" else (
             f"optimizer state '{kind.removeprefix('optim.')}'", "holds")
-        for run in t.own.runs():
+        for run in spans.get(kind, t.own).runs():
             at = _first_nonfinite(tensor[run.at : run.at + run.numel])
             if at is not None:
                 return (f"the {what} of '{run.name}' {verb} {tensor[run.at + at].item()} (element "
@@ -88,8 +92,15 @@ def mismatch(optimizer: torch.optim.Optimizer, held: Holdings, manifest: dict, r
         error = _optimizer_mismatch(optimizer, held, manifest)
     if error is not None:
         return error
-    kinds = ["param"] + (["optim." + k for k in manifest["optimizer_state"]] if with_optimizer else [])
-    needs = [(k, r.name, r.start, r.numel) for t in held.trained for k in kinds for r in t.held.runs()]
+    needs = []
+    for t in held.trained:
+        keys = (manifest["group_state"][t.bucket.param_group] if "group_state" in manifest
+                else manifest["optimizer_state"]) if with_optimizer else []
+        needs += [(k, r.name, r.start, r.numel) for k in ["param"] + ["optim." + k for k in keys]
+                  for r in t.held.runs()]
+        owned = manifest.get("owned_state", {}) if with_optimizer else {}
+        needs += [("optim." + key, name, 0, math.prod(shape))
+                  for name, _ in t.owned() for key, shape in owned.get(name, {}).items()]
     needs += [("param", r.name, r.start, r.numel) for _, span in held.frozen for r in held.stored_runs(span)]
     needs += [(kind, name, 0, tensor.numel()) for kind, named in (("param", held.whole), ("buffer", held.buffers))
               for name, tensor in named if kind == "buffer" or name not in held.not_stored]
@@ -132,10 +143,15 @@ def _left_out_but_trained(held: Holdings) -> str | None:
             "run did (requires_grad=False before initialize), or load a checkpoint saved with its frozen parameters")
 
 
+def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class name; several optimizers' names joined: "Optimizers(Muon, AdamW)"."""
+    return repr(optimizer) if isinstance(optimizer, Optimizers) else type(optimizer).__name__
+
+
 def _optimizer_mismatch(optimizer: torch.optim.Optimizer, held: Holdings, manifest: dict) -> str | None:
     fix = ("; pass load_optimizer_states=False to keep this engine's optimizer state (or load_module_only=True "
            "for the weights alone)")
-    name = type(optimizer).__name__
+    name = optimizer_name(optimizer)
     if manifest["optimizer"] != name:
         return f"the checkpoint's optimizer state is {manifest['optimizer']}'s, this engine's optimizer is {name}" + fix
     if manifest["param_groups"] != len(optimizer.param_groups):

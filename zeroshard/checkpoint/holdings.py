@@ -21,6 +21,7 @@ from zeroshard.core.bucket import Bucket
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import local
 from zeroshard.dtypes import torch_name
+from zeroshard.core.optim import steps_whole
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,20 @@ class Trained:
     def own_part(self, tensor: torch.Tensor) -> torch.Tensor:
         """The rank's shard of a tensor laid out like the master."""
         return tensor if self.bucket.switches.shard_optimizer else self.bucket.flat.shard(tensor)
+
+    def owned(self, writing: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """(name, the tensor the optimizer steps) of each parameter this rank steps whole, where the bucket's
+        optimizer needs tensors whole (`core/optim.py` `owned_views`); else empty. At stage 0 every rank
+        steps every tensor, and (`writing`) rank 0 alone writes their state."""
+        bucket = self.bucket
+        if not steps_whole(bucket):
+            return []
+        flat = bucket.flat
+        if bucket.switches.shard_optimizer:
+            names = [n for n, owner in zip(self.held.names, flat.owners) if owner == flat.rank]
+        else:
+            names = list(self.held.names) if flat.rank == 0 or not writing else []
+        return list(zip(names, bucket.stepped))
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from zeroshard.checkpoint.verify import (
 )
 from zeroshard.comm import all_gather_object
 from zeroshard.comm.agreement import agree
+from zeroshard.core.optim import steps_whole
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,11 @@ class _OptimizerPlan:
     """The optimizer state a load installs: its tensors read into each bucket's master-sized state in the
     bucket's turn (`Checkpointable.resident_buckets`), the rest as state.pt has it."""
 
-    keys: list[str]  # the state tensors laid out like the masters (Adam: exp_avg, exp_avg_sq)
+    keys: list[list[str]]  # by trained bucket: its state tensors laid out like the master (Adam: exp_avg, ...)
     scalars: list[dict | None]  # by trained bucket: its other state (step); None: none saved (before a step)
     groups: list[dict]  # the param groups, for optimizer.load_state_dict
+    owned: dict[str, dict[str, list[int]]]  # name -> key -> shape: the state of each tensor owned whole
+    owned_scalars: dict[str, dict]  # name -> its other state, of each tensor owned whole
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,8 @@ def _load_values(trainer: Checkpointable, held: Holdings, plan: _Plan) -> None:
         for group in turns:
             for i in group:
                 saved = plan.optimizer is not None and plan.optimizer.scalars[i] is not None
-                _load_trained(trainer.optimizer, held.trained[i], reader, plan.optimizer.keys if saved else [])
+                _load_trained(trainer.optimizer, held.trained[i], reader, plan.optimizer.keys[i] if saved else [],
+                              plan.optimizer.owned if plan.optimizer is not None else {})
     for flat, span in held.frozen:
         for run in held.stored_runs(span):
             reader.read_into("param", run.name, run.start, flat.shard_data[run.at : run.at + run.numel])
@@ -220,12 +224,20 @@ def _load_values(trainer: Checkpointable, held: Holdings, plan: _Plan) -> None:
     trainer.gather_params()
 
 
-def _load_trained(optimizer: torch.optim.Optimizer, t: Trained, reader: PieceReader, keys: list[str]) -> None:
+def _load_trained(optimizer: torch.optim.Optimizer, t: Trained, reader: PieceReader, keys: list[str],
+                  owned: dict[str, dict[str, list[int]]]) -> None:
     """A bucket's master, and its optimizer state `keys`, in its turn: read into the state tensors it holds
-    (keeping them: offload's swap files follow them), or into new ones of the master's size."""
+    (keeping them: offload's swap files follow them), or into new ones of the master's size. The state of
+    each tensor the rank owns whole (`owned`: name -> key -> shape) is read whole into tensors of its shape."""
     master = t.bucket.master
     for run in t.held.runs():
         reader.read_into("param", run.name, run.start, master[run.at : run.at + run.numel])
+    for name, view in t.owned():
+        for key, shape in owned.get(name, {}).items():
+            values = optimizer.state[view].get(key)
+            if values is None or list(values.shape) != shape:
+                values = optimizer.state[view][key] = torch.zeros(shape, dtype=master.dtype, device=master.device)
+            reader.read_into("optim." + key, name, 0, values.view(-1))
     held_now = master_state(optimizer, master)
     for key in keys:
         values = held_now.get(key)
@@ -239,25 +251,34 @@ def _load_trained(optimizer: torch.optim.Optimizer, t: Trained, reader: PieceRea
 
 def _optimizer_plan(trainer: Checkpointable, held: Holdings, manifest: dict, state: dict) -> _OptimizerPlan:
     """What the optimizer takes from the checkpoint, for this job's masters (no tensor read yet)."""
-    optimizer, keys = trainer.optimizer, manifest["optimizer_state"]
+    optimizer = trainer.optimizer
     index = _param_index(optimizer)
+    keys = [manifest["group_state"][t.bucket.param_group] if "group_state" in manifest else manifest["optimizer_state"]
+            for t in held.trained]
     scalars = []
-    for t in held.trained:
+    for t, bucket_keys in zip(held.trained, keys):
         saved = state["scalars"].get(t.held.names[0], {})
-        scalars.append(dict(saved) if saved or keys else None)  # neither: saved before the first step
+        scalars.append(dict(saved) if saved or bucket_keys else None)  # neither: saved before the first step
     groups = [{**{k: v for k, v in saved.items() if k not in _IMPLEMENTATION_KEYS},
                **{k: v for k, v in group.items() if k in _IMPLEMENTATION_KEYS - {"params"}},
                "params": [index[id(p)] for p in group["params"]]}
               for saved, group in zip(state["param_groups"], optimizer.param_groups)]
-    return _OptimizerPlan(keys, scalars, groups)
+    owned = manifest.get("owned_state", {})
+    return _OptimizerPlan(keys, scalars, groups, owned, {name: state["scalars"].get(name, {}) for name in owned})
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer, held: Holdings, plan: _OptimizerPlan) -> dict:
     """For torch's own load_state_dict: the saved scalars and groups, and the state tensors the buckets'
     turns filled (the same tensor objects, so offload's swap files still follow them)."""
     index = _param_index(optimizer)
-    state = {index[id(t.bucket.master)]: scalars | {k: optimizer.state[t.bucket.master][k] for k in plan.keys}
-             for t, scalars in zip(held.trained, plan.scalars) if scalars is not None}
+    state = {index[id(t.bucket.master)]: scalars | {k: optimizer.state[t.bucket.master][k] for k in keys}
+             for t, scalars, keys in zip(held.trained, plan.scalars, plan.keys)
+             if scalars is not None and not steps_whole(t.bucket)}
+    for t in held.trained:  # the tensors owned whole: their scalars and the tensors read in their turn
+        for name, view in t.owned():
+            if name in plan.owned:
+                state[index[id(view)]] = dict(plan.owned_scalars[name]) | {
+                    k: optimizer.state[view][k] for k in plan.owned[name]}
     return {"state": state, "param_groups": plan.groups}
 
 

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from zeroshard.checkpoint.checks import as_error, first_not_plain, holdings
+from zeroshard.checkpoint.checks import as_error, first_not_plain, holdings, optimizer_name
 from zeroshard.checkpoint.client_state import NotPlain, to_plain
 from zeroshard.checkpoint.files import (
     FORMAT,
@@ -56,11 +56,12 @@ from zeroshard.checkpoint.holdings import Holdings, Span
 from zeroshard.checkpoint.model_config import hf_config
 from zeroshard.checkpoint.rank_state import rank_state
 from zeroshard.checkpoint.protocol import Checkpointable
-from zeroshard.checkpoint.turns import Surveyed, Turns, own_tensors, survey
+from zeroshard.checkpoint.turns import Surveyed, Turns, own_tensors, owned_scalars, owned_shapes, survey
 from zeroshard.checkpoint.writer import bytes_entry, write_streamed
 from zeroshard.comm import Comm, all_gather_object
 from zeroshard.comm.agreement import agree
 from zeroshard.version import __version__
+from zeroshard.core.optim import steps_whole
 
 log = logging.getLogger(__name__)
 
@@ -132,9 +133,11 @@ def begin(trainer: Checkpointable, save_dir: str | Path, tag: str | int | float 
         error = str(exc)
     surveyed, unfit = _survey(trainer, held)
     error = error or unfit
+    owned = _owned_everywhere(trainer, held) if error is None else None
     if comm.rank == 0 and error is None:
-        state, error = _serialized_state(trainer, held, surveyed, client_state, save_id)
-        manifest = _manifest(trainer, held, surveyed, save_id) | ({EXCLUDED: left_out} if exclude_frozen else {})
+        state, error = _serialized_state(trainer, held, surveyed, client_state, save_id, owned["scalars"])
+        manifest = _manifest(trainer, held, surveyed, save_id, owned["shapes"]) | (
+            {EXCLUDED: left_out} if exclude_frozen else {})
     agree(comm, as_error(error))
     tag, save_id = _agreed_tag(comm, tag, save_id, trainer.config.checkpoint.tag_validation)
     partial = partial_dir(save_dir, tag)
@@ -166,6 +169,19 @@ def publish(comm: Comm, began: Began, everyone: list[dict[str, dict]], save_late
     if comm.rank == 0:
         log.info("saved checkpoint %s (%d rank files)", began.save_dir / began.tag, comm.world_size)
     return began.save_dir / began.tag
+
+
+def _owned_everywhere(trainer: Checkpointable, held: Holdings) -> dict[str, dict]:
+    """The optimizer state of the tensors owned whole, from every rank (one gather; only rank 0's
+    manifest and state.pt use it): {"shapes": name -> key -> shape, "scalars": name -> key -> value}."""
+    mine: dict[str, dict] = {"shapes": {}, "scalars": {}}
+    for t in held.trained:
+        mine["shapes"] |= owned_shapes(trainer.optimizer, t)
+        mine["scalars"] |= owned_scalars(trainer.optimizer, t)
+    if trainer.comm.world_size == 1 or not any(steps_whole(t.bucket) for t in held.trained):
+        return mine  # no tensor is owned whole (the same on every rank), or one rank owns them all
+    everyone = all_gather_object(trainer.comm, mine)
+    return {part: {k: v for rank in everyone for k, v in rank[part].items()} for part in mine}
 
 
 def _survey(trainer: Checkpointable, held: Holdings) -> tuple[list[Surveyed], str | None]:
@@ -278,7 +294,7 @@ def windows_of(trainer: Checkpointable, held: Holdings, surveyed: list[Surveyed]
 
     for i, (t, seen) in enumerate(zip(held.trained, surveyed)):
         for kind, (dtype, numel) in seen.tensors.items():  # in memory during the bucket's turn only
-            add(kind, f"@shard{i}", t.own, dtype, numel, seen.turn,
+            add(kind, f"@shard{i}", seen.spans.get(kind, t.own), dtype, numel, seen.turn,
                 lambda t=t, kind=kind: own_tensors(trainer.optimizer, t)[kind])
     always = [("param", f"@frozen{j}", span, flat.shard_data) for j, (flat, span) in enumerate(held.frozen)]
     if trainer.comm.rank == 0:  # what every rank holds whole: parameters in no flat buffer, the module's buffers
@@ -305,14 +321,16 @@ def _write_windows(trainer: Checkpointable, path: Path, windows: dict[str, _Wind
 
 
 def _serialized_state(trainer: Checkpointable, held: Holdings, surveyed: list[Surveyed], client_state: dict | None,
-                      save_id: str) -> tuple[bytes | None, str | None]:
-    """state.pt's bytes, checked to load with weights_only=True; or why they cannot be written."""
+                      save_id: str, owned_scalars: dict[str, dict]) -> tuple[bytes | None, str | None]:
+    """state.pt's bytes, checked to load with weights_only=True; or why they cannot be written.
+    `owned_scalars`: the scalars of the tensors owned whole, from every rank."""
     optimizer = trainer.optimizer
     scalars: dict[str, dict] = {}
     for t, seen in zip(held.trained, surveyed):  # the state not laid out like the master: always in memory
         values = {k: v for k, v in optimizer.state.get(t.bucket.master, {}).items() if k not in seen.state_keys}
         for name in t.held.names:
             scalars[name] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in values.items()}
+    scalars |= owned_scalars
     state = {
         "global_steps": trainer.counters().global_steps,
         "skipped_steps": trainer.counters().skipped_steps,
@@ -343,15 +361,22 @@ def _serialized_state(trainer: Checkpointable, held: Holdings, surveyed: list[Su
     return buffer.getvalue(), None
 
 
-def _manifest(trainer: Checkpointable, held: Holdings, surveyed: list[Surveyed], save_id: str) -> dict:
-    """The manifest of the save's step, less `files` (added when every rank's file is written)."""
+def _manifest(trainer: Checkpointable, held: Holdings, surveyed: list[Surveyed], save_id: str,
+              owned_shapes: dict[str, dict[str, list[int]]]) -> dict:
+    """The manifest of the save's step, less `files` (added when every rank's file is written).
+    "group_state": each param group's state keys laid out like the master; "owned_state": name -> key ->
+    shape of the state of each tensor owned whole (`owned_shapes`, from every rank)."""
     optimizer = trainer.optimizer
-    state_keys = sorted({k for seen in surveyed for k in seen.state_keys})
+    state_keys = sorted({k for seen in surveyed for k in seen.state_keys} | {
+        k for keys in owned_shapes.values() for k in keys})
+    group_state = [sorted({k for t, seen in zip(held.trained, surveyed) if t.bucket.param_group == g
+                           for k in seen.state_keys}) for g in range(len(optimizer.param_groups))]
     manifest = {
         "format": FORMAT, "version": VERSION, "zeroshard": __version__, "torch": torch.__version__,
         "world_size": trainer.comm.world_size, "stage": trainer.config.stage,
         "training_dtype": trainer.config.training_dtype, "global_steps": trainer.counters().global_steps,
-        "optimizer": type(optimizer).__name__, "optimizer_state": state_keys,
+        "optimizer": optimizer_name(optimizer), "optimizer_state": state_keys,
+        "group_state": group_state, "owned_state": owned_shapes,
         "param_groups": len(optimizer.param_groups),
         "params": held.param_table(), "buffers": held.buffer_table(),
         "state_dict": _state_dict_keys(trainer),

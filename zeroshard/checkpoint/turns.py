@@ -24,7 +24,7 @@ from typing import Generator
 import torch
 
 from zeroshard.checkpoint.checks import nonfinite
-from zeroshard.checkpoint.holdings import Holdings, Trained
+from zeroshard.checkpoint.holdings import Holdings, Span, Trained
 from zeroshard.checkpoint.protocol import Checkpointable
 
 
@@ -35,10 +35,51 @@ def master_state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict
 
 
 def own_tensors(optimizer: torch.optim.Optimizer, t: Trained) -> dict[str, torch.Tensor]:
-    """The rank's own part of a bucket's master ("param") and of each state tensor ("optim.<key>"), 1-D."""
+    """The rank's own part of a bucket's master ("param") and of each state tensor ("optim.<key>"), 1-D;
+    where the optimizer needs tensors whole, the state of the tensors this rank owns, one after another
+    (`owned_spans` says where each lies)."""
     master = t.bucket.master
     parts = {"param": master} | {f"optim.{k}": v for k, v in master_state(optimizer, master).items()}
-    return {kind: t.own_part(tensor).detach().reshape(-1) for kind, tensor in parts.items()}
+    own = {kind: t.own_part(tensor).detach().reshape(-1) for kind, tensor in parts.items()}
+    for kind, values in _owned_state(optimizer, t).items():
+        own[kind] = torch.cat([v.detach().reshape(-1) for _, v in values])
+    return own
+
+
+def owned_spans(optimizer: torch.optim.Optimizer, t: Trained) -> dict[str, Span]:
+    """Where each owned tensor's state lies in `own_tensors`' "optim.<key>" tensor, by kind."""
+    spans = {}
+    for kind, values in _owned_state(optimizer, t).items():
+        numels = [v.numel() for _, v in values]
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        spans[kind] = Span(tuple(n for n, _ in values), tuple(offsets), tuple(numels), 0, sum(numels))
+    return spans
+
+
+def owned_shapes(optimizer: torch.optim.Optimizer, t: Trained) -> dict[str, dict[str, list[int]]]:
+    """name -> state key -> shape, of the tensors this rank writes whole (scalars left out: `owned_scalars`)."""
+    shapes: dict[str, dict[str, list[int]]] = {}
+    for kind, values in _owned_state(optimizer, t).items():
+        for name, v in values:
+            shapes.setdefault(name, {})[kind.removeprefix("optim.")] = list(v.shape)
+    return shapes
+
+
+def owned_scalars(optimizer: torch.optim.Optimizer, t: Trained) -> dict[str, dict]:
+    """name -> the state values that are not tensors of one dimension or more (a step count), of the tensors
+    this rank writes whole."""
+    return {name: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                   for k, v in optimizer.state.get(view, {}).items() if not (torch.is_tensor(v) and v.dim() > 0)}
+            for name, view in t.owned(writing=True)}
+
+
+def _owned_state(optimizer: torch.optim.Optimizer, t: Trained) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    by_kind: dict[str, list[tuple[str, torch.Tensor]]] = {}
+    for name, view in t.owned(writing=True):
+        for k, v in optimizer.state.get(view, {}).items():
+            if torch.is_tensor(v) and v.dim() > 0:
+                by_kind.setdefault(f"optim.{k}", []).append((name, v))
+    return by_kind
 
 
 @dataclass(frozen=True)
@@ -47,10 +88,12 @@ class Surveyed:
 
     turn: int  # which group of `resident_buckets` holds it
     tensors: dict[str, tuple[torch.dtype, int]]  # kind ("param", "optim.<key>") -> dtype, elements of its own part
+    spans: dict[str, Span]  # the kinds laid out by owned tensor, not like the master (`owned_spans`)
 
     @property
     def state_keys(self) -> list[str]:
-        return [kind.removeprefix("optim.") for kind in self.tensors if kind != "param"]
+        """The keys of the state laid out like the master."""
+        return [kind.removeprefix("optim.") for kind in self.tensors if kind != "param" and kind not in self.spans]
 
 
 def survey(trainer: Checkpointable, held: Holdings) -> tuple[list[Surveyed], str | None]:
@@ -62,8 +105,9 @@ def survey(trainer: Checkpointable, held: Holdings) -> tuple[list[Surveyed], str
         for turn, group in enumerate(turns):
             for i in group:
                 tensors = own_tensors(trainer.optimizer, held.trained[i])
-                error = error or nonfinite(held.trained[i], tensors, trainer.counters().global_steps)
-                found[i] = Surveyed(turn, {kind: (t.dtype, t.numel()) for kind, t in tensors.items()})
+                spans = owned_spans(trainer.optimizer, held.trained[i])
+                error = error or nonfinite(held.trained[i], tensors, trainer.counters().global_steps, spans)
+                found[i] = Surveyed(turn, {kind: (t.dtype, t.numel()) for kind, t in tensors.items()}, spans)
     return found, error
 
 

@@ -176,10 +176,15 @@ def owned_views(bucket: Bucket) -> list[torch.Tensor]:
             if not sharded or owners[i] == flat.rank]
 
 
+def steps_whole(bucket: Bucket) -> bool:
+    """Whether the optimizer steps the bucket's tensors whole (views of the master, maybe none on this rank)."""
+    return not (len(bucket.stepped) == 1 and bucket.stepped[0] is bucket.master)
+
+
 def set_step_grads(bucket: Bucket, grad: torch.Tensor | None) -> None:
     """Give the tensors the optimizer steps for this bucket their part of `grad` (laid out like the master), or
     take it away (None)."""
-    if len(bucket.stepped) == 1 and bucket.stepped[0] is bucket.master:
+    if not steps_whole(bucket):
         bucket.master.grad = grad
         return
     base = bucket.master.storage_offset()
