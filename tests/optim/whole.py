@@ -87,6 +87,10 @@ def make_optimizers(kind: str, model: nn.Module):
         muon = Muon32 if kind == "muon" else torch.optim.Muon
         return [muon(hidden, lr=2e-2, momentum=0.95, weight_decay=0.01),
                 torch.optim.AdamW(rest, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)]
+    if kind == "adamw_sgd":  # two element-wise optimizers with different state keys
+        named = list(model.named_parameters())
+        return [torch.optim.AdamW([p for n, p in named if is_hidden_matrix(n, p)], lr=3e-3),
+                torch.optim.SGD([p for n, p in named if not is_hidden_matrix(n, p)], lr=0.1, momentum=0.9)]
     if kind == "adafactor":
         return torch.optim.Adafactor(model.parameters(), lr=1e-2)
     if kind == "lamb":
@@ -137,17 +141,18 @@ def rank_rows(x: torch.Tensor, rank: int, world: int, accumulation: int, micro: 
 
 
 def train(rank: int, world: int, device, kind: str, stage: int, steps: int, rows: int, accumulation: int,
-          clip: float, dtype: str = "fp32", extra: dict | None = None, save_dir: str | None = None,
+          clip: float, dtype: str = "fp32", zero: dict | None = None, save_dir: str | None = None,
           load_dir: str | None = None) -> tuple[list[float], torch.Tensor]:
     """Steps `start`..`steps` of the mix on this rank's rows (`start`: 0, or the step a `load_dir` checkpoint
-    was saved at); with `save_dir`, a checkpoint after the last. Returns (this rank's loss per step, weights)."""
+    was saved at); with `save_dir`, a checkpoint after the last; `zero`: more zero_optimization keys. Returns (this rank's loss per step, weights)."""
     import zeroshard
 
     model = make_model().to(device)
     config = {"train_micro_batch_size_per_gpu": rows // world // accumulation,
               "gradient_accumulation_steps": accumulation, "gradient_clipping": clip,
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0},
-              **({"bf16": {"enabled": True}} if dtype == "bf16" else {}), **(extra or {})}
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": 5000, "stage3_param_persistence_threshold": 0,
+                                    **(zero or {})},
+              **({"bf16": {"enabled": True}} if dtype == "bf16" else {})}
     engine = zeroshard.initialize(model, make_optimizers(kind, model), config,
                                   wrap=[Block] if stage == 3 else None)
     if load_dir is not None:

@@ -117,7 +117,7 @@ def model_state_bytes(
 def _state_of(optimizer: torch.optim.Optimizer, buckets: list[Bucket], tier: list[Tier], where: set[Tier]):
     """The optimizer's state tensors held in memory for the masters in the tiers `where` (state of any
     other tensor counts on the device)."""
-    masters = {id(b.master): t for b, t in zip(buckets, tier)}
+    masters = {id(stepped): t for b, t in zip(buckets, tier) for stepped in b.stepped}
     return [v for p, state in optimizer.state.items() if masters.get(id(p), Tier.DEVICE) in where
             for v in state.values() if torch.is_tensor(v)]
 
