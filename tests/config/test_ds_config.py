@@ -120,8 +120,8 @@ def test_loaded_config_is_checked_again_against_the_world_size():
 
 @pytest.mark.parametrize("block, line", [
     (7, 'optimizer must be a JSON object such as {"type": "AdamW", "params": {"lr": 0.001}}; got 7'),
-    ({"params": {}}, "optimizer.type is required: one of Adam, AdamW, SGD"),
-    ({"type": "Lamb"}, 'optimizer.type "Lamb" is not supported by zeroshard; use one of Adam, AdamW, SGD, '
+    ({"params": {}}, "optimizer.type is required: one of Adam, AdamW, SGD, Muon"),
+    ({"type": "Lamb"}, 'optimizer.type "Lamb" is not supported by zeroshard; use one of Adam, AdamW, SGD, Muon, '
                        "or pass a torch optimizer to zeroshard.initialize"),
     ({"type": "AdamW", "legacy_fusion": False},
      "unknown key 'optimizer.legacy_fusion'; allowed keys in 'optimizer': params, type"),

@@ -16,8 +16,10 @@ import torch
 from pydantic import BaseModel, BeforeValidator, Field, SerializeAsAny, ValidationError
 
 from zeroshard.config.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zeroshard.config.muon_block import MuonParams, build_muon
 from zeroshard.config.values import (
     FROZEN_STRICT,
+    Betas,
     NonNegativeFloat,
     PositiveInt,
     StrictBool,
@@ -26,14 +28,6 @@ from zeroshard.config.values import (
     non_negative_float,
     show,
 )
-
-
-def _betas(value: Any) -> tuple[float, float]:
-    ok = (isinstance(value, (list, tuple)) and len(value) == 2
-          and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value))
-    if not ok:
-        raise invalid("must be two numbers in [0, 1), such as [0.9, 0.999]", value)
-    return float(value[0]), float(value[1])
 
 
 def _warmup_type(value: Any) -> str:
@@ -56,7 +50,6 @@ def _ratio(value: Any) -> float:
     return value
 
 
-Betas = Annotated[tuple[float, float], BeforeValidator(_betas)]
 WarmupType = Annotated[Literal["log", "linear"], BeforeValidator(_warmup_type)]
 StartIteration = Annotated[int, BeforeValidator(_last_batch_iteration)]
 Ratio = Annotated[float, BeforeValidator(_ratio)]
@@ -157,7 +150,8 @@ class WarmupCosineLRParams(_WarmupParams):
 
 # Types by their DeepSpeed name. DeepSpeed lower-cases optimizer names but
 # matches scheduler names exactly; zeroshard does the same.
-OPTIMIZER_PARAMS: dict[str, type[BaseModel]] = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams}
+OPTIMIZER_PARAMS: dict[str, type[BaseModel]] = {"Adam": AdamParams, "AdamW": AdamParams, "SGD": SGDParams,
+                                                "Muon": MuonParams}
 SCHEDULER_PARAMS: dict[str, type[BaseModel]] = {
     "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams, "WarmupCosineLR": WarmupCosineLRParams,
 }
@@ -169,7 +163,8 @@ class OptimizerBlock(BaseModel):
 
     model_config = FROZEN_STRICT
 
-    type: str = Field(description="Adam, AdamW or SGD (any case). DeepSpeed: optimizer.type.")
+    type: str = Field(description=("Adam, AdamW, SGD or Muon (any case; Muon: Muon for the hidden matrices, "
+                                   "AdamW for the rest). DeepSpeed: optimizer.type."))
     params: SerializeAsAny[BaseModel] = Field(description=(
         "The type's parameters, below; may be left out (all defaults). DeepSpeed: optimizer.params."))
 
@@ -272,11 +267,16 @@ def _combination_problems(key: str, kind: str, params: BaseModel) -> list[str]:
     return []
 
 
-def build_optimizer(block: OptimizerBlock, over: torch.nn.Module | list) -> torch.optim.Optimizer:
+def build_optimizer(block: OptimizerBlock, over: torch.nn.Module | list, names: dict[int, str] | None = None
+                    ) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
     """The torch optimizer the block describes, over all of a model's parameters in one group, or over
-    a list of parameters or param-group dicts (DeepSpeed's model_parameters; a group's keys override)."""
+    a list of parameters or param-group dicts (DeepSpeed's model_parameters; a group's keys override).
+    Muon: a list of two (`muon_block.py`), split by the parameters' `names`."""
     p = block.params
     parameters = list(over.parameters()) if isinstance(over, torch.nn.Module) else list(over)
+    if block.type == "Muon":
+        flat = [q for item in parameters for q in (item["params"] if isinstance(item, dict) else [item])]
+        return build_muon(p, flat, names or {})
     if block.type == "SGD":
         return torch.optim.SGD(parameters, lr=p.lr, momentum=p.momentum, dampening=p.dampening,
                                weight_decay=p.weight_decay, nesterov=p.nesterov)

@@ -59,9 +59,10 @@ def _trainable_ids(items: list[Any]) -> set[int]:
 
 
 def choose_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: Config,
-                     model_parameters: list[Any] | None = None) -> torch.optim.Optimizer:
+                     model_parameters: list[Any] | None = None) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
     """The optimizer given (the config's block, if any, has been checked to agree with it), or the one
-    the block builds over `model_parameters` (default: all of the model's); never neither."""
+    the block builds over `model_parameters` (default: all of the model's; a Muon block builds a list of
+    two); never neither."""
     if optimizer is not None:
         if model_parameters is not None:
             listed = _trainable_ids(model_parameters)
@@ -75,7 +76,8 @@ def choose_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
         raise ConfigError("zeroshard.initialize needs an optimizer: pass one (such as "
                           "torch.optim.AdamW(model.parameters(), lr=1e-3)) or add an \"optimizer\" block "
                           'to the config, such as {"type": "AdamW", "params": {"lr": 0.001}}')
-    return build_optimizer(config.optimizer, model if model_parameters is None else model_parameters)
+    names = {id(p): name for name, p in model.named_parameters()}
+    return build_optimizer(config.optimizer, model if model_parameters is None else model_parameters, names)
 
 
 def check_lr_scheduler(lr_scheduler: SchedulerArg, optimizer: torch.optim.Optimizer | None) -> None:

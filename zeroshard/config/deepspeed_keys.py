@@ -156,8 +156,8 @@ RULES: dict[str, Rule] = {
     "zero_optimization.use_multi_rank_bucket_allreduce": no_effect("buckets are reduced one collective each"),
     "zero_optimization.log_trace_cache_warnings": no_effect("stage 3 keeps no trace cache"),
     "zero_optimization.save_muon_momentum_buffer_in_memory": no_effect(
-        "it keeps DeepSpeed's Muon momentum off the disk; zeroshard's optimizer blocks have no Muon, and the "
-        "whole state of an optimizer passed in code is placed as offload_optimizer says"),
+        "it keeps DeepSpeed's Muon momentum off the disk; zeroshard keeps a tensor owned whole in memory "
+        "(host memory with offload_optimizer \"cpu\"), and refuses offload_optimizer \"nvme\" for it"),
     "zero_optimization.zero_quantized_nontrainable_weights": not_yet(_ZERO_PP, _is(False), FALSE),
     "zero_optimization.mics_shard_size": not_yet("MiCS is not implemented yet: remove the key", _is(-1), "-1"),
     "zero_optimization.mics_hierarchical_params_gather": not_yet(
@@ -168,7 +168,8 @@ RULES: dict[str, Rule] = {
     "zero_optimization.allgather_sequential": no_effect("updated shards are gathered by one all-gather per bucket"),
     "zero_optimization.enable_sanity_checks": no_effect("zeroshard always checks the ranks agree at start-up"),
     "zero_optimization.leaf_module": no_effect("stage 3's units come from stage3_wrap_classes"),
-    "zero_allow_untested_optimizer": no_effect("zeroshard tests every optimizer element by element itself"),
+    "zero_allow_untested_optimizer": no_effect(
+        "zeroshard probes every optimizer itself: element-wise ones run on flat shards, the others on whole tensors"),
     "zero_force_ds_cpu_optimizer": no_effect(
         "with offload, zeroshard steps the optimizer it is given (or the optimizer block builds) on the CPU; "
         "there is no DeepSpeed CPU optimizer to insist on"),

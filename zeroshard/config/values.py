@@ -127,3 +127,14 @@ def describe(detail: ErrorDetails, prefix: str = "") -> str:
         return f"{path} {detail['msg']}" if detail["loc"] else detail["msg"]
     # Every field has its own validator; this is only a backstop.
     return f"{path}: {detail['msg']}; got {show(detail['input'])}"
+
+
+def _betas(value: Any) -> tuple[float, float]:
+    ok = (isinstance(value, (list, tuple)) and len(value) == 2
+          and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in value))
+    if not ok:
+        raise invalid("must be two numbers in [0, 1), such as [0.9, 0.999]", value)
+    return float(value[0]), float(value[1])
+
+
+Betas = Annotated[tuple[float, float], BeforeValidator(_betas)]  # Adam's (beta1, beta2)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn as nn
 
 from zeroshard.core.bucket import Bucket
 from zeroshard.core.optimizers import Optimizers, member_of
@@ -22,7 +23,30 @@ _NOT_HYPERPARAMS = {"params", "initial_lr", "param_names"}
 
 
 class OptimizerError(ZeroshardError, TypeError):
-    """The optimizer cannot run on flat shards, or does not match the model."""
+    """The optimizer runs neither on flat shards nor on whole tensors (it couples tensors), a parameter is in two
+    optimizers, or the optimizer does not match the model."""
+
+
+def one_optimizer(model: nn.Module, optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer passed, or several over disjoint parameters as one `Optimizers`."""
+    several = isinstance(optimizer, (list, tuple))
+    for member in optimizer if several else [optimizer]:
+        if member is not None and not isinstance(member, torch.optim.Optimizer) or several and member is None:
+            raise OptimizerError(f"optimizer must be a torch.optim.Optimizer built on the model's parameters, a "
+                                 f"list of them over disjoint parameters (or None, with an \"optimizer\" block in "
+                                 f"the config); got {type(member).__name__}")
+    if not several:
+        return optimizer
+    names = {id(p): name for name, p in model.named_parameters()}
+    owner: dict[int, int] = {}
+    for i, member in enumerate(optimizer):
+        for p in (p for g in member.param_groups for p in g["params"]):
+            if id(p) in owner and owner[id(p)] != i:
+                raise OptimizerError(f"parameter '{names.get(id(p), list(p.shape))}' is in optimizers {owner[id(p)]} "
+                                     f"({type(optimizer[owner[id(p)]]).__name__}) and {i} ({type(member).__name__}) "
+                                     "of the list; give each parameter to one optimizer")
+            owner[id(p)] = i
+    return optimizer[0] if len(optimizer) == 1 else Optimizers(list(optimizer))
 
 
 def hyperparams(optimizer: torch.optim.Optimizer, group: dict) -> dict:

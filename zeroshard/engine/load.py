@@ -20,6 +20,7 @@ from zeroshard.config import Config, ConfigError
 from zeroshard.config.build import SchedulerArg, check_lr_scheduler, choose_optimizer, config_facts, parameter_list
 from zeroshard.config.logs import show_info
 from zeroshard.config.offload_merge import OffloadArg
+from zeroshard.core.optim import one_optimizer
 from zeroshard.engine.compiled import uncompiled
 
 
@@ -48,7 +49,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, config: Conf
         facts = config_facts(model, group, optimizer, lr_scheduler)
         names = tuple(cls.__name__ for cls in wrap or ())
         loaded, report = Config.load_with_report(config if config is not None else {}, facts, offload, names)
-        optimizer = choose_optimizer(model, optimizer, loaded, model_parameters)
+        optimizer = one_optimizer(model, choose_optimizer(model, optimizer, loaded, model_parameters))
     except ConfigError as error:  # before the group exists: the other ranks would wait for this one
         return Loaded(model, compiled_call, failure=error)
     return Loaded(model, compiled_call, loaded, optimizer, report.block())

@@ -13,8 +13,8 @@ import torch.nn as nn
 from zeroshard.comm.group import LaunchError
 from zeroshard.config import ConfigError
 from zeroshard.core.local import is_dtensor, local
-from zeroshard.core.optimizers import Optimizers, member_of
-from zeroshard.core.optim import OptimizerError, check_per_tensor, is_elementwise, is_fresh
+from zeroshard.core.optimizers import member_of
+from zeroshard.core.optim import OptimizerError, check_per_tensor, is_elementwise, is_fresh, one_optimizer
 from zeroshard.dtypes import NAMES, torch_name
 from zeroshard.errors import ModelError
 from zeroshard.parallel.mesh import Mesh
@@ -27,7 +27,7 @@ def check_arguments(model, optimizer, group, wrap, init) -> torch.optim.Optimize
     them as one `Optimizers`)."""
     if not isinstance(model, nn.Module):
         raise ModelError(f"model must be a torch.nn.Module; got {type(model).__name__} {model!r:.60}")
-    optimizer = _one_optimizer(model, optimizer)
+    optimizer = one_optimizer(model, optimizer)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise LaunchError(f"group must be a torch.distributed.ProcessGroup (or None for the world); "
                           f"got {type(group).__name__}")
@@ -39,28 +39,6 @@ def check_arguments(model, optimizer, group, wrap, init) -> torch.optim.Optimize
         raise ModelError(f"init must be a function of one module, such as lambda m: m.reset_parameters(); "
                          f"got {type(init).__name__}")
     return optimizer
-
-
-def _one_optimizer(model: nn.Module, optimizer) -> torch.optim.Optimizer | None:
-    """The optimizer passed, or several over disjoint parameters as one `Optimizers`."""
-    several = isinstance(optimizer, (list, tuple))
-    for member in optimizer if several else [optimizer]:
-        if member is not None and not isinstance(member, torch.optim.Optimizer) or several and member is None:
-            raise OptimizerError(f"optimizer must be a torch.optim.Optimizer built on the model's parameters, a "
-                                 f"list of them over disjoint parameters (or None, with an \"optimizer\" block in "
-                                 f"the config); got {type(member).__name__}")
-    if not several:
-        return optimizer
-    names = {id(p): name for name, p in model.named_parameters()}
-    owner: dict[int, int] = {}
-    for i, member in enumerate(optimizer):
-        for p in (p for g in member.param_groups for p in g["params"]):
-            if id(p) in owner and owner[id(p)] != i:
-                raise OptimizerError(f"parameter '{names.get(id(p), list(p.shape))}' is in optimizers {owner[id(p)]} "
-                                     f"({type(optimizer[owner[id(p)]]).__name__}) and {i} ({type(member).__name__}) "
-                                     "of the list; give each parameter to one optimizer")
-            owner[id(p)] = i
-    return optimizer[0] if len(optimizer) == 1 else Optimizers(list(optimizer))
 
 
 def device_of(model: nn.Module) -> torch.device:
