@@ -23,10 +23,10 @@ _FP32 = 4
 
 
 def _adafactor(shape: tuple[int, ...]) -> int:
-    """Adafactor (Shazeer and Stern 2018): a matrix keeps its row and column second moments, a vector its
-    own; and a step count."""
+    """Adafactor (Shazeer and Stern 2018): a matrix keeps its row and column second moments (torch's shapes:
+    shape[:-1] + (1,) and shape[:-2] + (1, shape[-1])), a vector its own; and a step count."""
     if len(shape) >= 2:
-        rows, cols = math.prod(shape[:-1]), shape[-1]
+        rows, cols = math.prod(shape[:-1]), math.prod(shape[:-2]) * shape[-1]
         return _FP32 * (rows + cols) + _FP32
     return _FP32 * math.prod(shape) + _FP32
 

@@ -28,6 +28,7 @@ from zeroshard.app.estimate.activations import (
 )
 from zeroshard.app.estimate.compress import add_compress, check_compress, compression, print_compression
 from zeroshard.app.estimate.offload import add_offload, offload_setup, print_offload
+from zeroshard.app.estimate.optimizer_mix import add_optimizer_mix, optimizer_mix, print_optimizer_mix
 from zeroshard.app.flags import add_command, add_dtype, positive_int
 from zeroshard.app.estimate.model_count import (
     AUTO_WRAP_MIN_PARAMS,
@@ -52,6 +53,7 @@ examples:
   zeroshard estimate --params 13B --gpus 1 --dtype fp16 --gpu-mem 32GiB --host-mem 1.5TB --offload-optimizer cpu
   zeroshard estimate --model 4m --gpus 2 --dtype fp32 --compress --step-seconds 0.5
                                                              bytes per codec and the link speed where each pays
+  zeroshard estimate --model tiny --gpus 2 --optimizer muon   optimizer state per rank, Muon's tensors owned whole
   zeroshard estimate --params 1T --gpus 16 --gpus-per-node 16 --dtype fp16 --offload-optimizer nvme \\
       --offload-params nvme --gpu-mem 32GiB --host-mem 1.5TB --disk-mem 28TB     ZeRO-Infinity on one DGX-2 node
 """
@@ -102,6 +104,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_offload(parser)
     add_compress(parser)
     add_activations(parser)
+    add_optimizer_mix(parser)
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object (bytes; see zeroshard.estimate.summarize)")
 
@@ -163,6 +166,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
         summary |= {"activations": saved, **peak_bytes(counted, saved, args)}
     if args.compress is not None:
         summary["compression"] = compression(args, counted, estimate.DTYPE_BYTES[args.dtype][:2])
+    if args.optimizer is not None:
+        summary["optimizer_mix"] = optimizer_mix(args)
     console = console or Console()
     if args.json:
         console.out(json.dumps(summary if name is None else {"model": name, **summary}, indent=2))
@@ -172,6 +177,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
         print_activations(console, saved, summary["peak_by_part"])
     if args.compress is not None:
         print_compression(console, summary["compression"])
+    if args.optimizer is not None:
+        print_optimizer_mix(console, summary["optimizer_mix"])
     return 0
 
 
@@ -187,7 +194,8 @@ def _print_activations_only(args: argparse.Namespace, saved: dict, console: Cons
 _NOT_ON_MESH = (("zeropp", "--zeropp"), ("qwz", "--qwz"), ("hpz", "--hpz"), ("qgz", "--qgz"),
                 ("gpu_mem", "--gpu-mem"), ("largest_unit", "--largest-unit"),
                 ("persistence_threshold", "--persistence-threshold"), ("gpus_per_node", "--gpus-per-node"),
-                ("offload_optimizer", "--offload-optimizer"), ("offload_params", "--offload-params"))
+                ("offload_optimizer", "--offload-optimizer"), ("offload_params", "--offload-params"),
+                ("optimizer", "--optimizer"))
 
 
 def run_mesh(args: argparse.Namespace, console: Console | None = None) -> int:

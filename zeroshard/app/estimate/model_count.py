@@ -14,6 +14,9 @@ The flat buffers stage 3 would build from that plan (`plan_flats`, the
 split of `stage3.unit.build_units`) let the estimator count stage 3's
 collectives exactly; `stage3_flats` reads the same list off an engine's
 built units, so a test can hold the measured `comm_stats()` against it.
+`flat_shapes` gives each trained flat buffer's param group and tensor
+shapes, at stages 1-2 or 3, for param groups the caller chooses (an
+optimizer mix's: `optimizer_mix.py` prices tensors owned whole by shape).
 
 On a pp x dp x tp mesh (`count_parts`, `part_numels`) the built-in GPT is
 split as training splits it: `GPTStage` per pp rank, then `gpt_tp_plan`'s
@@ -116,16 +119,55 @@ def count_model(name: str, wrap: tuple[str, ...] | None = None, min_numel: int =
     demo's reduce_bucket_size or the engine's. Raises ValueError naming the cause when `name` is none of
     these or its config cannot be built.
     """
+    built = build_model(name, wrap, min_numel, persistence_threshold, bucket_size)
+    return count_module(built.name, built.model, built.wrap, built.min_numel, built.persistence_threshold,
+                        built.bucket_size)
+
+
+@dataclass(frozen=True)
+class BuiltModel:
+    """A model on the meta device and the engine settings its plan takes (the defaults `count_model` gives)."""
+
+    name: str
+    model: torch.nn.Module
+    wrap: tuple[str, ...]
+    min_numel: int
+    persistence_threshold: int
+    bucket_size: int
+
+
+def build_model(name: str, wrap: tuple[str, ...] | None = None, min_numel: int = AUTO_WRAP_MIN_PARAMS,
+                persistence_threshold: int | None = None, bucket_size: int | None = None) -> BuiltModel:
+    """The model `name` names on the meta device, with the defaults `count_model` documents filled in."""
     if name in PRESETS:
         with torch.device("meta"):
             model = GPT(PRESETS[name])
-        return count_module(name, model, DEMO_WRAP if wrap is None else wrap, min_numel,
-                            DEMO_PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold,
-                            DEMO_BUCKET_SIZE if bucket_size is None else bucket_size)
+        return BuiltModel(name, model, DEMO_WRAP if wrap is None else wrap, min_numel,
+                          DEMO_PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold,
+                          DEMO_BUCKET_SIZE if bucket_size is None else bucket_size)
     model = build_hf_model(name)
-    return count_module(f"{type(model).__name__} ({name})", model, wrap or (), min_numel,
-                        PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold,
-                        REDUCE_BUCKET_SIZE if bucket_size is None else bucket_size)
+    return BuiltModel(f"{type(model).__name__} ({name})", model, wrap or (), min_numel,
+                      PERSISTENCE_THRESHOLD if persistence_threshold is None else persistence_threshold,
+                      REDUCE_BUCKET_SIZE if bucket_size is None else bucket_size)
+
+
+def flat_shapes(built: BuiltModel, groups: list[list[torch.nn.Parameter]], stage: int
+                ) -> list[tuple[int, list[tuple[str, tuple[int, ...]]]]]:
+    """(param group, (name, shape) of each tensor in the buffer's order) of every trained flat buffer the
+    engine builds at `stage` with these param groups, in build order: `bucket_params`' buckets at stages
+    1-2, each unit's `flat_parts` at stage 3 (persistent ones included: their optimizer state is sharded
+    as a stage-2 bucket's)."""
+    names = {id(p): n for n, p in built.model.named_parameters()}
+    described = lambda params: [(names[id(p)], tuple(p.shape)) for p in params]
+    if stage < 3:
+        return [(b.group, described(b.params)) for b in bucket_params(built.model, groups, built.bucket_size)]
+    group_of = {id(p): g for g, params in enumerate(groups) for p in params if p.requires_grad}
+    flats = []
+    for plan in plan_units(built.model, unit_modules(built.model, built.wrap, built.min_numel)):
+        for g, _, params in flat_parts(plan.params, group_of, len(groups), built.persistence_threshold):
+            if g is not None:  # frozen flats: no optimizer state
+                flats.append((g, described(params)))
+    return flats
 
 
 def count_parts(model: str | GPTConfig, pp: int = 1, tp: int = 1, wrap: tuple[str, ...] | None = None,
