@@ -21,6 +21,7 @@ import platform
 import shlex
 import statistics
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -140,9 +141,14 @@ def rank_env(source: Path = REPO) -> dict[str, str]:
     }
 
 
+def slowest_per_step(rank_results: list[dict], warmup: int, key: str = "step_seconds") -> list[float]:
+    """Per timed step, the slowest rank's seconds under `key`."""
+    return [max(ts) for ts in zip(*(r[key][warmup:] for r in rank_results))]
+
+
 def summarize(rank_results: list[dict], warmup: int) -> dict:
     """Step time: per step the slowest rank, then the median over timed steps."""
-    per_step = [max(ts) for ts in zip(*(r["step_seconds"][warmup:] for r in rank_results))]
+    per_step = slowest_per_step(rank_results, warmup)
     r0 = rank_results[0]
     return {
         "ok": True,
@@ -174,16 +180,24 @@ def combine_rounds(entries: list[dict]) -> dict:
 def run_variant(args: argparse.Namespace, size: str, mode: str, variant: str, corpus: Path,
                 source: Path = REPO, label: str = "") -> dict:
     stem = HERE / "results" / "logs" / f"{size}_{mode}_{variant}{label}"
-    for old in stem.parent.glob(stem.name + ".*"):
-        old.unlink()
     argv = [str(HERE / "worker.py"), "--variant", variant, "--size", size, "--mode", mode]
     argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch)]
     argv += ["--bucket-elems", str(args.bucket_elems), "--lr", str(args.lr), "--seed", str(args.seed)]
-    argv += ["--corpus", str(corpus), "--result", str(stem.with_suffix(".json")), "--dtype", args.dtype]
-    run = launch(argv, args.world, stem, args.timeout, rank_env(source))
-    rank_results = run.results(stem.with_suffix(".json"))
+    argv += ["--corpus", str(corpus), "--dtype", args.dtype]
+    return run_ranks(args, argv, stem, source)
+
+
+def run_ranks(args: argparse.Namespace, argv: list[str], stem: Path, source: Path = REPO,
+              summary: Callable[[list[dict], int], dict] = summarize) -> dict:
+    """`argv` (a worker, given `--result <stem>.json`) as `args.world` ranks of a fresh process tree, logging to
+    `stem`.rank<r>.log: `summary` of the ranks' results, or the first error."""
+    for old in stem.parent.glob(stem.name + ".*"):
+        old.unlink()
+    result = stem.with_suffix(".json")
+    run = launch([*argv, "--result", str(result)], args.world, stem, args.timeout, rank_env(source))
+    rank_results = run.results(result)
     if run.ok and all(r and "error" not in r for r in rank_results):
-        entry = summarize(rank_results, args.warmup)
+        entry = summary(rank_results, args.warmup)
     else:
         entry = {"ok": False, "error": run.error(rank_results, args.timeout)}
     return entry | {"launch_seconds": run.seconds, "returncodes": run.returncodes}

@@ -143,10 +143,12 @@ def build_deepspeed(stage: int) -> Callable[[nn.Module, Settings], StepFn]:
     return build
 
 
-def build_zeroshard(stage: int, overlap_param_gather: bool | None = None, reuse_distance: int | None = None
+def build_zeroshard(stage: int, overlap_param_gather: bool | None = None, reuse_distance: int | None = None,
+                    optimizer: Callable[[nn.Module, Settings], torch.optim.Optimizer | list] | None = None,
                     ) -> Callable[[nn.Module, Settings], StepFn]:
     """`overlap_param_gather` (stages 1-2), `reuse_distance` (stage 3's stage3_max_reuse_distance): those keys
-    set; None: their defaults."""
+    set; None: their defaults. `optimizer(model, settings)`: what the engine steps (a torch optimizer, or a list
+    of them over disjoint parameters); None: `make_adam` over all parameters."""
     def build(model: nn.Module, s: Settings) -> StepFn:
         import zeroshard
 
@@ -161,7 +163,8 @@ def build_zeroshard(stage: int, overlap_param_gather: bool | None = None, reuse_
             "gradient_accumulation_steps": 1,
         }
         wrap = [type(model.blocks[0])] if stage == 3 else None  # the same units as the FSDP peers
-        engine = zeroshard.initialize(model, make_adam(model.parameters(), s), config, wrap=wrap)
+        opt = optimizer(model, s) if optimizer is not None else make_adam(model.parameters(), s)
+        engine = zeroshard.initialize(model, opt, config, wrap=wrap)
         return _engine_step(engine)
 
     return build
