@@ -13,7 +13,7 @@ import torch
 
 from zeroshard.checkpoint.files import CheckpointError
 from zeroshard.checkpoint.holdings import Holdings, Span, Trained
-from zeroshard.core.optimizers import Optimizers
+from zeroshard.core.optimizers import optimizer_name
 from zeroshard.checkpoint.pieces import PieceReader
 from zeroshard.checkpoint.protocol import Checkpointable
 
@@ -141,11 +141,6 @@ def _left_out_but_trained(held: Holdings) -> str | None:
             f"{len(trained)} parameters frozen then are trained here: {', '.join(trained[:5])}"
             f"{' and more' if len(trained) > 5 else ''}; it holds no values of them. Freeze them as the saving "
             "run did (requires_grad=False before initialize), or load a checkpoint saved with its frozen parameters")
-
-
-def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer's class name; several optimizers' names joined: "Optimizers(Muon, AdamW)"."""
-    return repr(optimizer) if isinstance(optimizer, Optimizers) else type(optimizer).__name__
 
 
 def _optimizer_mismatch(optimizer: torch.optim.Optimizer, held: Holdings, manifest: dict) -> str | None:

@@ -59,7 +59,9 @@ def _whole(reader: PieceReader, path: Path, manifest: dict, kind: str) -> dict[s
     for name, entry in table.items():
         if (kind.startswith("optim.") and entry.get("group") is None) or name in left_out:
             continue  # frozen: no optimizer state; left out of the checkpoint (exclude_frozen_parameters)
-        shape = entry["shape"]
+        shape = _state_shape(manifest, kind, name, entry) if kind.startswith("optim.") else entry["shape"]
+        if shape is None:
+            continue  # its optimizer keeps no such state (several optimizers)
         numel = int(torch.Size(shape).numel())
         why = reader.missing(kind, name, 0, numel)
         if why is not None:
@@ -68,6 +70,16 @@ def _whole(reader: PieceReader, path: Path, manifest: dict, kind: str) -> dict[s
         reader.read_into(kind, name, 0, values)
         out[name] = values.view(shape)
     return out
+
+
+def _state_shape(manifest: dict, kind: str, name: str, entry: dict) -> list[int] | None:
+    """The shape of a trained parameter's optimizer state `kind`: its own, owned whole ("owned_state"), else
+    the parameter's where its param group keeps that key ("group_state"); None where it keeps none."""
+    key, owned = kind.removeprefix("optim."), manifest.get("owned_state", {})
+    if name in owned:
+        return owned[name].get(key)
+    keys = manifest["group_state"][entry["group"]] if "group_state" in manifest else manifest["optimizer_state"]
+    return entry["shape"] if key in keys else None
 
 
 def _stored_dtype(kind: str, entry: dict) -> torch.dtype:

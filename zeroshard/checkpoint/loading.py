@@ -264,7 +264,8 @@ def _optimizer_plan(trainer: Checkpointable, held: Holdings, manifest: dict, sta
                "params": [index[id(p)] for p in group["params"]]}
               for saved, group in zip(state["param_groups"], optimizer.param_groups)]
     owned = manifest.get("owned_state", {})
-    return _OptimizerPlan(keys, scalars, groups, owned, {name: state["scalars"].get(name, {}) for name in owned})
+    whole = {name for t in held.trained for name, _ in t.owned()}  # scalars of tensors owned whole
+    return _OptimizerPlan(keys, scalars, groups, owned, {name: state["scalars"].get(name, {}) for name in whole})
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer, held: Holdings, plan: _OptimizerPlan) -> dict:
@@ -276,9 +277,9 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, held: Holdings, plan: _Op
              if scalars is not None and not steps_whole(t.bucket)}
     for t in held.trained:  # the tensors owned whole: their scalars and the tensors read in their turn
         for name, view in t.owned():
-            if name in plan.owned:
-                state[index[id(view)]] = dict(plan.owned_scalars[name]) | {
-                    k: optimizer.state[view][k] for k in plan.owned[name]}
+            if name in plan.owned or plan.owned_scalars.get(name):
+                state[index[id(view)]] = dict(plan.owned_scalars.get(name, {})) | {
+                    k: optimizer.state[view][k] for k in plan.owned.get(name, {})}
     return {"state": state, "param_groups": plan.groups}
 
 

@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from zeroshard.checkpoint.checks import as_error, first_not_plain, holdings, optimizer_name
+from zeroshard.checkpoint.checks import as_error, first_not_plain, holdings
 from zeroshard.checkpoint.client_state import NotPlain, to_plain
 from zeroshard.checkpoint.files import (
     FORMAT,
@@ -60,6 +60,7 @@ from zeroshard.checkpoint.turns import Surveyed, Turns, own_tensors, owned_scala
 from zeroshard.checkpoint.writer import bytes_entry, write_streamed
 from zeroshard.comm import Comm, all_gather_object
 from zeroshard.comm.agreement import agree
+from zeroshard.core.optimizers import optimizer_name
 from zeroshard.version import __version__
 from zeroshard.core.optim import steps_whole
 
@@ -133,7 +134,7 @@ def begin(trainer: Checkpointable, save_dir: str | Path, tag: str | int | float 
         error = str(exc)
     surveyed, unfit = _survey(trainer, held)
     error = error or unfit
-    owned = _owned_everywhere(trainer, held) if error is None else None
+    owned = _owned_everywhere(trainer, held)  # every rank, whatever its own error: one gather
     if comm.rank == 0 and error is None:
         state, error = _serialized_state(trainer, held, surveyed, client_state, save_id, owned["scalars"])
         manifest = _manifest(trainer, held, surveyed, save_id, owned["shapes"]) | (
@@ -175,9 +176,12 @@ def _owned_everywhere(trainer: Checkpointable, held: Holdings) -> dict[str, dict
     """The optimizer state of the tensors owned whole, from every rank (one gather; only rank 0's
     manifest and state.pt use it): {"shapes": name -> key -> shape, "scalars": name -> key -> value}."""
     mine: dict[str, dict] = {"shapes": {}, "scalars": {}}
-    for t in held.trained:
-        mine["shapes"] |= owned_shapes(trainer.optimizer, t)
-        mine["scalars"] |= owned_scalars(trainer.optimizer, t)
+    try:
+        for t in held.trained:
+            mine["shapes"] |= owned_shapes(trainer.optimizer, t)
+            mine["scalars"] |= owned_scalars(trainer.optimizer, t)
+    except Exception:  # the survey has this rank's error already; the gather must still happen
+        mine = {"shapes": {}, "scalars": {}}
     if trainer.comm.world_size == 1 or not any(steps_whole(t.bucket) for t in held.trained):
         return mine  # no tensor is owned whole (the same on every rank), or one rank owns them all
     everyone = all_gather_object(trainer.comm, mine)

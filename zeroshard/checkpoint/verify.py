@@ -20,6 +20,8 @@ check but those two.
 
 from __future__ import annotations
 
+import math
+
 import json
 import zlib
 from contextlib import ExitStack
@@ -216,19 +218,24 @@ def state_problems(file: Path, manifest: dict, state) -> list[str]:
 
 def coverage_problems(path: Path, manifest: dict, reader: PieceReader) -> list[str]:
     """Every element of every parameter (its value, and its optimizer state if trained) and buffer is held;
-    not the frozen parameters a checkpoint saved with exclude_frozen_parameters leaves out."""
-    problems, left_out = [], excluded(manifest)
-    for kind, table in [("param", manifest["params"]), ("buffer", manifest["buffers"])] + [
-            ("optim." + key, manifest["params"]) for key in manifest["optimizer_state"]]:
-        for name, entry in table.items():
-            if entry.get("group") is None and (kind.startswith("optim.") or name in left_out):
-                continue  # frozen: no optimizer state (and left out: no value)
-            numel = 1
-            for size in entry["shape"]:
-                numel *= size
-            why = reader.missing(kind, name, 0, numel)
-            if why is not None:
-                problems.append(f"{path}: {why}: the checkpoint is incomplete or damaged; load an earlier tag")
+    not the frozen parameters a checkpoint saved with exclude_frozen_parameters leaves out. A trained
+    parameter's state is its param group's keys at its size ("group_state"), or, owned whole, each key at the
+    shape the manifest gives it ("owned_state")."""
+    left_out, owned = excluded(manifest), manifest.get("owned_state", {})
+    needs = [(kind, name, math.prod(entry["shape"])) for kind, table in (("param", manifest["params"]),
+                                                                        ("buffer", manifest["buffers"]))
+             for name, entry in table.items() if name not in left_out]
+    for name, entry in manifest["params"].items():
+        if entry.get("group") is None:
+            continue  # frozen: no optimizer state
+        keys = manifest["group_state"][entry["group"]] if "group_state" in manifest else manifest["optimizer_state"]
+        needs += [("optim." + key, name, math.prod(entry["shape"])) for key in keys if name not in owned]
+        needs += [("optim." + key, name, math.prod(shape)) for key, shape in owned.get(name, {}).items()]
+    problems = []
+    for kind, name, numel in needs:
+        why = reader.missing(kind, name, 0, numel)
+        if why is not None:
+            problems.append(f"{path}: {why}: the checkpoint is incomplete or damaged; load an earlier tag")
     return problems
 
 
