@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, BeforeValidator, Field, SerializeAsAny, ValidationError
 
+from zeroshard.config.errors import ConfigError
 from zeroshard.config.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zeroshard.config.muon_block import MuonParams, build_muon
 from zeroshard.config.values import (
@@ -275,6 +276,12 @@ def build_optimizer(block: OptimizerBlock, over: torch.nn.Module | list, names: 
     p = block.params
     parameters = list(over.parameters()) if isinstance(over, torch.nn.Module) else list(over)
     if block.type == "Muon":
+        settings = sorted({k for item in parameters if isinstance(item, dict) for k in item if k != "params"})
+        if settings:  # the block makes its own two groups: a group's keys would have no group to go to
+            raise ConfigError(f"optimizer type Muon splits the parameters into its own Muon and AdamW groups, so "
+                              f"model_parameters' group settings ({', '.join(settings)}) have nowhere to go; pass "
+                              "model_parameters as parameters, or build the optimizers in code and pass them as a "
+                              "list ([torch.optim.Muon(...), torch.optim.AdamW([...groups...])])")
         flat = [q for item in parameters for q in (item["params"] if isinstance(item, dict) else [item])]
         return build_muon(p, flat, names or {})
     if block.type == "SGD":

@@ -89,7 +89,10 @@ def check_lr_scheduler(lr_scheduler: SchedulerArg, optimizer: torch.optim.Optimi
                           f"got {type(lr_scheduler).__name__}")
     _check_steppable(lr_scheduler)
     if optimizer is None or lr_scheduler.optimizer is not optimizer:
+        members = getattr(optimizer, "optimizers", ())  # several optimizers passed as a list
         where = ("no optimizer is passed (the config's block builds it)" if optimizer is None
+                 else "it is built on one optimizer of the list, and the engine steps all of them as one "
+                      "(LambdaLR takes one function per param group)" if lr_scheduler.optimizer in members
                  else "it is built on another optimizer than the one passed")
         raise ConfigError(f"lr_scheduler {type(lr_scheduler).__name__} cannot drive the engine's optimizer: {where}; "
                           "pass a function instead, such as lr_scheduler=lambda opt: "

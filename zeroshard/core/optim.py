@@ -37,6 +37,9 @@ def one_optimizer(model: nn.Module, optimizer) -> torch.optim.Optimizer | None:
                                  f"the config); got {type(member).__name__}")
     if not several:
         return optimizer
+    if not optimizer or any(isinstance(member, Optimizers) for member in optimizer):
+        raise OptimizerError("optimizer as a list takes one or more torch optimizers, each over its own parameters "
+                             f"(not an empty list, nor a zeroshard.Optimizers); got {optimizer!r:.80}")
     names = {id(p): name for name, p in model.named_parameters()}
     owner: dict[int, int] = {}
     for i, member in enumerate(optimizer):

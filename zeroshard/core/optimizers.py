@@ -4,8 +4,7 @@ The standard Muon recipe is two optimizers: Muon for the hidden matrices,
 AdamW for embeddings, head, norms and biases. `initialize(model, [muon,
 adamw], config)` wraps them in `Optimizers`, a `torch.optim.Optimizer` whose
 param groups are the very group dicts of its members (an LR scheduler built
-on a member keeps working, and one built on the container drives them all)
-and whose state is one dict the members share: each reads only its own
+on the container drives them all) and whose state is one dict the members share: each reads only its own
 tensors' entries, so the engine and the checkpoints see one optimizer.
 """
 
@@ -63,3 +62,8 @@ class Optimizers(torch.optim.Optimizer):
 def member_of(optimizer: torch.optim.Optimizer, group: dict) -> torch.optim.Optimizer:
     """The torch optimizer whose class and settings step `group`: a member of `Optimizers`, else `optimizer`."""
     return optimizer.optimizer_of(group) if isinstance(optimizer, Optimizers) else optimizer
+
+
+def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class name; several optimizers' names joined: "Optimizers(Muon, AdamW)"."""
+    return repr(optimizer) if isinstance(optimizer, Optimizers) else type(optimizer).__name__

@@ -25,6 +25,7 @@ from zeroshard.comm.agreement import agree as agree_or_raise
 from zeroshard.config import ConfigError
 from zeroshard.core.local import local
 from zeroshard.core.optim import hyperparams
+from zeroshard.core.optimizers import member_of, optimizer_name
 from zeroshard.engine.checks import Checked
 from zeroshard.engine.join import Joined
 from zeroshard.engine.load import Loaded
@@ -42,13 +43,13 @@ def describe(model: nn.Module, optimizer: torch.optim.Optimizer, config: dict) -
     names = {id(p): name for name, p in model.named_parameters()}
     return {
         "buffers": [(name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers()],
-        "hyperparams": [sorted((k, repr(v)) for k, v in hyperparams(optimizer, g).items())
+        "hyperparams": [sorted((k, repr(v)) for k, v in hyperparams(member_of(optimizer, g), g).items())
                         for g in optimizer.param_groups],
         "parameters": [
             (name, tuple(p.shape), str(p.dtype), p.requires_grad) for name, p in model.named_parameters()
         ],
         "param_groups": [[names.get(id(p), "?") for p in g["params"]] for g in optimizer.param_groups],
-        "optimizer": type(optimizer).__name__,
+        "optimizer": optimizer_name(optimizer),
         "config": _shared(config),
     }
 

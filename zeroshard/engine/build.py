@@ -207,13 +207,14 @@ def _build_buckets(model: nn.Module, plans: list[BucketPlan], config: Config, co
 def _owners(whole: list[bool], world_size: int, sharded: bool
             ) -> Callable[[int | None, list[nn.Parameter]], list[int] | None]:
     """The owning rank of each parameter of a flat buffer whose group's optimizer needs tensors whole (None:
-    split as usual), one count of owned elements for the whole model (`plan/owners.py`)."""
-    owners = Owners(world_size)
+    split as usual), one count of owned elements per param group over the whole model (`plan/owners.py`;
+    `estimate/owned.py` prices a group so)."""
+    owners = [Owners(world_size) for _ in whole]
 
     def owned(group: int | None, params: list[nn.Parameter]) -> list[int] | None:
         if not sharded or group is None or not whole[group]:
             return None
-        return owners.assign([local(p).numel() for p in params])
+        return owners[group].assign([local(p).numel() for p in params])
     return owned
 
 
