@@ -7,6 +7,8 @@ optimizer written here: torch has none). The reference is the same mix on one pr
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -119,20 +121,29 @@ def step_all(optimizers) -> None:
 def reference(kind: str, steps: int, rows: int, accumulation: int, clip: float) -> tuple[list[float], torch.Tensor]:
     """One process over the global batch of `rows`: (loss per step, final weights)."""
     model = make_model()
+    return _plain_loop(model, model, kind, steps, rows, accumulation, clip,
+                       lambda x, micro: x.chunk(accumulation)[micro], lambda micro: contextlib.nullcontext())
+
+
+def _plain_loop(model, call, kind: str, steps: int, rows: int, accumulation: int, clip: float, rows_of,
+                sync_of) -> tuple[list[float], torch.Tensor]:
+    """Plain PyTorch: `call` (the model, or DDP around it) on `rows_of(x, micro)` of each step's batch, under
+    `sync_of(micro)`, then clipping and the optimizers' steps."""
     opts = make_optimizers(kind, model)
     losses = []
     for step in range(steps):
         x, y = batch(step, rows)
         total = 0.0
-        for xm, ym in zip(x.chunk(accumulation), y.chunk(accumulation)):
-            loss = loss_of(model, xm, ym)
-            (loss / accumulation).backward()
+        for micro in range(accumulation):
+            with sync_of(micro):
+                loss = loss_of(call, rows_of(x, micro), rows_of(y, micro))
+                (loss / accumulation).backward()
             total += loss.item() / accumulation
         if clip:
             nn.utils.clip_grad_norm_(model.parameters(), clip)
         step_all(opts)
         losses.append(total)
-    return losses, torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return losses, torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
 
 
 def rank_rows(x: torch.Tensor, rank: int, world: int, accumulation: int, micro: int) -> torch.Tensor:
@@ -178,25 +189,10 @@ def train(rank: int, world: int, device, kind: str, stage: int, steps: int, rows
 def train_ddp(rank: int, world: int, device, kind: str, steps: int, rows: int, accumulation: int,
               clip: float) -> tuple[list[float], torch.Tensor]:
     """The peer: torch's DistributedDataParallel with the same optimizers, on the same rows."""
-    import contextlib
-
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = make_model().to(device)
     ddp = DDP(model)
-    opts = make_optimizers(kind, model)
-    losses = []
-    for step in range(steps):
-        x, y = batch(step, rows)
-        total = 0.0
-        for micro in range(accumulation):
-            xm, ym = rank_rows(x, rank, world, accumulation, micro), rank_rows(y, rank, world, accumulation, micro)
-            with ddp.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
-                loss = loss_of(ddp, xm.to(device), ym.to(device))
-                (loss / accumulation).backward()
-            total += loss.item() / accumulation
-        if clip:
-            nn.utils.clip_grad_norm_(model.parameters(), clip)
-        step_all(opts)
-        losses.append(total)
-    return losses, torch.cat([p.detach().reshape(-1).float().cpu() for p in model.parameters()])
+    return _plain_loop(model, ddp, kind, steps, rows, accumulation, clip,
+                       lambda x, micro: rank_rows(x, rank, world, accumulation, micro).to(device),
+                       lambda micro: ddp.no_sync() if micro < accumulation - 1 else contextlib.nullcontext())
