@@ -11,11 +11,11 @@ import math
 
 import torch
 
-from zeroshard.checkpoint.files import CheckpointError
+from zeroshard.checkpoint.files import CheckpointError, group_state_keys
 from zeroshard.checkpoint.holdings import Holdings, Span, Trained
-from zeroshard.core.optimizers import optimizer_name
 from zeroshard.checkpoint.pieces import PieceReader
 from zeroshard.checkpoint.protocol import Checkpointable
+from zeroshard.core.optimizers import optimizer_name
 
 
 def as_error(why: str | None) -> CheckpointError | None:
@@ -94,8 +94,7 @@ def mismatch(optimizer: torch.optim.Optimizer, held: Holdings, manifest: dict, r
         return error
     needs = []
     for t in held.trained:
-        keys = (manifest["group_state"][t.bucket.param_group] if "group_state" in manifest
-                else manifest["optimizer_state"]) if with_optimizer else []
+        keys = group_state_keys(manifest, t.bucket.param_group) if with_optimizer else []
         needs += [(k, r.name, r.start, r.numel) for k in ["param"] + ["optim." + k for k in keys]
                   for r in t.held.runs()]
         owned = manifest.get("owned_state", {}) if with_optimizer else {}

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from zeroshard.checkpoint.files import CheckpointError, parse_manifest, resolve
+from zeroshard.checkpoint.files import CheckpointError, group_state_keys, parse_manifest, resolve
 from zeroshard.checkpoint.frozen import excluded
 from zeroshard.checkpoint.model_config import check_config_target, write_config
 from zeroshard.checkpoint.pieces import PieceReader
@@ -78,8 +78,7 @@ def _state_shape(manifest: dict, kind: str, name: str, entry: dict) -> list[int]
     key, owned = kind.removeprefix("optim."), manifest.get("owned_state", {})
     if name in owned:
         return owned[name].get(key)
-    keys = manifest["group_state"][entry["group"]] if "group_state" in manifest else manifest["optimizer_state"]
-    return entry["shape"] if key in keys else None
+    return entry["shape"] if key in group_state_keys(manifest, entry["group"]) else None
 
 
 def _stored_dtype(kind: str, entry: dict) -> torch.dtype:

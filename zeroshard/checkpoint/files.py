@@ -66,6 +66,12 @@ class CheckpointError(ZeroshardError, RuntimeError):
     """A checkpoint cannot be written or read: the message names the cause and the fix."""
 
 
+def group_state_keys(manifest: dict, group: int) -> list[str]:
+    """The state keys a manifest holds laid out like the master for param group `group` ("group_state"; a
+    manifest written before there were several optimizers lists one set for all: "optimizer_state")."""
+    return manifest["group_state"][group] if "group_state" in manifest else manifest["optimizer_state"]
+
+
 def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 

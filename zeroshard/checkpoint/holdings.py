@@ -20,8 +20,8 @@ import torch.nn as nn
 from zeroshard.core.bucket import Bucket
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import local
-from zeroshard.dtypes import torch_name
 from zeroshard.core.optim import steps_whole
+from zeroshard.dtypes import torch_name
 
 
 @dataclass(frozen=True)

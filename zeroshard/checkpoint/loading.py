@@ -34,6 +34,7 @@ from zeroshard.checkpoint.files import (
     DAMAGED_FIX,
     STATE,
     CheckpointError,
+    group_state_keys,
     holds_no_checkpoint,
     read_manifest,
     read_state,
@@ -253,8 +254,7 @@ def _optimizer_plan(trainer: Checkpointable, held: Holdings, manifest: dict, sta
     """What the optimizer takes from the checkpoint, for this job's masters (no tensor read yet)."""
     optimizer = trainer.optimizer
     index = _param_index(optimizer)
-    keys = [manifest["group_state"][t.bucket.param_group] if "group_state" in manifest else manifest["optimizer_state"]
-            for t in held.trained]
+    keys = [group_state_keys(manifest, t.bucket.param_group) for t in held.trained]
     scalars = []
     for t, bucket_keys in zip(held.trained, keys):
         saved = state["scalars"].get(t.held.names[0], {})

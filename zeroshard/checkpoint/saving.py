@@ -56,13 +56,12 @@ from zeroshard.checkpoint.holdings import Holdings, Span
 from zeroshard.checkpoint.model_config import hf_config
 from zeroshard.checkpoint.rank_state import rank_state
 from zeroshard.checkpoint.protocol import Checkpointable
-from zeroshard.checkpoint.turns import Surveyed, Turns, own_tensors, owned_scalars, owned_shapes, survey
+from zeroshard.checkpoint.turns import Surveyed, Turns, own_tensor, owned_everywhere, survey
 from zeroshard.checkpoint.writer import bytes_entry, write_streamed
 from zeroshard.comm import Comm, all_gather_object
 from zeroshard.comm.agreement import agree
 from zeroshard.core.optimizers import optimizer_name
 from zeroshard.version import __version__
-from zeroshard.core.optim import steps_whole
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +133,8 @@ def begin(trainer: Checkpointable, save_dir: str | Path, tag: str | int | float 
         error = str(exc)
     surveyed, unfit = _survey(trainer, held)
     error = error or unfit
-    owned = _owned_everywhere(trainer, held)  # every rank, whatever its own error: one gather
+    owned, unread = owned_everywhere(trainer, held)  # every rank, whatever its own error: one gather
+    error = error or unread
     if comm.rank == 0 and error is None:
         state, error = _serialized_state(trainer, held, surveyed, client_state, save_id, owned["scalars"])
         manifest = _manifest(trainer, held, surveyed, save_id, owned["shapes"]) | (
@@ -170,22 +170,6 @@ def publish(comm: Comm, began: Began, everyone: list[dict[str, dict]], save_late
     if comm.rank == 0:
         log.info("saved checkpoint %s (%d rank files)", began.save_dir / began.tag, comm.world_size)
     return began.save_dir / began.tag
-
-
-def _owned_everywhere(trainer: Checkpointable, held: Holdings) -> dict[str, dict]:
-    """The optimizer state of the tensors owned whole, from every rank (one gather; only rank 0's
-    manifest and state.pt use it): {"shapes": name -> key -> shape, "scalars": name -> key -> value}."""
-    mine: dict[str, dict] = {"shapes": {}, "scalars": {}}
-    try:
-        for t in held.trained:
-            mine["shapes"] |= owned_shapes(trainer.optimizer, t)
-            mine["scalars"] |= owned_scalars(trainer.optimizer, t)
-    except Exception:  # the survey has this rank's error already; the gather must still happen
-        mine = {"shapes": {}, "scalars": {}}
-    if trainer.comm.world_size == 1 or not any(steps_whole(t.bucket) for t in held.trained):
-        return mine  # no tensor is owned whole (the same on every rank), or one rank owns them all
-    everyone = all_gather_object(trainer.comm, mine)
-    return {part: {k: v for rank in everyone for k, v in rank[part].items()} for part in mine}
 
 
 def _survey(trainer: Checkpointable, held: Holdings) -> tuple[list[Surveyed], str | None]:
@@ -299,7 +283,7 @@ def windows_of(trainer: Checkpointable, held: Holdings, surveyed: list[Surveyed]
     for i, (t, seen) in enumerate(zip(held.trained, surveyed)):
         for kind, (dtype, numel) in seen.tensors.items():  # in memory during the bucket's turn only
             add(kind, f"@shard{i}", seen.spans.get(kind, t.own), dtype, numel, seen.turn,
-                lambda t=t, kind=kind: own_tensors(trainer.optimizer, t)[kind])
+                lambda t=t, kind=kind: own_tensor(trainer.optimizer, t, kind))
     always = [("param", f"@frozen{j}", span, flat.shard_data) for j, (flat, span) in enumerate(held.frozen)]
     if trainer.comm.rank == 0:  # what every rank holds whole: parameters in no flat buffer, the module's buffers
         always += [(kind, name, Span.whole(name, tensor.numel()), tensor)

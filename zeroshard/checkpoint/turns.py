@@ -13,6 +13,11 @@ A save goes over the turns twice: `survey` first, before anything is written
 (what each bucket holds, and whether it is finite), then `Turns`, as the
 writer asks for each tensor's bytes. A load goes over them once, with
 `write` (`loading.py`).
+
+Where the optimizer needs tensors whole, the state of each tensor a rank
+owns is written whole, by name, in its own shape (`own_tensor`,
+`owned_spans`); its shape and scalars reach rank 0's manifest and state.pt in
+one gather (`owned_everywhere`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ import torch
 from zeroshard.checkpoint.checks import nonfinite
 from zeroshard.checkpoint.holdings import Holdings, Span, Trained
 from zeroshard.checkpoint.protocol import Checkpointable
+from zeroshard.comm import all_gather_object
+from zeroshard.core.optim import steps_whole
 
 
 def master_state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -35,15 +42,22 @@ def master_state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> dict
 
 
 def own_tensors(optimizer: torch.optim.Optimizer, t: Trained) -> dict[str, torch.Tensor]:
-    """The rank's own part of a bucket's master ("param") and of each state tensor ("optim.<key>"), 1-D;
-    where the optimizer needs tensors whole, the state of the tensors this rank owns, one after another
-    (`owned_spans` says where each lies)."""
+    """The rank's own part of a bucket's master ("param") and of each state tensor ("optim.<key>"), 1-D
+    (`own_tensor`, by kind)."""
+    kinds = ["param", *(f"optim.{k}" for k in master_state(optimizer, t.bucket.master)), *_owned_state(optimizer, t)]
+    return {kind: own_tensor(optimizer, t, kind) for kind in kinds}
+
+
+def own_tensor(optimizer: torch.optim.Optimizer, t: Trained, kind: str) -> torch.Tensor:
+    """The rank's own part of one of a bucket's tensors, 1-D: a view of its master ("param") or of a state
+    tensor laid out like it; where the optimizer needs tensors whole, a copy of the owned tensors' state
+    one after another (`owned_spans` says where each lies)."""
+    owned = _owned_state(optimizer, t).get(kind)
+    if owned is not None:
+        return torch.cat([v.detach().reshape(-1) for _, v in owned])
     master = t.bucket.master
-    parts = {"param": master} | {f"optim.{k}": v for k, v in master_state(optimizer, master).items()}
-    own = {kind: t.own_part(tensor).detach().reshape(-1) for kind, tensor in parts.items()}
-    for kind, values in _owned_state(optimizer, t).items():
-        own[kind] = torch.cat([v.detach().reshape(-1) for _, v in values])
-    return own
+    tensor = master if kind == "param" else master_state(optimizer, master)[kind.removeprefix("optim.")]
+    return t.own_part(tensor).detach().reshape(-1)
 
 
 def owned_spans(optimizer: torch.optim.Optimizer, t: Trained) -> dict[str, Span]:
@@ -71,6 +85,26 @@ def owned_scalars(optimizer: torch.optim.Optimizer, t: Trained) -> dict[str, dic
     return {name: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
                    for k, v in optimizer.state.get(view, {}).items() if not (torch.is_tensor(v) and v.dim() > 0)}
             for name, view in t.owned(writing=True)}
+
+
+def owned_everywhere(trainer: Checkpointable, held: Holdings) -> tuple[dict[str, dict], str | None]:
+    """The optimizer state of the tensors owned whole, from every rank (one gather; only rank 0's
+    manifest and state.pt use it): ({"shapes": name -> key -> shape, "scalars": name -> key -> value}, why a
+    rank could not describe its own: the same on every rank, so that no manifest leaves a rank's out)."""
+    mine: dict = {"shapes": {}, "scalars": {}, "error": None}
+    try:
+        for t in held.trained:
+            mine["shapes"] |= owned_shapes(trainer.optimizer, t)
+            mine["scalars"] |= owned_scalars(trainer.optimizer, t)
+    except Exception as exc:  # the gather must still happen on every rank
+        mine = {"shapes": {}, "scalars": {}, "error": (f"rank {trainer.comm.rank} cannot describe the optimizer "
+                                                       f"state it owns ({type(exc).__name__}: {exc}); nothing "
+                                                       "was written and earlier checkpoints are intact")}
+    everyone = [mine]
+    if trainer.comm.world_size > 1 and any(steps_whole(t.bucket) for t in held.trained):
+        everyone = all_gather_object(trainer.comm, mine)  # (whether any tensor is owned whole: alike on all)
+    merged = {part: {k: v for rank in everyone for k, v in rank[part].items()} for part in ("shapes", "scalars")}
+    return merged, next((rank["error"] for rank in everyone if rank["error"]), None)
 
 
 def _owned_state(optimizer: torch.optim.Optimizer, t: Trained) -> dict[str, list[tuple[str, torch.Tensor]]]:

@@ -20,9 +20,8 @@ check but those two.
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 import zlib
 from contextlib import ExitStack
 from pathlib import Path
@@ -32,6 +31,7 @@ from zeroshard.checkpoint.files import (
     STATE,
     CheckpointError,
     crc_hex,
+    group_state_keys,
     listed_files,
     parse_manifest,
     read_state,
@@ -228,8 +228,8 @@ def coverage_problems(path: Path, manifest: dict, reader: PieceReader) -> list[s
     for name, entry in manifest["params"].items():
         if entry.get("group") is None:
             continue  # frozen: no optimizer state
-        keys = manifest["group_state"][entry["group"]] if "group_state" in manifest else manifest["optimizer_state"]
-        needs += [("optim." + key, name, math.prod(entry["shape"])) for key in keys if name not in owned]
+        keys = [] if name in owned else group_state_keys(manifest, entry["group"])
+        needs += [("optim." + key, name, math.prod(entry["shape"])) for key in keys]
         needs += [("optim." + key, name, math.prod(shape)) for key, shape in owned.get(name, {}).items()]
     problems = []
     for kind, name, numel in needs:

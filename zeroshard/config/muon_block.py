@@ -71,7 +71,8 @@ def build_muon(p: MuonParams, parameters: list[torch.nn.Parameter], names: dict[
     when it would be empty)."""
     trained = [q for q in parameters if q.requires_grad]
     muon = [q for q in trained if takes_muon(names.get(id(q), ""), q)]
-    rest = [q for q in trained if not any(q is m for m in muon)]
+    chosen = {id(q) for q in muon}
+    rest = [q for q in trained if id(q) not in chosen]
     muon_lr = p.muon_lr if p.muon_lr is not None else p.lr if p.lr is not None else _MUON_LR
     adam_lr = p.adam_lr if p.adam_lr is not None else p.lr if p.lr is not None else _ADAM_LR
     built = []

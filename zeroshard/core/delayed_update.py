@@ -44,10 +44,11 @@ def _frozen(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """
     frozen = object.__new__(type(optimizer))
     frozen.__dict__.update({k: v for k, v in vars(optimizer).items() if k != "step"})
-    frozen.param_groups = [dict(group) for group in optimizer.param_groups]
     if isinstance(optimizer, Optimizers):  # each member steps with its groups' copies
         frozen.optimizers = [_frozen(member) for member in optimizer.optimizers]
         frozen.param_groups = [group for member in frozen.optimizers for group in member.param_groups]
+    else:
+        frozen.param_groups = [dict(group) for group in optimizer.param_groups]
     return frozen
 
 

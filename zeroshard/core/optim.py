@@ -2,9 +2,11 @@
 
 The optimizer object is kept (LR schedulers already attached to it keep
 working); only each param group's "params" list is replaced by the master
-tensors (this rank's shards at stage >= 1) of the buckets built from that group.
-That is sound only for optimizers that work element by element, so each
-param group's optimizer is probed first.
+tensors (this rank's shards at stage >= 1) of the buckets built from that
+group. Each param group's optimizer is probed first: one that works element
+by element steps the masters themselves; one that needs tensors whole steps
+views of them shaped as the tensors this rank owns (plan/owners.py); one that
+couples tensors is refused.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from zeroshard.core.bucket import Bucket
-from zeroshard.core.optimizers import Optimizers, member_of
+from zeroshard.core.optimizers import Optimizers, member_of, members
 from zeroshard.errors import ZeroshardError
 
 # Group keys torch (or an LR scheduler) adds that are not constructor arguments.
@@ -218,11 +220,6 @@ def set_step_grads(bucket: Bucket, grad: torch.Tensor | None) -> None:
     for t in bucket.stepped:
         at = t.storage_offset() - base
         t.grad = None if grad is None else grad[at : at + t.numel()].view(t.shape)
-
-
-def members(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-    """The torch optimizers an optimizer is made of: the members of `Optimizers`, else itself."""
-    return optimizer.optimizers if isinstance(optimizer, Optimizers) else [optimizer]
 
 
 def state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -4,8 +4,9 @@ The standard Muon recipe is two optimizers: Muon for the hidden matrices,
 AdamW for embeddings, head, norms and biases. `initialize(model, [muon,
 adamw], config)` wraps them in `Optimizers`, a `torch.optim.Optimizer` whose
 param groups are the very group dicts of its members (an LR scheduler built
-on the container drives them all) and whose state is one dict the members share: each reads only its own
-tensors' entries, so the engine and the checkpoints see one optimizer.
+on the container drives them all) and whose state is one dict the members
+share: each reads only its own tensors' entries, so the engine and the
+checkpoints see one optimizer.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Optimizers(torch.optim.Optimizer):
         groups = iter(self.param_groups)
         for member in self.optimizers:
             member.param_groups = [next(groups) for _ in member.param_groups]
-            member.state = self.state
+        self._link()
 
     def __repr__(self) -> str:
         return "Optimizers(" + ", ".join(type(m).__name__ for m in self.optimizers) + ")"
@@ -62,6 +63,11 @@ class Optimizers(torch.optim.Optimizer):
 def member_of(optimizer: torch.optim.Optimizer, group: dict) -> torch.optim.Optimizer:
     """The torch optimizer whose class and settings step `group`: a member of `Optimizers`, else `optimizer`."""
     return optimizer.optimizer_of(group) if isinstance(optimizer, Optimizers) else optimizer
+
+
+def members(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers an optimizer is made of: the members of `Optimizers`, else itself."""
+    return optimizer.optimizers if isinstance(optimizer, Optimizers) else [optimizer]
 
 
 def optimizer_name(optimizer: torch.optim.Optimizer) -> str:

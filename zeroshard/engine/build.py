@@ -37,7 +37,6 @@ from zeroshard.core.precision import Precision
 from zeroshard.core.reducer import GradReducer
 from zeroshard.core.staging import StagingPool
 from zeroshard.engine.checks import Checked
-from zeroshard.plan.owners import Owners
 from zeroshard.engine.step_update import DelayedUpdate, delayed_update
 from zeroshard.engine.join import Joined
 from zeroshard.engine.layout import Layout
@@ -51,6 +50,7 @@ from zeroshard.stage3.gathered import Placement, place
 from zeroshard.stage3.gathers import Gathers
 from zeroshard.stage3.generation import sync_generation
 from zeroshard.stage3.materialize import Materializer, materialize_whole, on_meta
+from zeroshard.plan.owners import Owners
 from zeroshard.plan.staging import block_numel
 from zeroshard.stage3.module_state import ModuleStateHooks
 from zeroshard.stage3.resize import refuse_resize

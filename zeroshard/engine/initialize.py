@@ -66,8 +66,8 @@ def initialize(
 
     The default process group is initialized from torchrun's environment if it is not yet. Rank 0's parameter
     values are broadcast to every rank. `optimizer`: a torch optimizer, or a list of them over disjoint parameters
-    (Muon for the matrices, AdamW for the rest), stepped as one `zeroshard.Optimizers`. `wrap` (stage 3): module classes whose instances each form a unit, as
-    the config key `zero_optimization.stage3_wrap_classes`.
+    (Muon for the matrices, AdamW for the rest), stepped as one `zeroshard.Optimizers`. `wrap` (stage 3):
+    module classes whose instances each form a unit, as the config key `zero_optimization.stage3_wrap_classes`.
     `init` (stage 3, a model built under `torch.device("meta")`): `init(module)` initialises the parameters a
     module holds directly; the model is materialised unit by unit on this rank's device, keeping only shards.
     Without `optimizer`, the config's "optimizer" block builds one, over `model_parameters` when given

@@ -13,8 +13,8 @@ import torch.nn as nn
 from zeroshard.comm.group import LaunchError
 from zeroshard.config import ConfigError
 from zeroshard.core.local import is_dtensor, local
-from zeroshard.core.optimizers import member_of
 from zeroshard.core.optim import OptimizerError, check_per_tensor, is_elementwise, is_fresh, one_optimizer
+from zeroshard.core.optimizers import member_of
 from zeroshard.dtypes import NAMES, torch_name
 from zeroshard.errors import ModelError
 from zeroshard.parallel.mesh import Mesh

@@ -3,9 +3,10 @@
 An element-wise optimizer's state splits evenly: K bytes for each element of
 the rank's shard. An optimizer that needs tensors whole keeps each tensor's
 state on the one rank that owns it (plan/owners.py), so a rank's bytes are
-the sum over its own tensors of that optimizer's state for one tensor, and
-the ranks differ by at most the state of the largest tensor (the
-longest-processing-time rule's bound). Each flat buffer also costs all its
+the sum over its own tensors of that optimizer's state for one tensor; the
+ranks' owned elements differ by at most the largest tensor's (the
+longest-processing-time rule's bound), their state by what those elements
+keep. Each flat buffer also costs all its
 ranks the padding of its largest rank's segment, in the masters and on the
 wire: N x S elements per reduce-scatter and all-gather, S the largest
 rank's elements of the buffer.

@@ -4,8 +4,8 @@ Muon, Adafactor, LAMB and their kind update a tensor from the tensor whole (an
 orthogonalisation, row and column moments, a trust ratio), so a flat shard may
 not cut one. For their param groups each tensor is owned by one rank, chosen
 largest first to the rank that owns the fewest elements so far (Graham's
-longest-processing-time rule; the count carries over from bucket to bucket,
-so the optimizer state evens out over the model). A flat buffer of owned
+longest-processing-time rule; one `Owners` per param group, its count carried
+over from bucket to bucket, so the group's state evens out over the model). A flat buffer of owned
 tensors is laid out owner by owner: rank r's tensors fill its segment
 [r S, (r + 1) S), S the largest rank's elements, and the rest of a segment is
 padding. The reduce-scatter and all-gather of the flat buffer are then the
