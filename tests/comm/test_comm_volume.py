@@ -13,7 +13,10 @@ all-reduce of a scalar.
 The second reference is the backend itself: the calls into torch.distributed
 during each step, counted under the engine, are exactly the collectives
 comm_stats() records (the model's own and the step check): no collective runs
-to check the ranks' order, on gloo or NCCL.
+to check the ranks' order, on gloo or NCCL. At stage 3 the ranks' rounds on
+the units of a step (`unit_check`, stage3/agreement.py) come on top: 1 + 2U
+bytes per rank each (U units), at most one per unit's need in forward and in
+backward and one at the end of each, and at least those two.
 """
 
 import pytest
@@ -68,7 +71,7 @@ def _per_step(rank, world, device, cases):
             after = engine.comm_stats()
             deltas.append({op: (after[op].calls - before[op].calls, after[op].bytes - before[op].bytes)
                            for op in after} | {"backend": sorted(calls)})
-        out.append((psi, padded, len(engine.buckets), deltas))
+        out.append((psi, padded, len(engine.buckets), deltas, len(engine.units)))
     return out
 
 
@@ -90,7 +93,7 @@ CASES = [
 def expected(case: Case, padded: int, units: int, world: int) -> dict:
     want = _expected_collectives(case, padded, units)
     want["step_check"] = (1, 40 * world)  # once per optimizer step: 5 float64 per rank, clipping or not
-    want = {op: want.get(op, (0, 0)) for op in zeroshard.comm.OPS}
+    want = {op: want.get(op, (0, 0)) for op in zeroshard.comm.OPS if op != "unit_check"}
     want["backend"] = _backend_calls(want, distributed.test_device(world).type == "cpu")
     return want
 
@@ -124,8 +127,15 @@ def _expected_collectives(case: Case, padded: int, units: int) -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_bytes_per_step_match_formula(world):
     for rank_results in run_ranks(_per_step, world, CASES):
-        for case, (psi, padded, units, deltas) in zip(CASES, rank_results):
+        for case, (psi, padded, units, deltas, stage3_units) in zip(CASES, rank_results):
             assert units > 1, "the test model should span several buckets"
             assert 0 <= padded - psi < world * units  # padding: fewer than N elements per unit
             for delta in deltas:
+                rounds, nbytes = delta.pop("unit_check")
+                assert nbytes == rounds * world * (1 + 2 * stage3_units), case
+                passes = 2 * case.accumulation  # a forward and a backward per micro-step
+                assert passes <= rounds <= passes * (stage3_units + 1) if case.stage == 3 else rounds == 0, case
+                for _ in range(rounds):  # each a batch of sends and receives on gloo, an all-gather on NCCL
+                    delta["backend"].remove("batch_isend_irecv" if distributed.test_device(world).type == "cpu"
+                                            else "all_gather_single")
                 assert delta == expected(case, padded, units, world), case

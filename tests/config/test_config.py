@@ -39,6 +39,7 @@ DEFAULTS = {
         "overlap_comm": True,
         "overlap_param_gather": False,
         "stage3_wrap_classes": [],
+        "leaf_module": {"classes": [], "names": [], "name_suffixes": []},
         "stage3_auto_wrap_min_params": 1_000_000,
         "stage3_param_persistence_threshold": 100_000,
         "stage3_max_live_parameters": 1_000_000_000,

@@ -2,9 +2,11 @@
 
 References: for the launch order, a few lines below (`expected_launches`)
 that restate the contract independently of the reducer: ordered mode
-launches the longest prefix of the target list whose gradients are all in,
-unordered mode a target the moment its last gradient arrives, and finish()
-launches the rest in list order. The fake targets record every call, so the
+launches the longest prefix of the target list whose gradients are all in;
+unordered mode (stage 3) launches nothing itself but says which targets are
+complete, and its caller (the schedule, once every rank has them: stage3/
+agreement.py) launches them: `CallerLaunches` does so right after the arrival
+that completes one. finish() launches the rest in list order. The fake targets record every call, so the
 test sees the order and the timing of launches and waits in calls, never in
 seconds. The multi-rank check trains a model whose ranks finish buckets in
 different orders and compares it with the same update computed in one process.
@@ -60,13 +62,24 @@ class FakeTarget:
         return self.pendings[-1]
 
 
+class CallerLaunches(GradReducer):
+    """Unordered mode's caller, restated: each target `complete()` reports is launched at once, in list order."""
+
+    def on_grad(self, target_index: int, param_index: int) -> None:
+        super().on_grad(target_index, param_index)
+        assert not self.launched(target_index) or not self.complete(target_index)
+        for k in range(len(self.targets)):
+            if self.complete(k):
+                self.launch(k)
+
+
 def make(sizes: list[int], ordered: bool, overlap: bool = True, shard_grads: bool = True):
     """(reducer, targets named A, B, C..., the shared event list, the on_launch calls)."""
     events: list = []
     targets = [FakeTarget(chr(ord("A") + i), n, events, shard_grads) for i, n in enumerate(sizes)]
     names = {id(p): f"{t.name}.{i}" for t in targets for i, p in enumerate(t.params)}
     launched: list[int] = []
-    red = GradReducer(targets, COMM, POOL, overlap, names, ordered=ordered,
+    red = (GradReducer if ordered else CallerLaunches)(targets, COMM, POOL, overlap, names, ordered=ordered,
                       on_launch=lambda i: (launched.append(i), events.append(("on_launch", i))))
     return red, targets, events, launched
 
@@ -125,6 +138,20 @@ def test_ordered_launch_waits_for_a_late_target_and_never_reorders():
     assert order == [x for i, n in enumerate("ABCD") for x in (("reduce", n), ("on_launch", i))]
     # every gradient was staged once (stage >= 2 switches), as it arrived
     assert sorted(e[1:] for e in events if e[0] == "take") == [(n, i) for n in "ABCD" for i in (0, 1)]
+
+
+def test_unordered_mode_launches_nothing_itself_and_reports_complete_targets():
+    red, targets, events, launched = make([2, 2], ordered=True)
+    names = {id(p): f"{t.name}.{i}" for t in targets for i, p in enumerate(t.params)}
+    plain = GradReducer(targets, COMM, POOL, True, names, ordered=False)
+    plain.begin(True, SCALE)
+    for t, p in ((1, 0), (1, 1), (0, 0), (0, 1)):
+        plain.on_grad(t, p)
+    assert reduces(events) == [] and plain.complete(1) and plain.complete(0)
+    plain.launch(1)
+    assert reduces(events) == ["B"] and plain.launched(1) and not plain.complete(1) and plain.complete(0)
+    plain.finish()  # the rest, in list order
+    assert reduces(events) == ["B", "A"]
 
 
 def test_unordered_launch_takes_each_target_as_soon_as_it_is_complete():

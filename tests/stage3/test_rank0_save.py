@@ -177,8 +177,9 @@ def test_rank0_save_pretrained_fails_within_30s_on_every_rank_with_the_default_c
     fix = ("call model.save_pretrained(dir, is_main_process=(rank == 0)) on every rank (every rank gathers, rank 0 "
            "alone writes), or engine.save_pretrained(dir) on every rank")
     _check_error(step[0], "CollectiveError", "rank(s) 1 will not enter " + call, fix)
-    assert "rank 1 is waiting in collective #1 (all_gather of 20736 bytes for unit '(root)') of the forward of step 0" \
-        in step[0][1], step[0]
+    # the forward's first collective: the ranks' round on its units (3 units: 1 + 2 x 3 bytes a rank)
+    assert "rank 1 is waiting in collective #1 (unit_check of 14 bytes for the units of the step) of the forward of " \
+           "step 0" in step[0][1], step[0]
     _check_error(step[1], "CollectiveError", f"rank 0: in {call}", fix)
     assert "but rank(s) 0 will never join that collective" in step[1][1], step[1]
     # (b) rank 1 said nothing: rank 0 waited the default rank_check_timeout, 20 s, and rank 1's barrier passed

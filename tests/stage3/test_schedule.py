@@ -100,10 +100,10 @@ def _record(engine, sizes: dict[str, int]):
     log = {"into": None, "outside": []}
     needing: list[int] = []
 
-    def need(i, exact=True, _need=schedule.need):
+    def need(i, exact=True, after=None, _need=schedule.need):
         needing.append(i)
         try:
-            _need(i, exact)
+            _need(i, exact, after)
         finally:
             needing.pop()
 

@@ -13,7 +13,7 @@ from zeroshard.comm.collectives import (
     reduce_scatter,
     wait_all,
 )
-from zeroshard.comm.checks import FaultFlags, step_check
+from zeroshard.comm.checks import FaultFlags, step_check, unit_check
 from zeroshard.comm.group import ensure_process_group
 from zeroshard.comm.compress.reduce import CompressedReduction, ErrorFeedback
 from zeroshard.comm.compress.qgz import Hops, HopsPending, qgz_reduce_scatter
@@ -25,5 +25,5 @@ from zeroshard.comm.watch.stall import CollectiveError
 __all__ = [
     "OPS", "Algorithms", "BlockCodec", "CollectiveError", "Comm", "CommRecorder", "CompressedReduction",
     "ErrorFeedback", "FaultFlags", "Hops", "HopsPending", "OpStats", "Pending", "PendingGroup", "all_gather", "all_gather_object", "all_reduce", "broadcast", "divergence",
-    "ensure_process_group", "qgz_reduce_scatter", "qwz_all_gather", "reduce_scatter", "step_check", "wait_all",
+    "ensure_process_group", "qgz_reduce_scatter", "qwz_all_gather", "reduce_scatter", "step_check", "unit_check", "wait_all",
 ]

@@ -309,16 +309,16 @@ def _sum_chunks(shard: torch.Tensor, own: torch.Tensor, received: torch.Tensor, 
 
 
 def all_gather(comm: Comm, full: torch.Tensor, async_op: bool = True, what: str = "", encoding: str = "",
-               uncompressed: int | None = None) -> Pending:
+               uncompressed: int | None = None, op: str = "all_gather") -> Pending:
     """Fill every chunk of `full` (1-D, N equal chunks) from its rank, in place.
 
     On entry this rank's chunk holds its shard. Logical bytes: `full`.
     `encoding` names what the chunks hold when they are encoded (quantized
     bytes); it is added to the recorded algorithm, and `uncompressed` is the
-    exact gather's bytes.
+    exact gather's bytes. `op`: the name it is recorded under (a check of its own).
     """
     n, rank = comm.world_size, comm.rank
-    launch = partial(_launch, comm, "all_gather", _nbytes(full), async_op=async_op, what=what,
+    launch = partial(_launch, comm, op, _nbytes(full), async_op=async_op, what=what,
                      uncompressed=uncompressed)
     if n == 1:
         return launch(_named("local", encoding), _nothing)

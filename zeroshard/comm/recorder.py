@@ -25,8 +25,9 @@ Scope = Literal["node", "cross_node"]
 # object_gather: all_gather_object of small picklable objects (checks that ranks agree), bytes pickled.
 # step_check: before each optimizer step, an all-gather of each rank's few figures (norm, flag, counters).
 # fault_check: after work that may fail on one rank alone (offload's disk I/O), an all-gather of a flag per rank.
+# unit_check: at stage 3, the ranks' agreement on the units of a step (stage3/agreement.py), a few bytes per rank.
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "all_to_all", "object_gather", "step_check",
-       "fault_check")
+       "fault_check", "unit_check")
 
 
 @dataclass

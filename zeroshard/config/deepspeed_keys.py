@@ -167,7 +167,6 @@ RULES: dict[str, Rule] = {
                                          "section"),
     "zero_optimization.allgather_sequential": no_effect("updated shards are gathered by one all-gather per bucket"),
     "zero_optimization.enable_sanity_checks": no_effect("zeroshard always checks the ranks agree at start-up"),
-    "zero_optimization.leaf_module": no_effect("stage 3's units come from stage3_wrap_classes"),
     "zero_allow_untested_optimizer": no_effect(
         "zeroshard probes every optimizer itself: element-wise ones run on flat shards, the others on whole tensors"),
     "zero_force_ds_cpu_optimizer": no_effect(

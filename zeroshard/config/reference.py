@@ -18,6 +18,7 @@ from zeroshard.config.compression import GradientCompression, ParameterCompressi
 from zeroshard.config.activation import ActivationCheckpointingConfig
 from zeroshard.config.offload import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from zeroshard.config.schema import Bf16Config, CheckpointConfig, Config, Fp16Config, NonFiniteConfig, ZeroConfig
+from zeroshard.config.zero import LeafModules
 
 HEADER = """# Configuration reference
 
@@ -51,6 +52,7 @@ def table(title: str, model: type[BaseModel], prefix: str) -> str:
 def reference() -> str:
     """The whole markdown page."""
     parts = [HEADER, table("Top level", Config, ""), table("zero_optimization", ZeroConfig, "zero_optimization."),
+             table("zero_optimization.leaf_module", LeafModules, "zero_optimization.leaf_module."),
              table("zero_optimization.offload_optimizer", OffloadOptimizerConfig,
                    "zero_optimization.offload_optimizer."),
              table("zero_optimization.offload_param", OffloadParamConfig, "zero_optimization.offload_param."),

@@ -49,6 +49,31 @@ def _stage(value: Any) -> int:
     return value
 
 
+def _names(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str):  # DeepSpeed takes one name for a list of one
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        raise _invalid("must be a list of names", value)
+    return tuple(value)
+
+
+class LeafModules(BaseModel):
+    """Stage 3: modules gathered whole, with everything inside them, as one unit (DeepSpeed's leaf modules)."""
+
+    model_config = _FROZEN_STRICT
+    classes: Annotated[tuple[str, ...], BeforeValidator(_names)] = Field((), description=(
+        "Module classes, by name (\"MixtralSparseMoeBlock\") or import path (\"transformers.models.mixtral."
+        "modeling_mixtral.MixtralSparseMoeBlock\")."))
+    names: Annotated[tuple[str, ...], BeforeValidator(_names)] = Field((), description=(
+        "Qualified module names (\"model.layers.0.mlp\")."))
+    name_suffixes: Annotated[tuple[str, ...], BeforeValidator(_names)] = Field((), description=(
+        "Endings of qualified module names (\"mlp\")."))
+
+    @property
+    def given(self) -> bool:
+        return bool(self.classes or self.names or self.name_suffixes)
+
+
 def _class_names(value: Any) -> tuple[str, ...]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
         raise _invalid('must be a list of module class names such as ["Block"]', value)
@@ -95,6 +120,11 @@ class ZeroConfig(BaseModel):
         "Stage 3: module class names whose instances each form a unit, gathered together "
         "(e.g. [\"Block\"]); empty = by size (stage3_auto_wrap_min_params). Same as "
         "initialize(..., wrap=[Block]). DeepSpeed: none (it gathers module by module)."))
+    leaf_module: LeafModules = Field(default_factory=LeafModules, description=(
+        "Stage 3: modules that form one unit each, gathered whole with whatever runs inside them (an MoE block "
+        "with all its experts): no unit is made inside them. {classes, names, name_suffixes}; each must match "
+        "a module. DeepSpeed: zero_optimization.leaf_module (and deepspeed.utils.set_z3_leaf_modules, which "
+        "zeroshard.deepspeed.utils provides)."))
     stage3_auto_wrap_min_params: PositiveInt = Field(1_000_000, description=(
         "Stage 3 without wrap classes: a module that runs becomes a unit once it holds this many parameter "
         "elements outside inner units (a container that reaches it, such as a ModuleList, makes units of its "

@@ -92,6 +92,13 @@ class FlatParams:
         self.shard_data = self.shard(self.data).clone()
         self.release_full()
 
+    def point_params(self, whole: bool) -> None:
+        """Point the parameters at their views of the full buffer, or (`whole=False`) at an empty tensor while
+        the buffer keeps its memory."""
+        empty = None if whole else self.data.new_empty(0)
+        for p, view in zip(self.params, self.views(self.data)):
+            point_at(p, view if whole else empty)
+
     def release_full(self) -> None:
         self.data.untyped_storage().resize_(0)
         empty = self.data.new_empty(0)

@@ -6,11 +6,11 @@ order. At stages 0-2 backward finishes buckets in an order that can differ
 between ranks (a parameter unused on one rank only), so a target is launched
 only once it and every target before it in the fixed list are ready; a late
 one delays its successors but never swaps places with them. At stage 3
-(`ordered=False`) a unit is launched as soon as it is ready, so that its
-gathered parameters can be released: the order is backward's, the same on
-ranks that run the same modules. Targets never reached (unused parameters)
-are launched at the end of backward, in list order, with zero gradients for
-what was missing. At most `MAX_IN_FLIGHT` reductions are in flight (plan/staging.py:
+(`ordered=False`) the ranks may run different units, so the reducer only
+tracks readiness: the ranks agree which units every rank has ready, and the
+schedule launches those (`launch`, stage3/agreement.py). Targets never
+reached (unused parameters) are launched at the end of backward, in list
+order, with zero gradients for what was missing. At most `MAX_IN_FLIGHT` reductions are in flight (plan/staging.py:
 the estimate's staging counts the blocks they hold).
 """
 
@@ -99,7 +99,7 @@ class GradReducer:
                 self._warn_unused()
                 for index, launched in enumerate(self._launched):
                     if not launched:
-                        self._launch(index)
+                        self.launch(index)
         finally:
             self.abandon()
 
@@ -119,17 +119,23 @@ class GradReducer:
             log.warning("parameters received no gradient in this backward and are reduced as zero "
                         "(the optimizer still applies weight decay and momentum to them): %s", listed)
 
+    def complete(self, index: int) -> bool:
+        """Whether every gradient of target `index` arrived in this backward and it is not launched yet."""
+        return self._missing[index] <= 0 and not self._launched[index]
+
+    def launched(self, index: int) -> bool:
+        return self._launched[index]
+
     def _launch_ready(self, target_index: int) -> None:
-        if not self.ordered:
-            if self._missing[target_index] <= 0 and not self._launched[target_index]:
-                self._launch(target_index)
+        if not self.ordered:  # stage 3: the schedule launches what every rank has ready
             return
         index = self._launched.index(False) if not all(self._launched) else len(self.targets)
         while index < len(self.targets) and self._missing[index] <= 0:
-            self._launch(index)
+            self.launch(index)
             index += 1
 
-    def _launch(self, index: int) -> None:
+    def launch(self, index: int) -> None:
+        """Launch target `index`'s reduction now (every rank launches the same targets in the same order)."""
         self._launched[index] = True
         while len(self._in_flight) >= MAX_IN_FLIGHT:  # frees its buffers before taking new ones
             self._in_flight.pop(0).wait()

@@ -4,12 +4,13 @@
 optimizer, dataloader, lr_scheduler); its engine is a `DeepSpeedEngine`, the
 native `zeroshard.Engine` with DeepSpeed's methods (`engine.py`).
 `init_distributed` and `add_config_arguments` serve the launch; `zero.Init` and `zero.GatheredParameters` serve stage 3;
-`checkpointing` is DeepSpeed's activation checkpointing API.
+`checkpointing` is DeepSpeed's activation checkpointing API; `utils` has
+stage 3's leaf modules (`set_z3_leaf_modules`).
 A DeepSpeed name not provided here raises `MissingAPIError`, saying what to
 do instead; docs/migrate-from-deepspeed.md has the whole table.
 """
 
-from zeroshard.deepspeed import checkpointing, zero
+from zeroshard.deepspeed import checkpointing, utils, zero
 from zeroshard.deepspeed.engine import DeepSpeedEngine
 from zeroshard.deepspeed.initialize import initialize
 from zeroshard.deepspeed.launch import add_config_arguments, init_distributed
@@ -21,7 +22,7 @@ from zeroshard.deepspeed.unsupported import (
 )
 
 __all__ = ["DeepSpeedEngine", "MissingAPIError", "UnsupportedError", "add_config_arguments", "checkpointing",
-           "init_distributed", "initialize", "zero"]
+           "init_distributed", "initialize", "utils", "zero"]
 
 
 def __getattr__(name: str):

@@ -23,9 +23,8 @@ NOT_PROVIDED = {
            "(torch.optim.AdamW(..., fused=True) on CUDA) or use the config's optimizer block",
     "comm": "use torch.distributed; zeroshard runs on its default group",
     "accelerator": "use torch.cuda and engine.device",
-    "moe": "mixture-of-experts layers are not supported yet",
-    "utils": "DeepSpeed's utilities are not provided: `zeroshard consolidate` replaces zero_to_fp32, "
-             "logging replaces deepspeed.utils.logger",
+    "moe": "DeepSpeed's MoE layer (expert parallelism) is not supported yet; MoE models train at stage 3 as they "
+           "are, experts as modules or as 3-D tensors (docs/stage-3.md)",
     "runtime": "DeepSpeed's runtime modules are not provided: the config's scheduler block builds WarmupLR, "
                "WarmupDecayLR and WarmupCosineLR; any torch scheduler can be passed as lr_scheduler",
     "add_tuning_arguments": "the autotuner is not provided",
@@ -36,6 +35,12 @@ NOT_PROVIDED = {
     "module_inject": "kernel injection is not provided (it is an inference feature)",
     "compression": "DeepSpeed's compression library is not provided",
 }
+
+# Names of deepspeed.utils that zeroshard.deepspeed.utils does not provide (it has the stage-3 leaf modules).
+_UTILS = ("DeepSpeed's other utilities are not provided: `zeroshard consolidate` replaces zero_to_fp32, logging "
+          "replaces deepspeed.utils.logger")
+UTILS_NOT_PROVIDED = {name: _UTILS for name in ("logger", "zero_to_fp32", "safe_get_full_fp32_param",
+                                                 "safe_get_full_grad", "log_dist")}
 
 # Names of deepspeed.zero that zeroshard.deepspeed.zero does not provide.
 ZERO_NOT_PROVIDED = {

@@ -243,7 +243,8 @@ def _build_units(model: nn.Module, plans: list[UnitPlan], groups: list[list[nn.P
     # The units' flat buffers were broadcast before sharding, one by one.
     broadcast_from_rank0(comm, model, [], [f for u in units for f in u.flats])
     schedule = GatherSchedule(units, gathers, zero.stage3_max_live_parameters, zero.stage3_prefetch_bucket_size,
-                              zero.stage3_max_reuse_distance)
+                              zero.stage3_max_reuse_distance, next((f.device for u in units for f in u.flats),
+                                                                   None))
     schedule.install(model)
     ModuleStateHooks(model, schedule).install()  # module.state_dict() gives full tensors, never empty ones
     sync_generation(model, comm)  # ranks that stop generating at different lengths keep gathering together
@@ -254,10 +255,12 @@ def _build_reducer(buckets: list[Bucket], units: list[Unit], schedule: GatherSch
                    pool: StagingPool, overlap: bool, names: dict[int, str]) -> GradReducer:
     if schedule is None:
         return GradReducer(buckets, comm, pool, overlap, names)
-    # Stage 3 reduces per unit, as soon as one is ready, and releases its parameters.
+    # Stage 3 reduces per unit, once every rank has it ready: the schedule's rounds launch it.
     reduced = [i for i, unit in enumerate(units) if unit.params]
-    return GradReducer([units[i] for i in reduced], comm, pool, overlap, names,
-                       ordered=False, on_launch=lambda k: schedule.on_reduced(reduced[k]))
+    reducer = GradReducer([units[i] for i in reduced], comm, pool, overlap, names,
+                          ordered=False, on_launch=lambda k: schedule.on_reduced(reduced[k]))
+    schedule.attach(reducer, reduced)
+    return reducer
 
 
 def broadcast_from_rank0(comm: Comm, model: nn.Module, flats: list[FlatParams],

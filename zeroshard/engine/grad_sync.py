@@ -95,11 +95,13 @@ class GradSync:
             self.offload.tiers.hold_grads()  # the step's first gradient shards on disk stay in memory for it
         self.reducer.begin(reduce_now, self._scale())
         if self.schedule is not None:
-            self.schedule.begin_backward()
+            self.schedule.begin_backward(reducing=reduce_now)
         return reduce_now
 
     def finish_hooked(self, reduce_now: bool) -> None:
         """After that backward: what the hooks did not reach reduced, or the micro-step's gradients summed."""
+        if self.schedule is not None:
+            self.schedule.finish_backward()  # the ranks' last rounds launch every unit's reduction
         self.reducer.finish()
         if self.schedule is not None:
             self.schedule.end_backward()  # waits for prefetches still in flight
@@ -134,10 +136,11 @@ class GradSync:
                                    f"{self.config.stage}: stages 0-1 reduce a window once, so its gradients would be "
                                    "reduced twice. Reduce after the window's last backward, or use stage 2 or 3")
         if self.schedule is not None:
-            self.schedule.begin_backward()
+            self.schedule.begin_backward(reducing=False)
 
     def end_backward(self) -> None:
         if self.schedule is not None:
+            self.schedule.finish_backward()
             self.schedule.end_backward()
         self.window = Window.UNREDUCED
 

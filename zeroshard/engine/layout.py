@@ -34,6 +34,6 @@ def make_plan(model: nn.Module, config: Config | None, checked: Checked) -> Layo
     zero = config.zero_optimization
     if config.stage == 3:
         return Layout(units=plan_units(model, unit_modules(model, zero.stage3_wrap_classes,
-                                                           zero.stage3_auto_wrap_min_params)))
+                                                           zero.stage3_auto_wrap_min_params, zero.leaf_module)))
     return Layout(buckets=bucket_params(model, checked.groups,
                                         min(zero.reduce_bucket_size, zero.allgather_bucket_size)))

@@ -7,13 +7,20 @@
   the first training step is prefetched meanwhile;
 - backward: a hook on the unit's outputs gathers it again (if it was
   released) before its backward runs, prefetching the next unit backward
-  needs that is not whole, and it is released once its gradients are reduced;
+  needs that is not whole, and it is released once its gradients are reduced
+  and, for a unit holding frozen parameters, once its inputs' gradients are
+  made (`InputsDone`);
 - recomputation under activation checkpointing happens inside backward and
   releases nothing: the unit is needed for the backward that follows.
 
-Every rank must gather the same units in the same order. Prefetching follows
-the order recorded on the first step, so ranks that run the same control flow
-prefetch alike. A unit is prefetched only if it has at most
+Inside the model's forward and inside backward the ranks may run different
+units: every gather, release and reduction there is decided in the ranks'
+rounds (agreement.py), so the collectives pair whatever each rank ran; a
+unit whose forward is over is hidden (its parameters read as empty) until
+the round that frees it. A unit called outside the model's forward is
+gathered and released at once, as before: every rank must call it alike.
+Prefetching follows the order recorded on the first step (each rank its own).
+A unit is prefetched only if it has at most
 `max_prefetch_numel` elements and the gathered elements stay within
 `max_live_numel` (plan/prefetch.py, the rule the estimate prices); a gather
 that forward or backward needs now always proceeds.
@@ -36,10 +43,12 @@ from functools import partial
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from zeroshard.core.reducer import GradReducer
 from zeroshard.plan.prefetch import following, may_prefetch, next_to_gather
 from zeroshard.plan.reuse import kept_units
+from zeroshard.stage3.agreement import InputsDone, UnitAgreement, Use
 from zeroshard.stage3.gathers import Gathers
 from zeroshard.stage3.unit import Unit, UnitState
 
@@ -53,7 +62,7 @@ class Pass(Enum):
 
 class GatherSchedule:
     def __init__(self, units: list[Unit], gathers: Gathers, max_live_numel: int, max_prefetch_numel: int,
-                 max_reuse_distance: int = 0):
+                 max_reuse_distance: int = 0, device: torch.device | None = None):
         self.units, self.gathers, self.comm = units, gathers, gathers.comm
         self.max_live_numel = max_live_numel
         self.max_prefetch_numel = max_prefetch_numel
@@ -66,29 +75,76 @@ class GatherSchedule:
         self._backward_seen: list[int] = []
         self._reused: set[int] = set()  # from the first step: the units kept whole from forward to backward
         self.kept: set[int] = set()  # those kept now, from a training forward, until backward or the step
+        self.agreement = UnitAgreement(self.comm, len(units), device or torch.device("cpu"))
+        self.use = Use(len(units))
+        self.agreeing = False  # inside the model's forward or a backward: a unit's state changes in rounds
+        self._model_calls = 0
+        self._reducing = False  # this backward's hooks reduce (sync on)
+        self._reduced: set[int] = set()  # units whose reduction was launched in this backward
+        self._posted_ready: set[int] = set()
+        self.reducer: GradReducer | None = None
+        self._target: dict[int, int] = {}  # unit -> its index among the reducer's targets
+
+    def attach(self, reducer: GradReducer, units_reduced: list[int]) -> None:
+        """The reducer whose targets are `units_reduced` (unit indices, in its order)."""
+        self.reducer, self._target = reducer, {u: k for k, u in enumerate(units_reduced)}
 
     def install(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(_eager(self._before_model_forward), prepend=True)
         for i, unit in enumerate(self.units):
-            unit.module.register_forward_pre_hook(_eager(partial(self._pre_forward, i)))
+            unit.module.register_forward_pre_hook(_eager(partial(self._pre_forward, i)), with_kwargs=True)
             unit.module.register_forward_hook(_eager(partial(self._post_forward, i)))
-        # After every unit's own hook: a forward's prefetches that were never used are let go.
+        # After every unit's own hook: the ranks settle the forward's units.
         model.register_forward_hook(_eager(self._after_model_forward))
 
     # -- hooks ---------------------------------------------------------------
 
-    def _pre_forward(self, i: int, module, args) -> None:
-        self.need(i, exact=False)
+    def _before_model_forward(self, module, args) -> None:
+        if self.phase is Pass.FORWARD:
+            self._model_calls += 1
+            self.agreeing = True
+
+    def _after_model_forward(self, module, args, output) -> None:
+        if self.phase is Pass.FORWARD:
+            self._model_calls -= 1
+            if not self._model_calls:
+                self.settle()
+                self.agreeing = False
+
+    def _pre_forward(self, i: int, module, args, kwargs):
         if self.phase is Pass.BACKWARD:  # recomputation (activation checkpointing)
+            self.use.backward.add(i)
+            self.need(i, exact=False)
             self._note_backward(i)
-            return
+            return None
         self.kept.discard(i)  # in use again (a module called twice, the next micro-batch): its forward's own
         if self._next_forward is None:
             self._forward_seen.append(i)
-        self._prefetch_after(i, self._next_forward)
+        self.use.calls[i] += 1
+        self.need(i, exact=False, after=self._next_forward)
+        if self.units[i].frozen and torch.is_grad_enabled():
+            return self._hook_inputs(i, args, kwargs)
+        return None
+
+    def _hook_inputs(self, i: int, args, kwargs):
+        """A unit with frozen parameters: learn when its backward has produced its inputs' gradients."""
+        flat, spec = tree_flatten((args, kwargs))
+        at = [k for k, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not at:
+            self.use.unhooked.add(i)
+            return None
+        self.use.inputs_pending[i] += 1
+        for k, t in zip(at, InputsDone.apply(partial(self._inputs_done, i), *(flat[k] for k in at))):
+            flat[k] = t
+        return tree_unflatten(flat, spec)
+
+    def _inputs_done(self, i: int) -> None:
+        self.use.inputs_pending[i] = max(0, self.use.inputs_pending[i] - 1)
 
     def _post_forward(self, i: int, module, args, output) -> None:
         if self.phase is Pass.BACKWARD:
             return
+        self.use.calls[i] = max(0, self.use.calls[i] - 1)
         if self._next_backward is None and i not in self._forward_done:
             self._forward_done.append(i)
         if torch.is_grad_enabled():
@@ -98,50 +154,106 @@ class GatherSchedule:
             if i in self._reused:  # its backward comes soon: keep it rather than gather it again
                 self.kept.add(i)
                 return
-        self.release(i)
+        if not self.agreeing:  # a unit called outside the model's forward: as every rank does, at once
+            self.release(i)
+        elif not self.use.calls[i]:
+            self.units[i].hide(True)
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
-        if self.units[i].state is not UnitState.REDUCED:
+        if i not in self._reduced:
+            self.use.backward.add(i)
             self.need(i, exact=False)
             self._note_backward(i)
-
-    def _after_model_forward(self, module, args, output) -> None:
-        if self.phase is Pass.FORWARD:
-            self.release_all(keep=self.kept)
 
     def _note_backward(self, i: int) -> None:
         if self._next_backward is None and i not in self._backward_seen:
             self._backward_seen.append(i)
-        self._prefetch_after(i, self._next_backward)
+        if not self.agreeing:
+            self._prefetch_after(i, self._next_backward)
 
     # -- gathering -----------------------------------------------------------
 
-    def need(self, i: int, exact: bool = True) -> None:
+    def need(self, i: int, exact: bool = True, after: dict[int, int] | None = None) -> None:
         """Make unit `i`'s parameters whole now: wait for its gather, starting it if needed.
 
         `exact` (outside training: state dicts, gathered_parameters): the shards' own values, never
         ZeRO++'s quantized or node-local gathers. A unit whole already is used as it is, except one kept
-        from a forward, which an exact need gathers anew.
+        from a forward, which an exact need gathers anew. Inside a training pass (`agreeing`) the gather
+        is agreed in a round (module docstring of agreement.py); `after`: the order to prefetch from.
         """
         unit = self.units[i]
-        if exact and i in self.kept:
-            self.release(i)
-        if unit.whole:
+        if self.agreeing and not exact:
+            after = self._next_backward if self.phase is Pass.BACKWARD else after
+            self.use.prefetch = self._prefetch_target(i, after, beside=0 if unit.held else unit.gathered_numel)
+            # a round where this rank's state must change: the unit, a prefetch, gradients newly ready
+            if not unit.held or self.use.prefetch is not None or self._ready_here() != self._posted_ready:
+                self._round(done=False, now=i)
+            unit.wait_gather()
+            unit.hide(False)
             return
-        if unit.state is not UnitState.GATHERING:
-            unit.start_gather(self.gathers, exact)
-        unit.wait_gather()
+        if exact and (i in self.kept or unit.hidden):
+            self.release(i)
+        if not unit.whole:
+            if unit.state is not UnitState.GATHERING:
+                unit.start_gather(self.gathers, exact)
+            unit.wait_gather()
+        if not exact and after is not None:
+            self._prefetch_after(i, after)
+
+    def _prefetch_target(self, i: int, after: dict[int, int] | None, beside: int = 0) -> int | None:
+        """The unit to gather meanwhile: the next one the first step ran after `i` that is not held (`beside`:
+        elements about to be gathered with it)."""
+        j = None if after is None else next_to_gather(i, after, lambda u: self.units[u].held)
+        if j is None or self.units[j].held or j in self._reduced:
+            return None
+        fits = may_prefetch(self.units[j].gathered_numel, self.live_numel() + beside, self.max_prefetch_numel,
+                            self.max_live_numel)
+        return j if fits else None
 
     def _prefetch_after(self, i: int, after: dict[int, int] | None) -> None:
-        # past the units whole already (kept from the forward): the next one to gather
-        j = None if after is None else next_to_gather(i, after, lambda u: self.units[u].whole)
-        if j is None or self.units[j].state is not UnitState.SHARDED:
-            return
-        if may_prefetch(self.units[j].gathered_numel, self.live_numel(), self.max_prefetch_numel,
-                        self.max_live_numel):
+        """Outside the agreement (a unit called outside the model's forward): prefetch at once."""
+        j = self._prefetch_target(i, after)
+        if j is not None:
             self.units[j].start_gather(self.gathers, exact=False)
             if j in after:  # shards on disk: read the unit after it meanwhile
                 self.units[after[j]].read_shards()
+
+    # -- the agreement's rounds ------------------------------------------------
+
+    def _round(self, done: bool, now: int | None = None) -> bool:
+        """One round (agreement.py); returns whether every rank has finished the pass."""
+        ready = self._ready_here(every=done)
+        want = set(self.kept) if done else self.use.wanted(self.kept, self._backward_over) | {now}
+        agreed = self.agreement.round(done, want, ready)
+        self._posted_ready = ready
+        for i in agreed.reduce:
+            self.reducer.launch(self._target[i])
+        for i, unit in enumerate(self.units):
+            if unit.held and i not in agreed.wanted:
+                unit.release()
+        for i in sorted(agreed.wanted):
+            if not self.units[i].held:
+                self.units[i].start_gather(self.gathers, exact=False)
+        return agreed.done
+
+    def settle(self) -> None:
+        """The end of a pass: rounds, wanting only what is kept for backward, until every rank has finished."""
+        while not self._round(done=True):
+            pass
+        self.use.prefetch = None
+
+    def _ready_here(self, every: bool = False) -> set[int]:
+        """Units whose reduction this rank can launch: all gradients here (`every`: backward is over)."""
+        if not (self._reducing and self.phase is Pass.BACKWARD):
+            return set()
+        pending = self.reducer.complete if not every else lambda k: not self.reducer.launched(k)
+        return {i for i, k in self._target.items() if pending(k)}
+
+    def _backward_over(self, i: int) -> bool:
+        """Whether unit `i`'s backward no longer reads its parameters on this rank."""
+        k = self._target.get(i)
+        grads = k is None or (self._reducing and (self.reducer.complete(k) or self.reducer.launched(k)))
+        return grads and (not self.units[i].frozen or self.use.frozen_over(i))
 
     def in_use(self, i: int) -> bool:
         """Whether unit `i` is whole for a forward, a backward or an outer block (not only kept for a backward,
@@ -150,19 +262,20 @@ class GatherSchedule:
 
     def live_numel(self) -> int:
         """Elements of the units gathered or being gathered now."""
-        return sum(u.gathered_numel for u in self.units if u.whole or u.state is UnitState.GATHERING)
+        return sum(u.gathered_numel for u in self.units if u.held)
 
     def release(self, i: int) -> None:
         self.units[i].release()  # a prefetch never used lands first
         self.kept.discard(i)
 
     def release_all(self, keep: set[int] = frozenset()) -> None:
-        """Release every unit but those in `keep`."""
+        """Release every unit but those in `keep`; a pass cut short (an error) ends here."""
         for i, unit in enumerate(self.units):
-            if i not in keep and unit.state is not UnitState.SHARDED:
+            if i not in keep and unit.held:
                 unit.release()
         self.kept &= set(keep)
-
+        self.agreeing, self._model_calls = False, 0
+        self.use.reset()
 
     def shards_changed(self) -> None:
         """After a step, a load or a delayed update landing: what a forward kept for a backward that never came
@@ -178,26 +291,33 @@ class GatherSchedule:
             unit.forget()
         self.kept.clear()
         self.phase = Pass.FORWARD
+        self.agreeing, self._model_calls = False, 0
+        self.use.reset()
 
     # -- backward bookkeeping --------------------------------------------------
 
-    def begin_backward(self) -> None:
-        self.phase = Pass.BACKWARD
-        self.kept.clear()  # backward's own now: each is released once reduced
+    def begin_backward(self, reducing: bool = True) -> None:
+        """`reducing`: the hooks reduce in this backward (sync on); else gradients stay on `.grad`."""
+        self.phase, self.agreeing, self._reducing = Pass.BACKWARD, True, reducing
+        self.use.backward = set(self.kept)  # wanted until their backward is over
+        self.kept.clear()
+        self._reduced.clear()
+        self._posted_ready = set()
 
     def on_reduced(self, i: int) -> None:
-        """Unit `i`'s gradients are on their way: its backward is over, its parameters can go.
+        """Unit `i`'s gradients are on their way: a second gradient for it in this backward is an error."""
+        self._reduced.add(i)
 
-        Every op that used a trainable parameter has produced its gradient by
-        now; a frozen parameter may still be needed by an op whose input
-        gradient is pending, so a unit holding frozen ones waits for the end.
-        """
-        self.units[i].mark_reduced()
+    def finish_backward(self) -> None:
+        """After autograd's backward: rounds until every rank has finished, which launch every reduction."""
+        self.settle()
 
     def end_backward(self) -> None:
         """After every backward (or a failed one): release what is left; after the first, fix the prefetch order."""
         self.phase = Pass.FORWARD
         self.release_all()
+        self._reducing = False
+        self._reduced.clear()
         if self._next_backward is None and self._backward_seen:
             self._next_forward = following(self._forward_seen)
             self._next_backward = following(self._backward_seen)

@@ -38,7 +38,6 @@ class UnitState(Enum):
     SHARDED = "sharded"  # only this rank's shard is held
     GATHERING = "gathering"  # an all-gather is in flight (a prefetch, or a need not yet waited for)
     GATHERED = "gathered"  # whole: forward or backward may use it
-    REDUCED = "reduced"  # its gradients are launched in this backward; released unless it holds frozen ones
 
 
 class Unit:
@@ -59,14 +58,20 @@ class Unit:
         self._gather: PendingGroup | None = None  # in flight while GATHERING
         self._read: Agreement | None = None  # with it: how every rank's reads of its shards went (offload)
         self.quantized = False  # the gathered buffers hold qwZ's dequantized values, not the shards' own
+        self.hidden = False  # gathered, its parameters pointed away until the next use or the round that frees it
 
     @property
     def whole(self) -> bool:
-        """Whether the gathered parameters are usable now (a reduced unit with frozen ones stays whole)."""
-        return self.state is UnitState.GATHERED or (self.state is UnitState.REDUCED and bool(self.frozen))
+        """Whether the gathered parameters are usable now."""
+        return self.state is UnitState.GATHERED and not self.hidden
+
+    @property
+    def held(self) -> bool:
+        """Whether a gather of it landed or is in flight (every rank started it: it lands)."""
+        return self.state is not UnitState.SHARDED
 
     def start_gather(self, gathers: Gathers, exact: bool = True) -> None:
-        """SHARDED (or REDUCED) -> GATHERING: all-gather every sharded flat buffer into its full buffer.
+        """SHARDED -> GATHERING: all-gather every sharded flat buffer into its full buffer.
 
         `exact`: the shards' own values; else training's gather, which ZeRO++ may quantize or keep in the node.
         """
@@ -119,25 +124,27 @@ class Unit:
                 raise
         self.state = UnitState.GATHERED
 
-    def mark_reduced(self) -> None:
-        """Its gradients are launched: release it now, unless frozen parameters may still be read."""
-        if not self.frozen:
-            self.release()
-        self.state = UnitState.REDUCED
+    def hide(self, hidden: bool) -> None:
+        """Its forward is over on this rank, but only a round may free it (stage3/agreement.py): its parameters
+        read as empty meanwhile, as a released unit's, so a use outside its forward fails the same way."""
+        if self.state is UnitState.GATHERED and self.hidden != hidden:
+            for flat in self.gathered_flats:
+                flat.point_params(whole=not hidden)
+            self.hidden = hidden
 
     def release(self) -> None:
         """Any state -> SHARDED; a gather still in flight lands first (every rank launched it)."""
         self.wait_gather()
         for flat in self.gathered_flats:
             flat.release_full()
-        self.state = UnitState.SHARDED
+        self.state, self.hidden = UnitState.SHARDED, False
 
     def forget(self) -> None:
         """After a failure: back to SHARDED without waiting for a gather the other ranks may never join."""
         self._gather = self._read = None
         for flat in self.gathered_flats:
             flat.release_full()
-        self.state = UnitState.SHARDED
+        self.state, self.hidden = UnitState.SHARDED, False
 
     def drop_secondaries(self) -> None:
         """hpZ: the secondary shards no longer match the shards (a step, a load, an edit)."""

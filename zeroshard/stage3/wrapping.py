@@ -11,6 +11,11 @@ without a forward of its own (`nn.ModuleList`, `nn.ModuleDict`,
 `nn.ParameterList`) is never called, so it is never a unit: the size policy
 makes units of its children that run instead, and what it holds directly
 goes to the nearest enclosing unit.
+
+A leaf module (`zero_optimization.leaf_module`, or DeepSpeed's
+`set_z3_leaf_modules`, which marks the module `_z3_leaf`) is a unit that
+holds everything inside it: no unit is made inside a leaf, so an MoE block
+gathers all its experts at once, whichever of them run.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from zeroshard.config.zero import LeafModules
 from zeroshard.errors import ModelError
 
 
@@ -30,7 +36,8 @@ class UnitPlan:
     owners: list[nn.Module]  # the modules that hold these parameters directly (for initialisation)
 
 
-def unit_modules(model: nn.Module, wrap: tuple[str, ...], min_numel: int) -> dict[str, nn.Module]:
+def unit_modules(model: nn.Module, wrap: tuple[str, ...], min_numel: int,
+                 leaves: LeafModules = LeafModules()) -> dict[str, nn.Module]:
     """Qualified name -> module for every unit module, the root ("") included.
 
     `wrap`: class names (as `type(m).__name__`); empty means the size policy:
@@ -53,8 +60,37 @@ def unit_modules(model: nn.Module, wrap: tuple[str, ...], min_numel: int) -> dic
     else:
         units = {}
         _pick_by_size(model, "", min_numel, units)
+    leaf = leaf_modules(model, leaves)
+    units = {name: m for name, m in units.items() if not any(_inside(name, lf) and name != lf for lf in leaf)}
+    units |= leaf
     units[""] = model
     return units
+
+
+def leaf_modules(model: nn.Module, leaves: LeafModules) -> dict[str, nn.Module]:
+    """The leaf modules by qualified name (the outermost where leaves nest); each entry must match one."""
+    found = {name: m for name, m in model.named_modules() if name and (
+        getattr(m, "_z3_leaf", False) or _class_matches(m, leaves.classes) or name in leaves.names
+        or any(name == s or name.endswith("." + s) for s in leaves.name_suffixes))}
+    classes = {n for m in model.modules() for n in (type(m).__name__, _path(type(m)))}
+    unknown = [*(c for c in leaves.classes if c not in classes), *(n for n in leaves.names if n not in found),
+               *(s for s in leaves.name_suffixes if not any(n == s or n.endswith("." + s) for n in found))]
+    if unknown:
+        raise ModelError(f"zero_optimization.leaf_module entries {unknown} match no module of the model; classes "
+                         f"present: {', '.join(sorted({type(m).__name__ for m in model.modules()}))}")
+    containers = sorted(name for name, m in found.items() if not runs(m))
+    if containers:
+        raise ModelError(f"leaf modules {containers} have no forward of their own (containers): they are never "
+                         "called, so they cannot be gathered whole; name the module that calls them")
+    return {name: m for name, m in found.items() if not any(_inside(name, o) and name != o for o in found if o)}
+
+
+def _class_matches(module: nn.Module, classes: tuple[str, ...]) -> bool:
+    return type(module).__name__ in classes or _path(type(module)) in classes
+
+
+def _path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def runs(module: nn.Module) -> bool:

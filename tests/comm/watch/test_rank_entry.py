@@ -118,9 +118,8 @@ def test_save_or_load_on_rank0_only_ends_on_every_rank_and_keeps_the_last_checkp
         # Rank 0 saw rank 1 in a collective (twice alike) while it waited: it did not wait out rank_check_timeout.
         assert f"rank(s) 1 will not enter {name}: rank 1 is waiting in collective" in message, message
         assert f"rank 0: in {name} after 3 optimizer steps (3 micro-steps)" in message, message
-        # Stage 3's first gather is the root unit's two flat buffers (AdamW's two groups), waited as one job:
-        # a stall there is watched under the last of them (comm/collectives.py, _share_wait).
-        first = "#2 (all_gather of 256 bytes for unit '(root)')" if stage == 3 else "#1 ("
+        # Stage 3's first collective is the ranks' round on the units (3 units: 1 + 2 x 3 bytes a rank).
+        first = "#1 (unit_check of 14 bytes for the units of the step)" if stage == 3 else "#1 ("
         assert f"rank 1: waiting in collective {first}" in message and "of step 3 (micro-step 3)" in message, message
         assert f"call engine.{name}(...) on every rank: every rank " in message, message
         assert ("`if rank == 0: engine.save_checkpoint(...)` is the usual cause" in message) == (call == "save")

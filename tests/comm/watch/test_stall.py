@@ -1,16 +1,17 @@
 """Ranks that run different collectives stop with an error that names the first one, on every rank, not a hang.
 
-The reference is the control flow each test sets up itself: rank 1 skips the
-second block in step 2 (its gathers and reductions no longer match rank 0's
-from that block on), or runs the two blocks, of the same size, in the other
-order in step 2 (every collective keeps its size: only the record of what
-each rank ran tells them apart). No collective runs to check the order: each
-rank's running checksum of its collectives, published when a collective
-stalls and compared at the step check, finds the difference, and the ranks'
-rings of recent collectives, compared through the store, name it.
+The reference is the control flow each test sets up itself. At stage 3,
+ranks that run different units (rank 1 skips the second block in step 2,
+or runs the two blocks in the other order) agree on them and train
+(stage3/agreement.py, tests/stage3/test_divergence.py for the values):
+checked here to end without an error, with the same weights on both ranks.
+Collectives no agreement can pair (other buffers, or a wait no other rank
+joins) stop: each rank's running checksum of its collectives, published
+when a collective stalls and compared at the step check, finds the
+difference, and the ranks' rings of recent collectives, compared through
+the store, name it.
 """
 
-import re
 from datetime import timedelta
 
 import torch
@@ -46,45 +47,24 @@ def _diverge(rank, device, order, zero: dict) -> dict:
     config = case.config() | {"collective_timeout": TIMEOUT_S, "rank_check_timeout": 2.0}  # a look after 0.5 s
     config["zero_optimization"] |= zero
     engine = zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), config, wrap=[Block], group=group)
-    held = []
-    try:
-        for step in range(4):
-            model.order = order if rank == 1 and step >= DIVERGE_AT else None
-            held = [b.master.detach().clone() for b in engine.buckets]
-            x, y = (t.to(device) for t in micro_batch(step, case, 2, rank, 0))
-            engine.backward(engine(x, y))
-            engine.step()
-    except zeroshard.CollectiveError as error:
-        unchanged = all(torch.equal(a, b.master) for a, b in zip(held, engine.buckets))
-        return {"error": str(error), "step": step, "unchanged": unchanged}
-    return {"error": None}
+    for step in range(4):
+        model.order = order if rank == 1 and step >= DIVERGE_AT else None
+        x, y = (t.to(device) for t in micro_batch(step, case, 2, rank, 0))
+        engine.backward(engine(x, y))
+        engine.step()
+    return {"weights": torch.cat([v.reshape(-1).cpu() for v in engine.full_state_dict().values()])}
 
 
 def _scenarios(rank, world, device):
-    # Swapped, with no prefetch: each gather is the one the block needs, so rank 0 gathers blocks.0 where
-    # rank 1 gathers blocks.1, of the same size.
+    # Swapped, with no prefetch: each gather is the one the block needs.
     no_prefetch = {"stage3_prefetch_bucket_size": 1}
     return {"skip": _diverge(rank, device, (0,), {}), "swap": _diverge(rank, device, (1, 0), no_prefetch)}
 
 
-def test_divergent_ranks_stop_with_an_error_naming_step_rank_and_unit(monkeypatch):
-    # gloo, also where GPUs exist: the stall explained here is gloo's (on NCCL the step check tells the ranks
-    # apart, test_a_step_check_tells_apart_ranks_that_ran_other_collectives_of_the_same_size).
-    monkeypatch.setenv("ZEROSHARD_TEST_DEVICE", "cpu")
+def test_ranks_that_skip_or_swap_units_at_stage_3_agree_on_them_and_train():
     ranks = run_ranks(_scenarios, 2, timeout_s=120)  # a hang fails here
-    for scenario, units in (("skip", ("unit 'blocks.1'",)), ("swap", ("unit 'blocks.0'", "unit 'blocks.1'"))):
-        for result in ranks:
-            message = result[scenario]["error"]
-            assert message is not None, scenario  # both ranks raised a CollectiveError; neither hung
-            assert result[scenario]["step"] == DIVERGE_AT and result[scenario]["unchanged"], (scenario, message)
-            assert f"step {DIVERGE_AT}" in message, message
-            assert all(unit in message for unit in units), message
-            assert "the ranks first differ at collective #" in message, message
-            assert "rank 0:" in message and "rank 1:" in message
-            assert "did not complete" not in message, message  # found before any collective timed out
-        swapped = re.search(r"rank 0: all_gather of (\d+) bytes for unit 'blocks.0', rank 1: all_gather of (\d+) "
-                            r"bytes for unit 'blocks.1'", ranks[0]["swap"]["error"])
-        assert swapped and swapped[1] == swapped[2], ranks[0]["swap"]["error"]  # equal sizes, paired wrongly
+    for scenario in ("skip", "swap"):
+        assert torch.equal(ranks[0][scenario]["weights"], ranks[1][scenario]["weights"]), scenario
 
 
 def _other_collectives_of_the_same_size(rank, world, device) -> dict:
