@@ -184,9 +184,11 @@ class GatherSchedule:
         unit = self.units[i]
         if self.agreeing and not exact:
             after = self._next_backward if self.phase is Pass.BACKWARD else after
-            self.use.prefetch = self._prefetch_target(i, after, beside=0 if unit.held else unit.gathered_numel)
+            fresh = None  # a new prefetch: chosen once the last one is used, wanted until it is
+            if self.use.prefetch in (None, i):
+                self.use.prefetch = fresh = self._prefetch_target(i, after, 0 if unit.held else unit.gathered_numel)
             # a round where this rank's state must change: the unit, a prefetch, gradients newly ready
-            if not unit.held or self.use.prefetch is not None or self._ready_here() != self._posted_ready:
+            if not unit.held or fresh is not None or self._ready_here() != self._posted_ready:
                 self._round(done=False, now=i)
             unit.wait_gather()
             unit.hide(False)

@@ -1,0 +1,93 @@
+"""The peak of a stage-3 step of a PEFT LoRA model: measured, and estimated by `zeroshard.estimate.step_peak`.
+
+A transformers Llama from a config (no download) with LoRA on q_proj and
+v_proj; stage 3 with each decoder layer a unit, the frozen base sharded.
+Each rank reads the resident high-water mark of its third step above its
+RSS before the model was built (`ResidentMeter`, as benchmarks/step_peak.py);
+rank 0 prints the largest rank's figures as JSON. Run it under this tree and
+under an older revision (PYTHONPATH) side by side:
+
+    torchrun --nproc-per-node 2 benchmarks/lora_peak.py
+    git worktree add /tmp/base <rev> && PYTHONPATH=/tmp/base torchrun --nproc-per-node 2 benchmarks/lora_peak.py
+
+The estimate: `step_peak` over the trained elements (the adapters) and the
+units' flats (frozen ones included, gathered as other units), plus the
+frozen base's shards (which `step_peak`'s model states, of trained
+elements, leave out) and the activations counted by `count_saved`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.distributed as dist
+
+import zeroshard
+from zeroshard.app.resident import ResidentMeter
+from zeroshard.estimate.activations import count_saved
+
+HIDDEN, LAYERS, VOCAB = 768, 6, 8000
+
+
+def build():
+    import peft
+    import transformers as tf
+
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2048, num_hidden_layers=LAYERS,
+                            num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(config)
+    lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return peft.get_peft_model(model, lora)
+
+
+def estimate(model, activations: int, world: int) -> dict:
+    from zeroshard.app.estimate.model_count import count_module
+    from zeroshard.estimate.formulas import shard_numel
+    from zeroshard.estimate.peak import step_peak
+    from zeroshard.plan.flats import FROZEN
+
+    counted = count_module("lora", model, ("LlamaDecoderLayer",))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    peak = step_peak(trained, activations, 3, world, "fp32", units=counted.units,
+                     largest_param=max(p.numel() for p in model.parameters() if p.requires_grad))
+    frozen = 4 * sum(shard_numel(f.numel, world) for f in counted.flats if f.kind == FROZEN)
+    return {"estimate": peak.total + frozen, "estimate_gathered": peak.gathered, "frozen_shards": frozen,
+            "base_bytes": 4 * sum(f.numel for f in counted.flats if f.kind == FROZEN)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    meter = ResidentMeter()
+    model = build()
+    tokens = torch.randint(VOCAB, (args.batch, args.seq), generator=torch.Generator().manual_seed(dist.get_rank()))
+    counted = count_saved(lambda: model(input_ids=tokens, labels=tokens).loss, model, tokens)
+    opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
+    engine = zeroshard.initialize(model, opt, {"train_micro_batch_size_per_gpu": args.batch, "zero_optimization": {
+        "stage": 3, "stage3_wrap_classes": ["LlamaDecoderLayer"]}})
+
+    def step():
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    losses = [step(), step()]
+    measured = meter.peak_of(lambda: losses.append(step()))
+    mine = {"peak": measured["peak"], "losses": losses} | estimate(model, counted.total, dist.get_world_size())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() == 0:
+        print(json.dumps(max(everyone, key=lambda r: r["peak"])))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
