@@ -19,6 +19,7 @@ elements, leave out) and the activations counted by `count_saved`.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import torch
@@ -28,15 +29,16 @@ import zeroshard
 from zeroshard.app.resident import ResidentMeter
 from zeroshard.estimate.activations import count_saved
 
-HIDDEN, LAYERS, VOCAB = 768, 6, 8000
+VOCAB = 8000
 
 
-def build():
+def build(hidden: int, layers: int):
     import peft
     import transformers as tf
 
-    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2048, num_hidden_layers=LAYERS,
-                            num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=512)
+    config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                            num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                            num_key_value_heads=hidden // 64, max_position_embeddings=512)
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(config)
     lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
@@ -44,6 +46,7 @@ def build():
 
 
 def estimate(model, activations: int, world: int) -> dict:
+    """Counted on the model before `initialize` (its parameters still whole)."""
     from zeroshard.app.estimate.model_count import count_module
     from zeroshard.estimate.formulas import shard_numel
     from zeroshard.estimate.peak import step_peak
@@ -59,16 +62,34 @@ def estimate(model, activations: int, world: int) -> dict:
 
 
 def main() -> None:
+    import peft  # noqa: F401  (imported before the base is read: their code is not the step's)
+    import transformers  # noqa: F401
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    run(args, 128, 1)  # warm-up: the code and buffers a step brings in for good stay out of the measure
+    gc.collect()
     meter = ResidentMeter()
-    model = build()
+    measured, mine = run(args, args.hidden, args.layers, meter)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine | {"peak": measured["peak"], "file_moved": measured["file_moved"]})
+    if dist.get_rank() == 0:
+        print(json.dumps(max(everyone, key=lambda r: r["peak"])))
+    dist.destroy_process_group()
+
+
+def run(args, hidden: int, layers: int, meter: ResidentMeter | None = None):
+    """Three steps of a LoRA Llama; with `meter`, the third measured."""
+    model = build(hidden, layers)
     tokens = torch.randint(VOCAB, (args.batch, args.seq), generator=torch.Generator().manual_seed(dist.get_rank()))
     counted = count_saved(lambda: model(input_ids=tokens, labels=tokens).loss, model, tokens)
+    estimated = estimate(model, counted.total, dist.get_world_size())
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
     engine = zeroshard.initialize(model, opt, {"train_micro_batch_size_per_gpu": args.batch, "zero_optimization": {
         "stage": 3, "stage3_wrap_classes": ["LlamaDecoderLayer"]}})
@@ -80,13 +101,8 @@ def main() -> None:
         return loss.item()
 
     losses = [step(), step()]
-    measured = meter.peak_of(lambda: losses.append(step()))
-    mine = {"peak": measured["peak"], "losses": losses} | estimate(model, counted.total, dist.get_world_size())
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    if dist.get_rank() == 0:
-        print(json.dumps(max(everyone, key=lambda r: r["peak"])))
-    dist.destroy_process_group()
+    measured = meter.peak_of(lambda: losses.append(step())) if meter else step()
+    return measured, {"losses": losses, "activations": counted.total} | estimated
 
 
 if __name__ == "__main__":
