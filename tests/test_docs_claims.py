@@ -26,6 +26,7 @@ FEATURES = {  # name -> (the words that name it, the page that documents it)
     "ZeRO++": (r"ZeRO\+\+|\bqwZ\b|\bhpZ\b|\bqgZ\b", "zeropp.md"),
     "the Hugging Face Trainer": (r"\bTrainer\b", "hugging-face.md"),
     "asynchronous checkpoints": (r"async", "fault-tolerance.md"),
+    "mixture-of-experts models": (r"\bMoE\b|mixture[- ]of[- ]experts", "stage-3.md"),
 }
 
 
