@@ -33,3 +33,16 @@ def layer_class(model) -> type:
 
 def batch(seed: int, rows: int = 2, length: int = 12) -> torch.Tensor:
     return torch.randint(VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def train_lm(engine, rank: int, device, steps: int) -> list[float]:
+    """`steps` steps of a causal LM through `engine` on rank `rank`'s batches (`batch(10 * step + rank)`, the
+    ids their own labels); returns the losses."""
+    losses = []
+    for step in range(steps):
+        ids = batch(10 * step + rank).to(device)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from tests.distributed import run_ranks
-from tests.hf.models import batch, config_of, layer_class
+from tests.hf.models import batch, config_of, layer_class, train_lm
 
 STEPS, LR, WORLD = 3, 1e-3, 2
 
@@ -48,13 +48,7 @@ def _train(rank, world, device) -> dict:
         if schedule.phase.value == "backward":
             live.append(schedule.live_numel())
     schedule.need = watched
-    losses = []
-    for step in range(STEPS):
-        ids = batch(10 * step + rank).to(device)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = train_lm(engine, rank, device, STEPS)
     units = [[f for f in stage3_flats([u])] for u in engine.units]
     return {"losses": losses, "live": max(live), "units": units, "sizes": [u.gathered_numel for u in engine.units]}
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from tests.distributed import run_ranks
-from tests.hf.models import batch, config_of
+from tests.hf.models import batch, config_of, train_lm
 
 STEPS = 3
 
@@ -29,14 +29,7 @@ def _script(stage: int, path: Path, rank: int, device) -> list[float]:
     engine = zeroshard.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
                                   {"zero_optimization": {"stage": stage}, "gradient_clipping": 0.5},
                                   wrap=[tf.models.gpt2.modeling_gpt2.GPT2Block], init=zeroshard.pretrained(path))
-    losses = []
-    for step in range(STEPS):
-        ids = batch(10 * step + rank).to(device)
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return train_lm(engine, rank, device, STEPS)
 
 
 def _every_stage(rank, world, device, path: Path) -> dict:
