@@ -116,8 +116,10 @@ class GradReducer:
         if unused:
             self._warned_unused.update(unused)
             listed = ", ".join(self.names[id(self.targets[ui].params[pi])] for ui, pi in unused)
-            log.warning("parameters received no gradient in this backward and are reduced as zero "
-                        "(the optimizer still applies weight decay and momentum to them): %s", listed)
+            # Where other ranks ran them (an MoE expert this rank routed nothing to) their mean is not zero.
+            log.warning("parameters received no gradient on this rank in this backward: it reduces zeros for "
+                        "them (where no rank gave one, the optimizer still applies weight decay and momentum "
+                        "to them): %s", listed)
 
     def complete(self, index: int) -> bool:
         """Whether every gradient of target `index` arrived in this backward and it is not launched yet."""
