@@ -3,7 +3,8 @@
 A transformers Llama from a config (no download) with LoRA on q_proj and
 v_proj; stage 3 with each decoder layer a unit, the frozen base sharded.
 Each rank reads the resident high-water mark of its third step above its
-RSS before the model was built (`ResidentMeter`, as benchmarks/step_peak.py);
+RSS before the model was built (the activations and the estimate are
+counted on a copy of the model, dropped before) (`ResidentMeter`, as benchmarks/step_peak.py);
 rank 0 prints the largest rank's figures as JSON. Run it under this tree and
 under an older revision (PYTHONPATH) side by side:
 
@@ -74,9 +75,11 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     run(args, 128, 1)  # warm-up: the code and buffers a step brings in for good stay out of the measure
+    mine = counted(args, args.hidden, args.layers)  # on a model of its own, dropped before the base is read
     gc.collect()
     meter = ResidentMeter()
-    measured, mine = run(args, args.hidden, args.layers, meter)
+    measured, losses = run(args, args.hidden, args.layers, meter)
+    mine["losses"] = losses
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine | {"peak": measured["peak"], "file_moved": measured["file_moved"]})
     if dist.get_rank() == 0:
@@ -84,12 +87,20 @@ def main() -> None:
     dist.destroy_process_group()
 
 
+def _tokens(args) -> torch.Tensor:
+    return torch.randint(VOCAB, (args.batch, args.seq), generator=torch.Generator().manual_seed(dist.get_rank()))
+
+
+def counted(args, hidden: int, layers: int) -> dict:
+    """The activations and the estimate, counted on the model before `initialize`."""
+    model, tokens = build(hidden, layers), _tokens(args)
+    saved = count_saved(lambda: model(input_ids=tokens, labels=tokens).loss, model, tokens)
+    return {"activations": saved.total} | estimate(model, saved.total, dist.get_world_size())
+
+
 def run(args, hidden: int, layers: int, meter: ResidentMeter | None = None):
-    """Three steps of a LoRA Llama; with `meter`, the third measured."""
-    model = build(hidden, layers)
-    tokens = torch.randint(VOCAB, (args.batch, args.seq), generator=torch.Generator().manual_seed(dist.get_rank()))
-    counted = count_saved(lambda: model(input_ids=tokens, labels=tokens).loss, model, tokens)
-    estimated = estimate(model, counted.total, dist.get_world_size())
+    """Three steps of a LoRA Llama; with `meter`, the third measured. Returns it and the losses."""
+    model, tokens = build(hidden, layers), _tokens(args)
     opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=1e-4)
     engine = zeroshard.initialize(model, opt, {"train_micro_batch_size_per_gpu": args.batch, "zero_optimization": {
         "stage": 3, "stage3_wrap_classes": ["LlamaDecoderLayer"]}})
@@ -102,7 +113,7 @@ def run(args, hidden: int, layers: int, meter: ResidentMeter | None = None):
 
     losses = [step(), step()]
     measured = meter.peak_of(lambda: losses.append(step())) if meter else step()
-    return measured, {"losses": losses, "activations": counted.total} | estimated
+    return measured, losses
 
 
 if __name__ == "__main__":
