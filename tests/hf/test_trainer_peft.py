@@ -2,7 +2,9 @@
 
 A tiny Llama (tests/hf/models.py) with LoRA on q_proj and v_proj, trained by
 the Trainer's own AdamW and linear schedule with warm-up (no config blocks),
-accumulation 2, clipping. The reference is transformers' own `Trainer` on
+accumulation 2, clipping. At stage 3 every parameter is sharded (persistence
+threshold 0), the frozen base included, so it is gathered and released as
+the steps go. The reference is transformers' own `Trainer` on
 the same ranks, seed and data: one process, and DDP on 2 ranks. Each logged
 loss agrees within 2e-5 relative at stages 2 and 3, and the logged
 `learning_rate` sequence is the reference's, value for value: the rate each
@@ -72,7 +74,8 @@ def _zeroshard(rank, world, device, out: Path, stage: int, resume: bool = False,
 
     _torchrun_env(rank, world)
     dataset = kw.pop("dataset", None) or _dataset()
-    ds_config = {"zero_optimization": {"stage": stage}, "train_micro_batch_size_per_gpu": "auto",
+    zero = {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})}
+    ds_config = {"zero_optimization": zero, "train_micro_batch_size_per_gpu": "auto",
                  "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
     args = _arguments(TrainingArguments, out, device, deepspeed=ds_config, **kw)
     trainer = Trainer(model=_lora(), args=args, train_dataset=dataset)
