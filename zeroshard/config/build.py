@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from zeroshard.config.blocks import build_optimizer, build_scheduler
 from zeroshard.config.from_code import optimizer_facts
+from zeroshard.config.frozen_optimizer import FrozenModelOptimizer, trains_nothing
 from zeroshard.config.schema import Config, ConfigError, ConfigFacts
 from zeroshard.dtypes import torch_name
 
@@ -62,7 +63,7 @@ def choose_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
                      model_parameters: list[Any] | None = None) -> torch.optim.Optimizer | list[torch.optim.Optimizer]:
     """The optimizer given (the config's block, if any, has been checked to agree with it), or the one
     the block builds over `model_parameters` (default: all of the model's; a Muon block builds a list of
-    two); never neither."""
+    two), or for a model that trains nothing (every parameter frozen) and no block, `FrozenModelOptimizer`."""
     if optimizer is not None:
         if model_parameters is not None:
             listed = _trainable_ids(model_parameters)
@@ -72,6 +73,8 @@ def choose_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None, 
                                   f"different trainable parameters ({len(listed)} and {len(held)}); the optimizer "
                                   "decides what is trained: drop model_parameters, or build the optimizer on them")
         return optimizer
+    if config.optimizer is None and trains_nothing(model, model_parameters):
+        return FrozenModelOptimizer()  # a reference or teacher model: sharded, gathered for its forwards
     if config.optimizer is None:
         raise ConfigError("zeroshard.initialize needs an optimizer: pass one (such as "
                           "torch.optim.AdamW(model.parameters(), lr=1e-3)) or add an \"optimizer\" block "

@@ -72,7 +72,8 @@ def initialize(
     module holds directly; the model is materialised unit by unit on this rank's device, keeping only shards.
     Without `optimizer`, the config's "optimizer" block builds one, over `model_parameters` when given
     (parameters or param-group dicts, as DeepSpeed's; a trainable parameter left out of them is an error naming
-    it: freeze it with requires_grad_(False) or list it). With `optimizer`, an "optimizer" block must agree with
+    it: freeze it with requires_grad_(False) or list it); a model that trains nothing (every parameter frozen: a
+    reference or teacher model) needs neither, and is sharded and gathered for its forwards. With `optimizer`, an "optimizer" block must agree with
     it ("auto" takes its values), and `model_parameters`, if given, must hold the same trainable parameters.
     `mesh`, `tied`: ZeRO over the mesh's `dp`, the model being this rank's part (its pipeline stage, over
     `tp`); tie name -> this stage's copy (docs/parallel.md).

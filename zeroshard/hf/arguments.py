@@ -71,6 +71,15 @@ class _TrainerConfig(AccelerateDeepSpeedConfig):
         self._dtype, self.mismatches = None, []
 
 
+def carry_config(given, kept) -> None:
+    """The DeepSpeed config of the arguments `given` to a trainer onto the arguments it `kept`: TRL's trainers
+    rebuild a plain `TrainingArguments` as their own config class (`SFTConfig(**args.to_dict())`), which would
+    drop the config kept aside, and the run would train with none."""
+    config = getattr(given, "zeroshard_deepspeed", None)
+    if config is not None and kept is not given and getattr(kept, "zeroshard_deepspeed", None) is None:
+        kept.zeroshard_deepspeed = config
+
+
 def config_given(args) -> dict | None:
     """The DeepSpeed config these arguments carry (a dict, read from its file if a path), or None."""
     given = getattr(args, "zeroshard_deepspeed", None)

@@ -39,7 +39,9 @@ from transformers.trainer_utils import _is_peft_model, has_length
 from zeroshard.deepspeed.initialize import initialize
 from zeroshard.deepspeed.unsupported import UnsupportedError
 from zeroshard.deepspeed.engine import DeepSpeedEngine
-from zeroshard.hf.arguments import filled_config
+from zeroshard.engine import Engine
+from zeroshard.hf.arguments import carry_config, filled_config
+from zeroshard.hf.frozen_models import shard_frozen_models
 from zeroshard.hf.window import check_windows
 
 
@@ -65,6 +67,13 @@ class _ZeroshardTraining:
 
     engine: DeepSpeedEngine | None = None
     _stepped_lr: float | None = None  # the learning rate of the engine's last optimizer step
+
+    def __init__(self, *args, **kwargs):
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        super().__init__(*args, **kwargs)
+        carry_config(given, self.args)
+        self.accelerator.unwrap_model = _unwrapping(self.accelerator.unwrap_model)
+        shard_frozen_models(self, filled_config(self.args), _block_classes, initialize)
 
     # -- building the engine ---------------------------------------------------
 
@@ -183,6 +192,14 @@ def _block_classes(model: nn.Module) -> list[str]:
     accelerate's FSDP wrapping takes them) that the model holds; none (units by size) when it declares none."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     return sorted({type(module).__name__ for module in model.modules()} & names)
+
+
+def _unwrapping(unwrap):
+    """accelerate's `unwrap_model`, which also takes an engine to the module it trains: TRL generates with, and
+    reads the weights of, `accelerator.unwrap_model(trainer.model_wrapped)`, which is the engine."""
+    def unwrap_model(model, *args, **kwargs):
+        return unwrap(model.module if isinstance(model, Engine) else model, *args, **kwargs)
+    return unwrap_model
 
 
 @contextlib.contextmanager
