@@ -12,8 +12,6 @@ module's state_dict, offload between backward and step, another device, an unkno
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
