@@ -43,6 +43,7 @@ FRAGMENTS = {
     "hf-config-override": ("docs/deepspeed-config.md", "transformers' ds_config file, model and optimizer"),
     "training-loop-shape": ("docs/training-loop.md", "the loop's shape: loader and engine are the script's"),
     "checkpoints-calls": ("docs/checkpoints.md", "the two calls, on the engine of a training script"),
+    "memory-offload-states": ("docs/memory.md", "the two calls' signatures, on the engine of a training script"),
     "checkpoints-rng-states": ("docs/checkpoints.md", "a line of the loop above: samples, engine"),
     "checkpoints-own-schedule": ("docs/checkpoints.md", "elided with ..., the engine of the loop above"),
     "checkpoints-load-consolidated": ("docs/checkpoints.md", "MyModel: the user's model class"),

@@ -14,7 +14,7 @@ from zeroshard.core.precision import LossScaleError
 from zeroshard.core.reducer import GradientError
 from zeroshard.engine import Engine, EngineStateError, initialize
 from zeroshard.engine.agreement import RankMismatchError
-from zeroshard.errors import ModelError, OutOfMemoryError, ZeroshardError
+from zeroshard.errors import ModelError, OutOfMemoryError, StatesOffloadedError, ZeroshardError
 from zeroshard.stage3.gathered import gathered_parameters
 from zeroshard.stage3.generation import GenerationError
 from zeroshard.stage3.meta_block import meta_init
@@ -24,5 +24,5 @@ __all__ = [
     "CheckpointError", "CollectiveError", "Config", "ConfigError", "Engine", "EngineStateError", "GenerationError",
     "GradientError",
     "LaunchError", "LossScaleError", "ModelError", "NonFiniteError", "OptimizerError", "Optimizers", "OutOfMemoryError", "RankMismatchError",
-    "TopologyError", "ZeroshardError", "__version__", "consolidate", "gathered_parameters", "initialize", "meta_init", "pretrained",
+    "StatesOffloadedError", "TopologyError", "ZeroshardError", "__version__", "consolidate", "gathered_parameters", "initialize", "meta_init", "pretrained",
 ]

@@ -14,3 +14,8 @@ class ModelError(ZeroshardError, ValueError):
 
 class OutOfMemoryError(ZeroshardError, MemoryError):
     """The model states cannot fit in the memory a node's ranks have (checked before any is made)."""
+
+
+class StatesOffloadedError(ZeroshardError, RuntimeError):
+    """A use of model states that `engine.offload_states()` moved off the device, before
+    `engine.reload_states()` brought them back."""

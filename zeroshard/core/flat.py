@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from zeroshard.core.local import local, point_at
+from zeroshard.errors import StatesOffloadedError
 from zeroshard.plan.owners import owned_layout
 
 
@@ -110,6 +111,10 @@ class FlatParams:
 
         `node` = (d, D): put the secondary shard in part d of D instead (hpZ's gather inside the node).
         """
+        if self.shard_swap is None and self.shard_data.numel() and not self.shard_data.untyped_storage().nbytes():
+            # Read, a zero-byte storage is a crash, not an error: refuse before any gather is launched.
+            raise StatesOffloadedError("stage 3's parameter shards are off the device (engine.offload_states()): "
+                                       "call engine.reload_states() before gathering parameters")
         storage = self.data.untyped_storage()
         storage.resize_(self.padded_numel * self.data.element_size())
         # Autograd saved views of this buffer in forward; refilling it is not an in-place

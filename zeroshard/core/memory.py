@@ -65,6 +65,38 @@ def _storage_bytes(tensors, seen: set[int]) -> int:
     return total
 
 
+def device_tensors(
+    model: nn.Module, buckets: list[Bucket], optimizer: torch.optim.Optimizer, pool: StagingPool,
+    frozen: list[FlatParams] = (), tiers: OptimizerTiers | None = None, param_tier: Tier = Tier.DEVICE,
+) -> dict[str, list[torch.Tensor | None]]:
+    """The tensors of each kind in the device pool, kinds in the order a shared storage is counted (the first
+    kind that holds it): what `model_state_bytes` counts there, and what `engine.offload_states()` moves."""
+    tier = _tiers(buckets, tiers)
+    flats = [b.flat for b in buckets] + list(frozen)
+    apart = _apart(flats, param_tier)
+    return {
+        "params": [f.data for f in flats] + [f.shard_data for f in flats if f not in apart]
+                  + [local(p).data for p in model.parameters()],
+        "grads": [b.grad_shard for b in buckets if not b.offload] + [b.full_grad for b in buckets]
+                 + [b.grad_acc for b in buckets] + [local(p.grad) for p in model.parameters()],
+        "master": [b.master for b, t in zip(buckets, tier) if t is Tier.DEVICE],
+        "optimizer": _state_of(optimizer, buckets, tier, {Tier.DEVICE}),
+        "staging": pool.tensors(),
+        "hpz_secondary": [f.secondary for f in flats],
+        "compression": [t for b in buckets if b.feedback for t in b.feedback.tensors().values()]
+                       + [t for b in buckets if b.powersgd is not None for t in b.powersgd.tensors()],
+    }
+
+
+def _tiers(buckets: list[Bucket], tiers: OptimizerTiers | None) -> list[Tier]:
+    return [tiers.tier_of(i) if tiers else Tier.DEVICE for i in range(len(buckets))]
+
+
+def _apart(flats: list[FlatParams], param_tier: Tier) -> list[FlatParams]:
+    """Stage 3's sharded flats whose shards live on the host or on disk (parameter offload)."""
+    return [f for f in flats if f.shard_data is not None] if param_tier is not Tier.DEVICE else []
+
+
 def model_state_bytes(
     model: nn.Module, buckets: list[Bucket], optimizer: torch.optim.Optimizer, pool: StagingPool,
     frozen: list[FlatParams] = (), tiers: OptimizerTiers | None = None, param_tier: Tier = Tier.DEVICE,
@@ -77,23 +109,12 @@ def model_state_bytes(
     parameters that do not require grad. `tiers`: where each bucket's master and optimizer state live;
     `param_tier`: where stage 3's sharded parameters live.
     """
-    tier = [tiers.tier_of(i) if tiers else Tier.DEVICE for i in range(len(buckets))]
+    tier = _tiers(buckets, tiers)
     flats = [b.flat for b in buckets] + list(frozen)
-    # Stage 3's sharded flats: with parameter offload their shards live on the host or on disk.
-    apart = [f for f in flats if f.shard_data is not None] if param_tier is not Tier.DEVICE else []
+    apart = _apart(flats, param_tier)
     seen: set[int] = set()
-    device = MemoryStats(
-        params=_storage_bytes([f.data for f in flats] + [f.shard_data for f in flats if f not in apart]
-                              + [local(p).data for p in model.parameters()], seen),
-        grads=_storage_bytes([b.grad_shard for b in buckets if not b.offload] + [b.full_grad for b in buckets]
-                             + [b.grad_acc for b in buckets] + [local(p.grad) for p in model.parameters()], seen),
-        master=_storage_bytes([b.master for b, t in zip(buckets, tier) if t is Tier.DEVICE], seen),
-        optimizer=_storage_bytes(_state_of(optimizer, buckets, tier, {Tier.DEVICE}), seen),
-        staging=_storage_bytes(pool.tensors(), seen),
-        hpz_secondary=_storage_bytes([f.secondary for f in flats], seen),
-        compression=_storage_bytes([t for b in buckets if b.feedback for t in b.feedback.tensors().values()]
-                                   + [t for b in buckets if b.powersgd is not None for t in b.powersgd.tensors()],
-                                   seen))
+    device = MemoryStats({kind: _storage_bytes(tensors, seen) for kind, tensors in device_tensors(
+        model, buckets, optimizer, pool, frozen, tiers, param_tier).items()})
     # The offload buffers first: a disk sub-group in memory (in flight, or kept between steps) points into
     # them, and counts as staging, not again as host master or optimizer state.
     host_staging = _storage_bytes(offload_buffers, seen)

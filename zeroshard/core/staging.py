@@ -48,3 +48,7 @@ class StagingPool:
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self._all)
+
+    def free_tensors(self) -> list[torch.Tensor]:
+        """The blocks no one holds now: their contents are undefined, so they may be freed without a copy."""
+        return [made[b] for key, made in self._made.items() for b in range(len(made)) if self._blocks[key].is_free(b)]

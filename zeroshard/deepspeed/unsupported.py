@@ -26,7 +26,9 @@ NOT_PROVIDED = {
     "moe": "DeepSpeed's MoE layer (expert parallelism) is not supported yet; MoE models train at stage 3 as they "
            "are, experts as modules or as 3-D tensors (docs/stage-3.md)",
     "runtime": "DeepSpeed's runtime modules are not provided: the config's scheduler block builds WarmupLR, "
-               "WarmupDecayLR and WarmupCosineLR; any torch scheduler can be passed as lr_scheduler",
+               "WarmupDecayLR and WarmupCosineLR; any torch scheduler can be passed as lr_scheduler; "
+               "runtime.zero.offload_config's OffloadStateTypeEnum and OffloadDeviceEnum are "
+               "zeroshard.deepspeed.OffloadStateTypeEnum and OffloadDeviceEnum",
     "add_tuning_arguments": "the autotuner is not provided",
     "profiling": "the FLOPs profiler is not provided: use torch.profiler",
     "tp_model_init": "DeepSpeed's automatic tensor parallelism is not provided; zeroshard's tensor parallelism is "

@@ -1,12 +1,12 @@
 """Engine: the training loop over ZeRO stages 0-3 and its state; forward, backward and step.
 
-With `bf16` or `fp16` the trained parameters are 16-bit, each rank's optimizer updates an fp32 master (its
-shard at stage >= 1), gradients are reduced in `communication_data_type` and summed over micro-steps in
-fp32. The engine owns its parts, one file each: the forward (`forward.py`), gradient sync (`grad_sync.py`),
-the boundary's step (`optimizer_step.py`) and its update, now or delayed (`step_update.py`), checkpoints over
-the adapter the checkpoint package sees (`checkpoints.py`, `checkpoint_adapter.py`), exports (`export.py`),
-reports (`reports.py`), the compiled forward (`compiled.py`); its public methods delegate to them. The state
-machine is in `state.py`, construction in `build.py`; DeepSpeed's methods are in `zeroshard.deepspeed`.
+With `bf16` or `fp16` the trained parameters are 16-bit, each rank's optimizer updates an fp32 master (its shard at
+stage >= 1), gradients are reduced in `communication_data_type` and summed over micro-steps in fp32. The engine owns
+its parts, one file each: the forward (`forward.py`), gradient sync (`grad_sync.py`), the boundary's step
+(`optimizer_step.py`) and its update, now or delayed (`step_update.py`), checkpoints over the adapter the checkpoint
+package sees (`checkpoints.py`, `checkpoint_adapter.py`), exports (`export.py`), reports (`reports.py`), the
+compiled forward (`compiled.py`), states freed on demand (`offload_states.py`); its public methods delegate to them.
+The state machine is in `state.py`, construction in `build.py`; DeepSpeed's methods are in `zeroshard.deepspeed`.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from zeroshard.engine.checkpoints import Checkpoints
 from zeroshard.engine.compiled import CompiledForward
 from zeroshard.engine.export import Exports
 from zeroshard.engine.forward import Forward
+from zeroshard.engine.offload_states import OffloadStates
 from zeroshard.engine.grad_sync import GradSync
 from zeroshard.engine.optimizer_step import OptimizerStep
 from zeroshard.engine.placement import ParamPlacement, log_placement
@@ -91,9 +92,11 @@ class Engine:
         self._optimizer_step = OptimizerStep(self.config, self.comm, self.cross, self.buckets, self.switches,
                                              self.offload, self._update, self._device, self.pool, self.schedule,
                                              self.scaler)
+        self._states = OffloadStates(self.module, self.buckets, self.optimizer, self.pool, self._frozen_flats,
+                                     self.offload, self._device, self.comm.rank)  # offload_states()
         self._reports = Reports(self.config, self.comm, self.cross, self.module, self.optimizer, self.buckets,
                                 self.units, self._frozen_flats, self.pool, self.offload, self.activations,
-                                self._names, self._update)
+                                self._names, self._update, self._states)
         self._adapter = CheckpointAdapter(self)  # what the checkpoint package reads and writes
         self._checkpoints, self._exports = Checkpoints(self, self._adapter), Exports(self)
 
@@ -231,6 +234,7 @@ class Engine:
         if self.state is TrainingState.FAILED:
             raise EngineStateError(f"this engine cannot continue: {self._failure}. Its collectives may be out "
                                    "of step with the other ranks; restart the job (from a checkpoint)")
+        self._states.check_on_device()
         check_params_in_place(self.buckets, self._names)
 
     def _enter(self, call: str, error: type[ZeroshardError], checkpoint_call: bool = False) -> None:
@@ -352,9 +356,20 @@ class Engine:
         in all pools or in one of `pool` "device", "host", "disk" (`Reports.memory_stats`, docs/memory.md)."""
         return self._reports.memory_stats(pool)
 
+    def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
+        """DeepSpeed's: free the device memory of the states `include` names (None: all) into host copies, until
+        `reload_states()`; between steps, every rank (`OffloadStates`, docs/memory.md)."""
+        self._states.check_between_steps(self.state)
+        self._update.land()  # a delayed update in flight writes the parameters: landed first
+        self.release_gathered()  # stage 3: only the shards are states; no gathered unit stays
+        self._states.offload(include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """DeepSpeed's: the offloaded states back into their own storage, bit for bit (`OffloadStates.reload`)."""
+        self._states.reload(non_blocking)
+
     def placement(self) -> ParamPlacement:
-        """Where this rank's parameters live, in elements and bytes: sharded, persistent, frozen, and stage 3's
-        units one by one (`Reports.placement`); no collective."""
+        """Where this rank's parameters live, in elements and bytes, by unit; no collective (`Reports.placement`)."""
         return self._reports.placement()
 
     def compile(self, backend: str | Callable = "inductor", compile_kwargs: dict | None = None) -> None:
@@ -368,8 +383,7 @@ class Engine:
         return self._compiled.active
 
     def flush_update(self) -> None:
-        """Apply the delayed update in flight now (`offload_optimizer.delayed_update`; `StepUpdate.land`); every
-        rank calls it, at the same step. Checkpoints and exports call it themselves."""
+        """Apply the delayed update in flight now (`StepUpdate.land`): every rank, at the same step (exports too)."""
         self._check_usable()
         self._update.land()
 

@@ -12,9 +12,10 @@ from zeroshard.config import Config
 from zeroshard.core.activation_meter import ActivationMeter
 from zeroshard.core.bucket import Bucket
 from zeroshard.core.flat import FlatParams
-from zeroshard.core.memory import model_state_bytes, total, with_activations
+from zeroshard.core.memory import MemoryStats, model_state_bytes, total, with_activations
 from zeroshard.core.staging import StagingPool
 from zeroshard.engine.offload import Offload
+from zeroshard.engine.offload_states import OffloadStates
 from zeroshard.engine.placement import ParamPlacement, param_placement
 from zeroshard.engine.step_update import StepUpdate
 from zeroshard.stage3.unit import Unit
@@ -29,10 +30,10 @@ class Reports:
     def __init__(self, config: Config, comm: Comm, cross: CrossParallel | None, module: nn.Module,
                  optimizer: torch.optim.Optimizer, buckets: list[Bucket], units: list[Unit],
                  frozen: list[FlatParams], pool: StagingPool, offload: Offload, activations: ActivationMeter,
-                 names: dict[int, str], update: StepUpdate):
+                 names: dict[int, str], update: StepUpdate, states: OffloadStates):
         self.config, self.comm, self.cross, self.module, self.optimizer = config, comm, cross, module, optimizer
         self.buckets, self.units, self.frozen, self.pool, self.offload = buckets, units, frozen, pool, offload
-        self.activations, self.names, self.update = activations, names, update
+        self.activations, self.names, self.update, self.states = activations, names, update, states
 
     def comm_stats(self, dim: str = "dp") -> dict[str, OpStats]:
         """Per logical collective: calls, bytes (logical full buffer), blocked seconds, algorithms.
@@ -56,10 +57,11 @@ class Reports:
         `pool`: "device", "host" or "disk" (offload), each by the same kinds; None: all pools together.
         A delayed update in flight is waited for first (its optimizer state is being made)."""
         self.update.wait()  # a delayed update in flight: its optimizer state is being made
-        by_pool = with_activations(
-            model_state_bytes(self.module, self.buckets, self.optimizer, self.pool, self.frozen,
-                              self.offload.tiers, self.offload.param_tier, self.offload.buffers()),
-            self.activations.last, self.activations.window_peak)
+        held = model_state_bytes(self.module, self.buckets, self.optimizer, self.pool, self.frozen,
+                                 self.offload.tiers, self.offload.param_tier, self.offload.buffers())
+        copies = self.states.host_bytes()  # engine.offload_states(): the device's bytes in host memory
+        held["host"] = MemoryStats({kind: n + copies.get(kind, 0) for kind, n in held["host"].items()})
+        by_pool = with_activations(held, self.activations.last, self.activations.window_peak)
         if pool is None:
             return total(by_pool)
         if pool not in by_pool:

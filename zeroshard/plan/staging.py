@@ -61,6 +61,10 @@ class Blocks:
             raise ValueError("released a buffer twice; two holders would share it")
         self._free.append(block)
 
+    def is_free(self, block: int) -> bool:
+        """Whether block `block` is given back (its contents belong to no one)."""
+        return block in self._free
+
     @property
     def made(self) -> int:
         """Elements of every block made."""
