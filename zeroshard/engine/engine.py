@@ -33,6 +33,7 @@ from zeroshard.engine.checkpoints import Checkpoints
 from zeroshard.engine.compiled import CompiledForward
 from zeroshard.engine.export import Exports
 from zeroshard.engine.forward import Forward
+from zeroshard.engine.full_parameters import iter_full_parameters
 from zeroshard.engine.grad_sync import GradSync
 from zeroshard.engine.optimizer_step import OptimizerStep
 from zeroshard.engine.placement import ParamPlacement, log_placement
@@ -233,7 +234,8 @@ class Engine:
                                    "of step with the other ranks; restart the job (from a checkpoint)")
         check_params_in_place(self.buckets, self._names)
 
-    def _enter(self, call: str, error: type[ZeroshardError], checkpoint_call: bool = False) -> None:
+    def _enter(self, call: str, error: type[ZeroshardError], checkpoint_call: bool = False,
+               fix: str | None = None) -> None:
         """Meet every rank in `call` before its first collective (comm/watch/entry.py); a checkpoint call also needs
         every rank at the same step and at a window's end (`check_checkpoint_boundary`), or every rank raises."""
         problem = None
@@ -244,7 +246,7 @@ class Engine:
                 problem = exc
         trace = self.comm.trace
         trace.global_step, trace.micro_step, trace.phase = self.global_steps, self.micro_steps, call
-        enter(self.comm, call, error=error, problem=problem, same_step=checkpoint_call)
+        enter(self.comm, call, error=error, problem=problem, same_step=checkpoint_call, fix=fix)
 
     @property
     def step_due(self) -> bool:
@@ -341,6 +343,14 @@ class Engine:
         """The complete model state dict (full tensors, copies), on every rank or on rank 0 only. At stage 3 every
         rank calls it (`Exports.full_state_dict`)."""
         return self._exports.full_state_dict(rank0_only)
+
+    def iter_full_parameters(self, max_bytes: int | None = None, peft: str = "merged",
+                             rank0_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The trained weights in batches of (name, tensor), full shapes, in the training dtype, each batch at most
+        `max_bytes` (None: one tensor a batch; a larger tensor comes alone), never the whole model at once: a
+        generator's weight sync. A PEFT model's `peft`: "merged", "adapter" or "unmerged"; `rank0_only`: the
+        other ranks get no batch (only gather). At stage 3 every rank iterates it (`engine/full_parameters.py`)."""
+        return iter_full_parameters(self, max_bytes, peft, rank0_only)
 
     def comm_stats(self, dim: str = "dp") -> dict[str, OpStats]:
         """Per logical collective: calls, bytes, blocked seconds, algorithms; of ZeRO's data-parallel traffic
