@@ -1,12 +1,10 @@
 """Engine: the training loop over ZeRO stages 0-3 and its state; forward, backward and step.
 
 With `bf16` or `fp16` the trained parameters are 16-bit, each rank's optimizer updates an fp32 master (its shard at
-stage >= 1), gradients are reduced in `communication_data_type` and summed over micro-steps in fp32. The engine owns
-its parts, one file each: the forward (`forward.py`), gradient sync (`grad_sync.py`), the boundary's step
-(`optimizer_step.py`) and its update, now or delayed (`step_update.py`), checkpoints over the adapter the checkpoint
-package sees (`checkpoints.py`, `checkpoint_adapter.py`), exports (`export.py`), reports (`reports.py`), the
-compiled forward (`compiled.py`), states freed on demand (`offload_states.py`); its public methods delegate to them.
-The state machine is in `state.py`, construction in `build.py`; DeepSpeed's methods are in `zeroshard.deepspeed`.
+stage >= 1), gradients are reduced in `communication_data_type` and summed in fp32. The engine's public methods
+delegate to its parts, one file each: forward, grad_sync, optimizer_step, step_update (now or delayed), checkpoints
+(over checkpoint_adapter), export and full_parameters, reports, compiled, offload_states. The state machine is in
+`state.py`, construction in `build.py`; DeepSpeed's methods are in `zeroshard.deepspeed`.
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ from zeroshard.engine.checkpoints import Checkpoints
 from zeroshard.engine.compiled import CompiledForward
 from zeroshard.engine.export import Exports
 from zeroshard.engine.forward import Forward
+from zeroshard.engine.full_parameters import iter_full_parameters
 from zeroshard.engine.offload_states import OffloadStates
 from zeroshard.engine.grad_sync import GradSync
 from zeroshard.engine.optimizer_step import OptimizerStep
@@ -237,7 +236,8 @@ class Engine:
         self._states.check_on_device()
         check_params_in_place(self.buckets, self._names)
 
-    def _enter(self, call: str, error: type[ZeroshardError], checkpoint_call: bool = False) -> None:
+    def _enter(self, call: str, error: type[ZeroshardError], checkpoint_call: bool = False,
+               fix: str | None = None) -> None:
         """Meet every rank in `call` before its first collective (comm/watch/entry.py); a checkpoint call also needs
         every rank at the same step and at a window's end (`check_checkpoint_boundary`), or every rank raises."""
         problem = None
@@ -248,7 +248,7 @@ class Engine:
                 problem = exc
         trace = self.comm.trace
         trace.global_step, trace.micro_step, trace.phase = self.global_steps, self.micro_steps, call
-        enter(self.comm, call, error=error, problem=problem, same_step=checkpoint_call)
+        enter(self.comm, call, error=error, problem=problem, same_step=checkpoint_call, fix=fix)
 
     @property
     def step_due(self) -> bool:
@@ -332,19 +332,22 @@ class Engine:
         return self._checkpoints.wait()
 
     def save_pretrained(self, save_dir: str | os.PathLike, **kwargs) -> Path:
-        """Write the model as `AutoModel*.from_pretrained(save_dir)` loads it (any other module: its state dict
-        in `save_dir/model.safetensors`); returns `save_dir`. Every rank calls it (`Exports.save_pretrained`)."""
+        """Write what `from_pretrained(save_dir)` loads; every rank calls it (`Exports.save_pretrained`)."""
         return self._exports.save_pretrained(save_dir, **kwargs)
 
     def pretrained_state(self) -> dict[str, torch.Tensor]:
-        """The full state dict on rank 0 ({} elsewhere) as a transformers model's `save_pretrained` takes it; every
-        rank calls it (`Exports.pretrained_state`)."""
+        """The full state dict on rank 0 as `save_pretrained` takes it; every rank calls it (`Exports`)."""
         return self._exports.pretrained_state()
 
     def full_state_dict(self, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-        """The complete model state dict (full tensors, copies), on every rank or on rank 0 only. At stage 3 every
-        rank calls it (`Exports.full_state_dict`)."""
+        """The whole model's state dict (copies), on every rank or on rank 0 only (`Exports.full_state_dict`)."""
         return self._exports.full_state_dict(rank0_only)
+
+    def iter_full_parameters(self, max_bytes: int | None = None, peft: str = "merged",
+                             rank0_only: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """The weights in batches of (name, tensor) of at most `max_bytes`, full shapes, training dtype, for a
+        generator's weight sync; PEFT `peft` "merged", "adapter" or "unmerged" (`engine/full_parameters.py`)."""
+        return iter_full_parameters(self, max_bytes, peft, rank0_only)
 
     def comm_stats(self, dim: str = "dp") -> dict[str, OpStats]:
         """Per logical collective: calls, bytes, blocked seconds, algorithms; of ZeRO's data-parallel traffic
@@ -352,8 +355,7 @@ class Engine:
         return self._reports.comm_stats(dim)
 
     def memory_stats(self, pool: str | None = None) -> dict[str, int]:
-        """Bytes this rank holds of each kind (params, grads, master, optimizer, staging, ..., activations, peak),
-        in all pools or in one of `pool` "device", "host", "disk" (`Reports.memory_stats`, docs/memory.md)."""
+        """Bytes this rank holds of each kind, in all pools or in `pool` "device", "host" or "disk" (docs/memory.md)."""
         return self._reports.memory_stats(pool)
 
     def offload_states(self, include=None, device="cpu", pin_memory: bool = True, non_blocking: bool = False):
@@ -388,8 +390,7 @@ class Engine:
         self._update.land()
 
     def wait_for_params(self) -> None:
-        """Wait until the parameters hold the last step's values (`overlap_param_gather` leaves their all-gather
-        in flight): before reading them yourself between `engine.step()` and the next forward. No collective."""
+        """Wait for the last step's values in the parameters (`overlap_param_gather`), to read them; no collective."""
         self.post_step.wait()
 
     def release_gathered(self) -> None:

@@ -1,7 +1,7 @@
 """Entry checks: every rank has entered the same call before any collective of it runs.
 
 `save_checkpoint`, `load_checkpoint`, `save_pretrained`, `save_16bit_model`,
-and at stage 3 `full_state_dict`, the model's `state_dict()` (and so
+and at stage 3 `full_state_dict`, `iter_full_parameters`, the model's `state_dict()` (and so
 transformers' and PEFT's `save_pretrained`) and `gathered_parameters`, are
 collective: called on some ranks only (the usual `if rank == 0: ...`), they
 would hang in their first collective until `collective_timeout` (30 minutes
