@@ -34,7 +34,8 @@ SUBPACKAGES = ("config", "plan", "estimate", "comm", "offload", "core", "stage3"
 FACADE = ("zeroshard", "zeroshard.consolidate",
           # `import zeroshard.deepspeed as deepspeed`: DeepSpeed's names over the engine, beside the facade
           "zeroshard.deepspeed", "zeroshard.deepspeed.initialize", "zeroshard.deepspeed.launch",
-          "zeroshard.deepspeed.unsupported", "zeroshard.deepspeed.zero", "zeroshard.deepspeed.checkpointing",
+          "zeroshard.deepspeed.unsupported", "zeroshard.deepspeed.zero", "zeroshard.deepspeed.from_pretrained",
+          "zeroshard.deepspeed.checkpointing",
           "zeroshard.deepspeed.engine", "zeroshard.deepspeed.utils")
 LAYERS = ("leaf", *SUBPACKAGES, "facade", "app")
 

@@ -3,10 +3,17 @@
 `zero.Init()` builds the model with its parameters on the meta device and
 its buffers real (`zeroshard.stage3.meta_block.meta_init`); `initialize` then
 materialises it unit by unit with the model's own initialisation, or, for a
-model from `from_pretrained(path)` inside the block, with the weights of
-`path` (`zeroshard.pretrained(path)`: each rank reads only its units'
-tensors). Below stage 3 it is materialised whole, as DeepSpeed's
-`zero.Init` does nothing there.
+model from `from_pretrained(path, dtype=...)` inside the block, with the
+weights of `path` (`from_pretrained.py`: in the dtype transformers' own
+`from_pretrained` gives, "auto" included; each rank reads only its units'
+tensors). `zero.Init(dtype=torch.bfloat16)` builds every floating-point
+parameter in that dtype. Below stage 3 the model is materialised whole, as
+DeepSpeed's `zero.Init` does nothing there.
+
+The dtype meets the config at `initialize`, as for any model: trainable
+bf16 (fp16) parameters need the config's `bf16` (`fp16`) section, which
+trains in them with fp32 masters made from their values; fp32 ones are cast
+to the section's dtype; any other pairing is a `ModelError` naming the fix.
 `zero.GatheredParameters` is `zeroshard.gathered_parameters`.
 """
 
@@ -14,17 +21,11 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-import sys
-from contextlib import contextmanager
-from typing import Iterator
-
-import torch
-
-from zeroshard.checkpoint.pretrained import pretrained
 from zeroshard.config.offload_merge import declared_param_device
+from zeroshard.deepspeed.from_pretrained import from_pretrained_on_meta
 from zeroshard.deepspeed.unsupported import ZERO_NOT_PROVIDED, UnsupportedError, missing
+from zeroshard.dtypes import DTYPES
 from zeroshard.stage3.gathered import gathered_parameters
-from zeroshard.stage3.meta import record_init
 from zeroshard.stage3.meta_block import meta_init
 
 
@@ -37,9 +38,11 @@ class Init:
     ("cpu", "nvme") must agree with the config passed here, whose
     `zero_optimization.offload_param.device` decides where stage 3's
     parameters live (DeepSpeed, too, takes the config's over the argument).
-    The others that ask for something zeroshard lacks or takes from the config
-    (other groups, ZeRO++'s switches, a dtype other than fp32, an already
-    built module, a parameter swapper) raise `UnsupportedError` naming what to do.
+    `dtype` (torch.float32, torch.bfloat16 or torch.float16) is the dtype every
+    floating-point parameter is built in; `from_pretrained` inside the block
+    then loads in it. The others that ask for something zeroshard lacks or
+    takes from the config (other groups, ZeRO++'s switches, an already built
+    module, a parameter swapper) raise `UnsupportedError` naming what to do.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
@@ -49,8 +52,8 @@ class Init:
         _check_remote_device(remote_device, config_dict_or_path if config_dict_or_path is not None else config)
         refused = {
             "module": (module is not None, "build the model inside the block instead of passing it"),
-            "dtype": (dtype not in (None, torch.float32),
-                      "build in fp32; the config's bf16 or fp16 section casts the parameters"),
+            "dtype": (dtype not in (None, *DTYPES.values()),
+                      "give torch.float32, torch.bfloat16 or torch.float16 (or leave it out)"),
             "data_parallel_group": (data_parallel_group is not None, "zeroshard.deepspeed uses the default group"),
             "mpu": (mpu is not None, "DeepSpeed's mpu object is not read; zeroshard's tensor and pipeline "
                                    "parallelism come from a mesh passed to initialize (docs/parallel.md)"),
@@ -72,8 +75,8 @@ class Init:
         for name, (bad, fix) in refused.items():
             if bad:
                 raise UnsupportedError(f"zero.Init({name}=...) is not supported: {fix}")
-        self._block = meta_init(enabled=True) if enabled else nullcontext()
-        self._loading = _from_pretrained_on_meta() if enabled else nullcontext()
+        self._block = meta_init(enabled=True, dtype=dtype) if enabled else nullcontext()
+        self._loading = from_pretrained_on_meta(dtype) if enabled else nullcontext()
 
     def __enter__(self) -> Init:
         self._block.__enter__()
@@ -83,48 +86,6 @@ class Init:
     def __exit__(self, *exc) -> None:
         self._loading.__exit__(*exc)
         self._block.__exit__(*exc)
-
-
-# from_pretrained's keyword arguments about fetching from the Hub, which a local directory does not need
-# (AutoModel*.from_pretrained passes them on to the model class's).
-_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder", "proxies",
-               "trust_remote_code", "code_revision", "_commit_hash", "_from_auto", "_from_pipeline", "adapter_kwargs")
-
-
-@contextmanager
-def _from_pretrained_on_meta() -> Iterator[None]:
-    """`from_pretrained(path)` inside `zero.Init`: the model from its config, on meta, and the weights of `path`
-    recorded as its init, read unit by unit by `initialize` (no rank holds the whole model)."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None:
-        yield
-        return
-    model_class = transformers.PreTrainedModel
-    refusing = model_class.__dict__["from_pretrained"]  # meta_init's, restored on the way out
-
-    def load(cls, path, *model_args, config=None, **kwargs):
-        dtype = kwargs.pop("torch_dtype", kwargs.pop("dtype", None))
-        for key in _HUB_KWARGS:
-            kwargs.pop(key, None)
-        if model_args or dtype not in (None, "auto", torch.float32):
-            raise UnsupportedError(f"{cls.__name__}.from_pretrained inside zero.Init takes the path and config "
-                                   "keyword arguments; build in fp32 (the config's bf16 or fp16 section casts the "
-                                   "parameters) and pass no positional model arguments")
-        if config is None:
-            config, kwargs = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **kwargs)
-        if kwargs:
-            raise UnsupportedError(f"{cls.__name__}.from_pretrained({', '.join(sorted(kwargs))}=...) inside "
-                                   "zero.Init is not supported: only the path, config= and the config's own "
-                                   "keys are; load the model outside zero.Init for the others")
-        model = cls._from_config(config)
-        record_init(model, pretrained(path))
-        return model
-
-    model_class.from_pretrained = classmethod(load)
-    try:
-        yield
-    finally:
-        model_class.from_pretrained = refusing
 
 
 def _check_remote_device(remote_device, config) -> None:

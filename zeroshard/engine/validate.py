@@ -110,8 +110,9 @@ def check_model(model: nn.Module, param_dtype: torch.dtype = torch.float32) -> N
         dtype = torch_name(wrong[0][1])
         if param_dtype == torch.float32:
             raise ModelError(f"parameters {names} are {dtype} and are not float32, but the config trains "
-                             "in fp32: keep the model in fp32 (model.float()), or enable mixed precision in "
-                             'the config ("bf16": {"enabled": true} or "fp16": {"enabled": true})')
+                             "in fp32: keep the model in fp32 (model.float(), or from_pretrained(path, "
+                             "dtype=torch.float32)), or enable mixed precision in the config "
+                             '("bf16": {"enabled": true} or "fp16": {"enabled": true})')
         name, section = torch_name(param_dtype), NAMES[param_dtype]
         raise ModelError(f"parameters {names} are {dtype} but the config enables {section} ({name}): build "
                          f"the model in float32 (zeroshard casts it to {name}) or in {name}, or enable the "

@@ -32,7 +32,14 @@ import torch.nn as nn
 from zeroshard.comm.group import this_rank_gpu
 from zeroshard.core.flat import give_memory
 from zeroshard.errors import ModelError
-from zeroshard.stage3.meta import built_by_meta_init, changed_on_meta, keep_as_pending, own_init, pending
+from zeroshard.stage3.meta import (
+    built_by_meta_init,
+    changed_on_meta,
+    keep_as_pending,
+    own_init,
+    pending,
+    recorded_init,
+)
 
 
 def on_meta(model: nn.Module) -> bool:
@@ -196,6 +203,13 @@ def check_materializable(model: nn.Module, init) -> None:
             f"change is lost. Make the edit inside zeroshard.gathered_parameters(param, modifier_rank=0) "
             f"(deepspeed.zero.GatheredParameters) before initialize, which keeps it, or assign a new "
             f"nn.Parameter after the block")
+    if init is None and any(recorded_init(m) is not None for m in model.modules()):
+        raise ModelError(
+            "the model wraps one that from_pretrained loaded inside deepspeed.zero.Init (a PEFT model, a "
+            "wrapper built after the block): the wrapper's own parameters (adapters) went to the meta device "
+            "with the base and lost their values, and the files' names no longer fit. Not supported yet: load "
+            "the base outside zero.Init (from_pretrained(path, dtype=torch.bfloat16) holds it in bf16) and "
+            "wrap it, then initialize at any stage")
     if init is None and not built_by_meta_init(model):
         raise ModelError("the model is on the meta device but was not built under zeroshard.meta_init(), so "
                          "its buffers are lost and zeroshard cannot tell how to initialise it: build it under "

@@ -7,6 +7,9 @@ only the parameters to the meta device, as they are registered (as
 the values eager construction gives them. Each module given a meta parameter
 is marked, and `zeroshard.initialize(model, ...)` without `init=` then
 materialises the model with its own initialisation (`meta.py`'s `own_init`).
+`meta_init(dtype=torch.bfloat16)` gives every floating-point parameter that
+dtype as it goes to meta (DeepSpeed's `zero.Init(dtype=...)`): the model is
+materialised, initialised or read from files, in it; buffers keep theirs.
 
 Parameters are created on the CPU first and moved to meta one by one, so
 construction holds at most one parameter in memory. The patch of
@@ -28,20 +31,27 @@ import sys
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
+from zeroshard.dtypes import DTYPES
 from zeroshard.errors import ModelError
 from zeroshard.stage3.meta import mark_built, remember_model
 from zeroshard.stage3.resize import resize_on_materialised
 
 
 @contextmanager
-def meta_init(enabled: bool = True) -> Iterator[None]:
+def meta_init(enabled: bool = True, dtype: torch.dtype | None = None) -> Iterator[None]:
     """Parameters registered inside the block are put on the meta device; buffers stay real.
 
-    `enabled=False` makes the block do nothing (DeepSpeed's `zero.Init(enabled=...)`).
+    `enabled=False` makes the block do nothing (DeepSpeed's `zero.Init(enabled=...)`). `dtype` (torch.float32,
+    torch.bfloat16 or torch.float16): the dtype of every floating-point parameter built in the block; None keeps
+    the one each is created in.
     """
+    if dtype is not None and dtype not in DTYPES.values():
+        raise ModelError(f"meta_init(dtype={dtype}) is not a training dtype: give torch.float32, torch.bfloat16 "
+                         f"or torch.float16, or None to keep the dtype each parameter is created in")
     if not enabled:
         yield
         return
@@ -56,7 +66,8 @@ def meta_init(enabled: bool = True) -> Iterator[None]:
         if param is None:
             return
         if param.device.type != "meta":  # one already on meta (a tied weight) keeps its identity
-            meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+            cast = dtype if dtype is not None and param.is_floating_point() else param.dtype
+            meta = type(param)(param.detach().to("meta", cast), requires_grad=param.requires_grad)
             meta.__dict__.update(param.__dict__)
             module._parameters[name] = meta
             params.append(meta)

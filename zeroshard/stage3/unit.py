@@ -222,7 +222,7 @@ def _shard_parts(name: str, module: nn.Module, parts, comm: Comm, precision: Pre
     """Broadcast rank 0's values of each flat buffer, then keep only what this rank holds.
 
     In the model's dtype: fp32 masters start from the model's own values, and
-    the parameters are cast to the training dtype after.
+    the parameters are cast to the training dtype after (frozen ones only under mixed precision).
     """
     buckets, frozen = [], []
     for g, persistent, flat in parts:
@@ -230,7 +230,9 @@ def _shard_parts(name: str, module: nn.Module, parts, comm: Comm, precision: Pre
             broadcast(comm, flat.data, src=0)
         if g is None:
             flat.keep_shard_only()
-            if flat.dtype != precision.param_dtype:
+            # Frozen parameters keep their dtype unless mixed precision casts the model (as below stage 3):
+            # a frozen bf16 base under an fp32 config stays bf16, as plain PyTorch runs it.
+            if precision.mixed and flat.dtype != precision.param_dtype:
                 flat.cast_(precision.param_dtype)
             frozen.append(flat)
         else:
