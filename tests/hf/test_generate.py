@@ -1,9 +1,11 @@
-"""generate() at stage 3 on 2 ranks that stop at different lengths: it finishes, with one process's output.
+"""generate() at stage 3 on 2 ranks that stop at different lengths: one process's output, one layer whole at a time.
 
 Each rank has its own prompt length and stops at its own length (a different
 max_new_tokens, or an end-of-sequence token that only one rank meets).
 Reference: the same weights (the engine's full_state_dict after a training
-step) in the same transformers model, run whole in one process.
+step) in the same transformers model, run whole in one process. While a
+6-layer model generates, the elements whole beyond the shards are at most
+the root unit's and one layer's (the schedule's own count), never the model's.
 """
 
 import copy
@@ -84,3 +86,34 @@ def test_generate_at_stage3_with_ranks_stopping_at_different_lengths():
             assert out[kind, "same_object"]
             assert "synced_gpus=False" in out[kind, "unsynced"] and "waiting forever" in out[kind, "unsynced"]
             assert out[kind, "live_after"] == 0
+
+
+def _live_in_generate(rank, world, device) -> dict:
+    import zeroshard
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
+                                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
+    model = transformers.LlamaForCausalLM(config).to(device).eval()
+    engine = zeroshard.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_optimization": {
+        "stage": 3, "stage3_wrap_classes": ["LlamaDecoderLayer"], "stage3_param_persistence_threshold": 0}})
+    schedule, live = engine.schedule, []
+    need = schedule.need
+
+    def watched(i, exact=True, after=None):
+        need(i, exact, after)
+        live.append(schedule.live_numel())
+    schedule.need = watched
+    prompt = _tokens(rank, 5).to(device)
+    with torch.no_grad():
+        model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                       attention_mask=torch.ones_like(prompt))
+    return {"live": max(live), "sizes": [unit.gathered_numel for unit in engine.units]}
+
+
+def test_generate_at_stage3_holds_the_root_and_one_layer_whole_not_the_model():
+    for r in run_ranks(_live_in_generate, 2):
+        root, *layers = r["sizes"]
+        assert len(set(layers)) == 1 and len(layers) == 6
+        # the root unit (embedding, final norm, head) all along, and the one layer computing
+        assert r["live"] == root + layers[0], (r["live"], r["sizes"])

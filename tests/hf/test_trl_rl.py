@@ -104,3 +104,22 @@ def test_a_trainer_subclass_of_ones_own_trains_through_on_zeroshard(tmp_path):
     got = run_ranks(_own_trainer, 2, tmp_path / "zeroshard", True)[0]
     assert len(want) == 4
     _close(got, want, REL)
+
+
+def _vllm_at_stage_3(rank, world, device, out: Path) -> str:
+    from zeroshard.deepspeed.unsupported import UnsupportedError
+
+    _torchrun_env(rank, world)
+    trainer_class, config_class = _classes("GRPO", True)
+    args = _arguments(config_class, out, 3, use_vllm=True, num_generations=4, per_device_train_batch_size=4)
+    tok = setup.tokenizer()
+    with pytest.raises(UnsupportedError) as refused:
+        trainer_class(model=setup.model("llama", tok), reward_funcs=setup.colour_reward, args=args,
+                      train_dataset=setup.prompt_dataset(8), processing_class=tok)
+    return str(refused.value)
+
+
+def test_vllm_weight_sync_at_stage_3_is_refused_on_every_rank_naming_the_routes(tmp_path):
+    for message in run_ranks(_vllm_at_stage_3, 2, tmp_path):
+        assert message.startswith("GRPOConfig(use_vllm=True) at ZeRO stage 3 is not supported")
+        assert "empty shards" in message and "use_vllm=False" in message and "iter_full_parameters" in message

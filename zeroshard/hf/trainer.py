@@ -70,6 +70,7 @@ class _ZeroshardTraining:
 
     def __init__(self, *args, **kwargs):
         given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        _refuse_vllm_at_stage_3(given)
         super().__init__(*args, **kwargs)
         carry_config(given, self.args)
         self.accelerator.unwrap_model = _unwrapping(self.accelerator.unwrap_model)
@@ -192,6 +193,19 @@ def _block_classes(model: nn.Module) -> list[str]:
     accelerate's FSDP wrapping takes them) that the model holds; none (units by size) when it declares none."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     return sorted({type(module).__name__ for module in model.modules()} & names)
+
+
+def _refuse_vllm_at_stage_3(args) -> None:
+    """TRL's vLLM weight sync reads `param.data` whole unless DeepSpeed's ZeRO-3 is live; at zeroshard's stage 3
+    the parameters outside a forward are empty shards, so vLLM would be loaded with nothing."""
+    if args is None or not getattr(args, "use_vllm", False):
+        return
+    if filled_config(args).get("zero_optimization", {}).get("stage") == 3:
+        raise UnsupportedError(
+            f"{type(args).__name__}(use_vllm=True) at ZeRO stage 3 is not supported: TRL's vLLM weight sync would "
+            "send vLLM the empty shards zeroshard's stage 3 leaves outside a forward. Generate in the process "
+            "(use_vllm=False: every rank takes part, one unit gathered at a time), train at stage 2, or sync a "
+            "generator of your own from engine.iter_full_parameters(max_bytes=...) (docs/hugging-face.md)")
 
 
 def _unwrapping(unwrap):
