@@ -33,17 +33,22 @@ from zeroshard.estimate.activations import count_saved
 VOCAB = 8000
 
 
-def build(hidden: int, layers: int):
-    import peft
+def llama(hidden: int, layers: int):
+    """A transformers Llama from a config: heads of 64, the MLP 11/4 of the hidden size (119M at 1024 x 8)."""
     import transformers as tf
 
     config = tf.LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
                             num_hidden_layers=layers, num_attention_heads=hidden // 64,
                             num_key_value_heads=hidden // 64, max_position_embeddings=512)
     torch.manual_seed(0)
-    model = tf.LlamaForCausalLM(config)
+    return tf.LlamaForCausalLM(config)
+
+
+def build(hidden: int, layers: int):
+    import peft
+
     lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    return peft.get_peft_model(model, lora)
+    return peft.get_peft_model(llama(hidden, layers), lora)
 
 
 def estimate(model, activations: int, world: int) -> dict:

@@ -1,11 +1,12 @@
-"""generate() at stage 3 on 2 ranks that stop at different lengths: one process's output, one layer whole at a time.
+"""generate() at stage 3, ranks stopping at different lengths: one process's output, a layer or two whole at a time.
 
 Each rank has its own prompt length and stops at its own length (a different
 max_new_tokens, or an end-of-sequence token that only one rank meets).
 Reference: the same weights (the engine's full_state_dict after a training
 step) in the same transformers model, run whole in one process. While a
-6-layer model generates, the elements whole beyond the shards are at most
-the root unit's and one layer's (the schedule's own count), never the model's.
+6-layer model generates after a training step, the elements whole beyond
+the shards are at most the root unit's and two layers' (the one computing,
+the next prefetched; the schedule's own count), never the model's.
 """
 
 import copy
@@ -94,9 +95,12 @@ def _live_in_generate(rank, world, device) -> dict:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=6,
                                       num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
-    model = transformers.LlamaForCausalLM(config).to(device).eval()
+    model = transformers.LlamaForCausalLM(config).to(device)
     engine = zeroshard.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), {"zero_optimization": {
         "stage": 3, "stage3_wrap_classes": ["LlamaDecoderLayer"], "stage3_param_persistence_threshold": 0}})
+    ids = _tokens(50 + rank, 8).to(device)
+    engine.backward(engine(input_ids=ids, labels=ids).loss)  # as GRPO: a step, which records the prefetch order
+    engine.step()
     schedule, live = engine.schedule, []
     need = schedule.need
 
@@ -105,15 +109,16 @@ def _live_in_generate(rank, world, device) -> dict:
         live.append(schedule.live_numel())
     schedule.need = watched
     prompt = _tokens(rank, 5).to(device)
+    model.eval()
     with torch.no_grad():
         model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0,
                        attention_mask=torch.ones_like(prompt))
     return {"live": max(live), "sizes": [unit.gathered_numel for unit in engine.units]}
 
 
-def test_generate_at_stage3_holds_the_root_and_one_layer_whole_not_the_model():
+def test_generate_at_stage3_holds_the_root_and_two_layers_whole_not_the_model():
     for r in run_ranks(_live_in_generate, 2):
         root, *layers = r["sizes"]
         assert len(set(layers)) == 1 and len(layers) == 6
-        # the root unit (embedding, final norm, head) all along, and the one layer computing
-        assert r["live"] == root + layers[0], (r["live"], r["sizes"])
+        # the root unit (embedding, final norm, head) all along, the layer computing and the next one prefetched
+        assert r["live"] == root + 2 * layers[0], (r["live"], r["sizes"])
