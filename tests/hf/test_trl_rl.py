@@ -1,4 +1,4 @@
-"""DPO and GRPO from `zeroshard.hf.trl` at stage 3 against TRL's own on DDP, a trainer of the test's own (issue 39).
+"""DPO, GRPO and distillation from `zeroshard.hf.trl` at stage 3 against TRL on DDP; a trainer of the test's own.
 
 As tests/hf/test_trl.py: the same script with TRL's imports (DDP) and with
 zeroshard's, 2 ranks, fp32, accumulation 2, clipping. DPO's reference model
@@ -6,6 +6,8 @@ zeroshard's, 2 ranks, fp32, accumulation 2, clipping. DPO's reference model
 their own holding no weight whole on any rank. GRPO generates its rollouts
 in the process, every rank taking part, with a reward of the test's own:
 the same completions (the same rewards, logged) and losses within 2e-5.
+DistillationTrainer at stage 3 shards the student and keeps the teacher
+whole (TRL reads the teacher's head after its forward), loss for loss.
 A `transformers.Trainer` subclass of the test's own (its `compute_loss`
 adds an L2 term) trains through `on_zeroshard` as under DDP.
 """
@@ -52,10 +54,26 @@ def _grpo(rank, out: Path, stage: int | None) -> dict:
             "reference_whole": sum(p.numel() for p in reference.parameters())}
 
 
+def _distillation(out: Path, stage: int | None) -> dict:
+    trainer_class, config_class = _classes("Distillation", stage is not None)
+    tok = setup.tokenizer()
+    teacher = setup.model("llama", tok, seed=1)  # another model: a divergence that is not zero
+    trainer = trainer_class(model=setup.model("llama", tok), teacher_model=teacher, processing_class=tok,
+                            args=_arguments(config_class, out, stage, max_completion_length=6),
+                            train_dataset=setup.completion_dataset(32))
+    trainer.train()
+    return {"loss": _logged(trainer, "loss"), "teacher_whole": sum(p.numel() for p in teacher.parameters()),
+            "student_whole": sum(p.numel() for p in trainer.model.parameters())}
+
+
 def _runs(rank, world, device, out: Path) -> dict:
     _torchrun_env(rank, world)
-    return {(name, stage): run(out / f"{name}-{stage}", stage) if name == "dpo" else run(rank, out / f"grpo-{stage}", stage)
-            for name, run in (("dpo", _dpo), ("grpo", _grpo)) for stage in (None, 3)}
+    runs = {}
+    for stage in (None, 3):
+        runs["dpo", stage] = _dpo(out / f"dpo-{stage}", stage)
+        runs["grpo", stage] = _grpo(rank, out / f"grpo-{stage}", stage)
+        runs["distillation", stage] = _distillation(out / f"distillation-{stage}", stage)
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +87,13 @@ def test_losses_equal_trl_on_ddp_with_the_reference_model_sharded(runs, name):
     assert len(want["loss"]) >= 3
     _close(got["loss"], want["loss"], REL)
     assert want["reference_whole"] > 0 and got["reference"] == "DeepSpeedEngine" and got["reference_whole"] == 0
+
+
+def test_distillation_losses_equal_trl_on_ddp_with_the_student_sharded_and_the_teacher_whole(runs):
+    want, got = runs["distillation", None], runs["distillation", 3]
+    assert len(want["loss"]) == 4 and all(loss > 0 for _, loss in want["loss"])
+    _close(got["loss"], want["loss"], REL)
+    assert got["student_whole"] == 0 and got["teacher_whole"] == want["teacher_whole"] > 0
 
 
 def test_grpo_generates_the_same_completions(runs):

@@ -55,13 +55,21 @@ def prompt_dataset(samples: int):
     return datasets.Dataset.from_list([{"prompt": sentence(rng, 2 + i % 3)} for i in range(samples)])
 
 
+def completion_dataset(samples: int):
+    import datasets
+
+    rng = torch.Generator().manual_seed(5)
+    return datasets.Dataset.from_list([{"prompt": sentence(rng, 3), "completion": sentence(rng, 2 + i % 4)}
+                                       for i in range(samples)])
+
+
 def colour_reward(completions, **kwargs) -> list[float]:
     """A reward of the test's own: the share of colour words in each completion."""
     colours = {"red", "blue", "green"}
     return [sum(w in colours for w in text.split()) / max(1, len(text.split())) for text in completions]
 
 
-def model(kind: str, tok):
+def model(kind: str, tok, seed: int = 0):
     """A tiny causal LM from a config, dropout off, its pad and eos tokens the tokenizer's."""
     import transformers as tf
 
@@ -70,7 +78,7 @@ def model(kind: str, tok):
     for key in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"):
         if hasattr(config, key):
             setattr(config, key, 0.0)
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     built = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     built.generation_config.pad_token_id, built.generation_config.eos_token_id = tok.pad_token_id, tok.eos_token_id
     return built

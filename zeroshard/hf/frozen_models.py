@@ -1,4 +1,4 @@
-"""A trainer's frozen models at stage 3: the reference model of DPO and GRPO, a distillation teacher, sharded.
+"""A trainer's frozen model at stage 3: the reference model of DPO and GRPO (and RLOO, KTO), sharded.
 
 TRL builds these models whole on every rank and, under DeepSpeed, hands
 them to `deepspeed.initialize` without an optimizer (`trl.models.
@@ -8,6 +8,10 @@ zeroshard trainer does the same with its own engine: each frozen model a
 trainer holds (the attributes of `FROZEN_ROLES`) becomes, at stage 3, an
 engine of its own with no optimizer state and no gradients (every parameter
 frozen), its units the model's repeated blocks, in the policy's precision.
+
+TRL's `DistillationTrainer` keeps its `teacher_model` whole on each rank:
+it projects the teacher's hidden states through the teacher's head after
+the teacher's forward has ended, where a stage-3 unit is a shard again.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import copy
 
 import torch.nn as nn
 
-# The attributes under which transformers-based trainers hold a model that is run but not trained.
-FROZEN_ROLES = ("ref_model", "teacher_model")
+# The attributes under which transformers-based trainers hold a model that is run but not trained, and only
+# inside its own forward.
+FROZEN_ROLES = ("ref_model",)
 
 
 def frozen_config(config: dict, model: nn.Module, block_classes: list[str]) -> dict:

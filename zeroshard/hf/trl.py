@@ -18,7 +18,8 @@ except ImportError as exc:  # an optional extra: say which
     raise ImportError('zeroshard.hf.trl needs TRL: pip install "zeroshard[trl]" (or pip install trl)') from exc
 
 _NAMES = ("SFTTrainer", "SFTConfig", "DPOTrainer", "DPOConfig", "GRPOTrainer", "GRPOConfig", "RewardTrainer",
-          "RewardConfig", "KTOTrainer", "KTOConfig", "RLOOTrainer", "RLOOConfig")
+          "RewardConfig", "KTOTrainer", "KTOConfig", "RLOOTrainer", "RLOOConfig", "DistillationTrainer",
+          "DistillationConfig")
 
 
 def __getattr__(name: str):
