@@ -263,8 +263,10 @@ def run_zeroshard(rank: int, world: int, device, case: Case, steps: int, skip: t
     return engine, train_steps(engine, schedule, case, world, rank, device, [s for s in range(steps) if s not in skip])
 
 
-def train_steps(engine, schedule, case: Case, world: int, rank: int, device, steps) -> list[float]:
-    """Train the optimizer steps `steps` on this rank: each one's mean loss over its micro-steps."""
+def train_steps(engine, schedule, case: Case, world: int, rank: int, device, steps,
+                after_micro=None) -> list[float]:
+    """Train the optimizer steps `steps` on this rank: each one's mean loss over its micro-steps;
+    `after_micro(step, micro)` after each micro-step's `engine.step()`, when given."""
     losses = []
     for step in steps:
         step_loss = 0.0
@@ -274,6 +276,8 @@ def train_steps(engine, schedule, case: Case, world: int, rank: int, device, ste
             engine.backward(loss)
             engine.step()
             step_loss += loss.item() / case.accumulation
+            if after_micro is not None:
+                after_micro(step, micro)
         if schedule is not None:
             schedule.step()
         losses.append(step_loss)

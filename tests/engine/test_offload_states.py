@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.recipes import Case, loss_of, make_engine_with_schedule, micro_batch
+from tests.recipes import Case, loss_of, make_engine_with_schedule, micro_batch, train_steps
 
 STEPS = 4
 KINDS = ("params", "grads", "master", "optimizer", "staging")
@@ -69,20 +69,12 @@ def _offload_and_check(engine, case: Case, include, calls) -> dict:
 
 def _train(engine, schedule, case, rank, world, device, offload_at=None, include=ALL, calls=1):
     """Train STEPS steps; after micro-step `offload_at` = (step, micro), offload `include` and reload."""
-    losses, checks = [], []
-    for step in range(STEPS):
-        total = 0.0
-        for micro in range(case.accumulation):
-            x, y = (t.to(device) for t in micro_batch(step, case, world, rank, micro))
-            loss = loss_of(engine, x, y)
-            engine.backward(loss)
-            engine.step()
-            total += loss.item() / case.accumulation
-            if (step, micro) == offload_at:
-                checks.append(_offload_and_check(engine, case, include, calls))
-        if schedule is not None:
-            schedule.step()
-        losses.append(total)
+    checks = []
+
+    def after_micro(step, micro):
+        if (step, micro) == offload_at:
+            checks.append(_offload_and_check(engine, case, include, calls))
+    losses = train_steps(engine, schedule, case, world, rank, device, range(STEPS), after_micro)
     full = engine.full_state_dict()
     return losses, torch.cat([full[n].reshape(-1) for n, _ in engine.module.named_parameters()]), checks
 
