@@ -197,7 +197,8 @@ EXPECTED = {  # misuse -> a fragment of its message
     "failed_backward": "cannot continue: a backward failed on this rank (MemoryError",
     "wrapped_twice": "already wrapped by a zeroshard engine",
     "fp16_model": "parameters ['wte.weight', 'wpe.weight', 'blocks.0.ln1.weight'] ... are float16 and are "
-                  "not float32, but the config trains in fp32: keep the model in fp32 (model.float()), or "
+                  "not float32, but the config trains in fp32: keep the model in fp32 (model.float(), or "
+                  "from_pretrained(path, dtype=torch.float32)), or "
                   'enable mixed precision in the config ("bf16": {"enabled": true} or "fp16": {"enabled": true})',
     "fp16_model_bf16_config": "parameters ['wte.weight', 'wpe.weight', 'blocks.0.ln1.weight'] ... are float16 "
                               "but the config enables bf16 (bfloat16): build the model in float32 (zeroshard "
