@@ -25,6 +25,12 @@ transformers' `deepspeed_init` and accelerate's `DeepSpeedEngineWrapper` do:
   transformers passes `exclude_frozen_parameters` to DeepSpeed's);
   `resume_from_checkpoint` loads it on any world size and stage. `save_model` writes what `from_pretrained` loads, every rank
   taking part (at stage 3 the weights are gathered unit by unit).
+- built, it makes the trainer's frozen reference model (TRL's DPO, GRPO) an
+  engine of its own at stage 3 (`frozen_models.py`), lets
+  `accelerator.unwrap_model` take the engine to its module (TRL generates
+  with it), and refuses TRL's `use_vllm` at stage 3, whose weight sync
+  would read empty shards. Any Trainer subclass gets all this through
+  `on_zeroshard` (`adapter.py`).
 """
 
 from __future__ import annotations
