@@ -48,6 +48,8 @@ KEPT = {  # (module, name): why it may outlive a case
     ("zeroshard.comm.compress.quantize", "_compiled"):
         "a cache of torch.compile wrappers, each with whether compiling failed in this process (then the "
         "process runs that kernel eagerly); torch.compiler.reset() drops what they compiled",
+    ("zeroshard.hf.adapter", "on_zeroshard"):
+        "its cache maps a class to its zeroshard class, the same in every case (pickled arguments find it)",
 }
 LIMITS = [getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")]
 CUDA_DEFAULT_SEED = 67280421310721  # c10's default_rng_seed_val: a fresh process's CUDA generators start there
