@@ -38,6 +38,7 @@ FACADE = ("zeroshard", "zeroshard.consolidate",
           "zeroshard.deepspeed.checkpointing",
           "zeroshard.deepspeed.engine", "zeroshard.deepspeed.utils")
 LAYERS = ("leaf", *SUBPACKAGES, "facade", "app")
+FRONT_DOORS = ("hf", "lightning", "accelerate")  # other trainers' loops over the facade
 
 
 def module_name(path: Path, root: Path = PACKAGE) -> str:
@@ -56,7 +57,7 @@ def layer_of(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) >= 2 and parts[1] in (*SUBPACKAGES, "app"):
         return parts[1]
-    if len(parts) >= 2 and parts[1] == "hf":  # transformers' Trainer over the facade: a front door, as the app
+    if len(parts) >= 2 and parts[1] in FRONT_DOORS:  # the Trainer, Lightning, Accelerate: front doors, as the app
         return "app"
     return None
 
