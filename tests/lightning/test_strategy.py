@@ -7,7 +7,8 @@ validation every epoch: at stages 1, 2 and 3, a fit of one epoch, a checkpoint
 record the same losses, validation losses and global_step as DDP's uninterrupted
 two epochs (2e-5), and predict the same outputs. The stage-3 checkpoint resumed on
 1 process with twice the batch trains the same global batches, so its second epoch
-equals DDP's too. bf16-mixed is the engine's bf16 (fp32 masters), within bf16's
+equals DDP's too, and a fresh module validated from it with no fit (`trainer.validate(ckpt_path=)`)
+gives DDP's validation losses after the first epoch. bf16-mixed is the engine's bf16 (fp32 masters), within bf16's
 tolerance of DDP under autocast.
 """
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.lightning.lit import fit, predictions, torchrun_env
+from tests.lightning.lit import fit, lightning_module, loaders, predictions, torchrun_env, trainer
 
 pytest.importorskip("lightning")
 
@@ -45,11 +46,20 @@ def _on_2_ranks(rank, world, device, out) -> dict:
                           ckpt_path=str(out / f"s{stage}.ckpt"))
             result[stage] = {**_summary(resumed), "first": first["losses"], "first_val": first["val"],
                              "first_step": first["step"]}
+        result["validated"] = _validated(device, world, out / "s3.ckpt")
         result["ddp_bf16"] = fit(device, world, "ddp", out / "ddp_bf16", epochs=1, precision="bf16-mixed")["losses"]
         bf16 = fit(device, world, _zeroshard(3), out / "bf16", epochs=1, precision="bf16-mixed")
         result["bf16"] = bf16["losses"]
         result["bf16_enabled"] = bf16["trainer"].strategy.engine.bfloat16_enabled()
     return result
+
+
+def _validated(device, world, checkpoint) -> list:
+    """A fresh module validated from the stage-3 checkpoint of the first epoch, with no fit before."""
+    module = lightning_module()
+    trainer(device, world, _zeroshard(3), checkpoint.parent / "validate", 1).validate(
+        module, loaders(4)[1], ckpt_path=str(checkpoint))
+    return module.val_losses
 
 
 def _summary(run) -> dict:
@@ -87,6 +97,13 @@ def test_fit_and_resume_equal_ddp(runs, stage):
     assert got["first_step"] == ddp["step"] // 2 and got["step"] == ddp["step"] == 8  # 32 batches per rank / 2 / 2
     assert got["lr"] == pytest.approx(ddp["lr"], rel=1e-12)  # the StepLR's state came back with the checkpoint
     torch.testing.assert_close(got["predicted"], ddp["predicted"], rtol=REL, atol=1e-6)
+
+
+def test_validate_from_a_checkpoint_without_fit(runs):
+    result, _ = runs
+    first_epoch_val = result["ddp"]["val"][:len(result["ddp"]["val"]) // 2]
+    assert len(first_epoch_val) == 2  # 16 samples, 2 ranks, batches of 4
+    _close(result["validated"], first_epoch_val, REL)
 
 
 def test_resumed_on_1_process_continues_as_ddp(runs):

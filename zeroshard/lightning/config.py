@@ -50,6 +50,7 @@ def fit_config(config: dict, accumulate: int, clip_val: float | None, clip_algor
     config = copy.deepcopy(config)
     _agree(config, "gradient_accumulation_steps", accumulate, "Trainer(accumulate_grad_batches=...)")
     if clip_val:
+        clip_algorithm = getattr(clip_algorithm, "value", clip_algorithm)  # Lightning's GradClipAlgorithmType
         if clip_algorithm not in (None, "norm"):
             raise UnsupportedError(f"Trainer(gradient_clip_algorithm={clip_algorithm!r}) is not supported by "
                                    "zeroshard, which clips the global gradient norm over all shards: use "

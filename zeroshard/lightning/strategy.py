@@ -26,11 +26,12 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from zeroshard.checkpoint import CheckpointError
+from zeroshard.config import ConfigError
 from zeroshard.deepspeed import DeepSpeedEngine, initialize, zero
 from zeroshard.deepspeed.unsupported import UnsupportedError
 from zeroshard.lightning.config import eval_config, fit_config, strategy_config
@@ -83,8 +84,8 @@ class ZeroshardStrategy(DDPStrategy):
         if self.engine is not None and self.engine.module is not self.lightning_module:
             self.engine = None  # another LightningModule: a new engine
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if self.engine is None and not fitting and trainer.ckpt_path is None:
-            return super().setup(trainer)  # evaluation before any fit: the module whole on each rank, as DDP's
+        if self.engine is None and not fitting:  # evaluation before any fit: the module whole on each rank, as
+            return super().setup(trainer)        # DDP's; a checkpoint to load makes the engine (`load_checkpoint`)
         self.accelerator.setup(trainer)
         if fitting:
             self._check_fit()
@@ -113,8 +114,9 @@ class ZeroshardStrategy(DDPStrategy):
     def _build_engine(self, trainer, fitting: bool) -> DeepSpeedEngine:
         """The engine over the LightningModule. Fitting: with the optimizer of the config's block, else of
         `configure_optimizers` (its LR scheduler stays Lightning's, stepped on its interval). Evaluating a
-        checkpoint: with no optimizer, to load the shards into."""
-        if not fitting:
+        checkpoint: with no optimizer and the module frozen, to load the shards into."""
+        if not fitting:  # nothing trains: the parameters frozen, so the engine keeps no gradients or states
+            self.lightning_module.requires_grad_(False)
             engine, *_ = initialize(model=self.lightning_module, model_parameters=[], 
                                    config=eval_config(self.config, self.precision_plugin.precision))
             return engine
@@ -125,11 +127,17 @@ class ZeroshardStrategy(DDPStrategy):
         return engine
 
     def _configured_optimizer(self):
-        optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
-        if len(optimizers) != 1:
-            raise UnsupportedError(f"configure_optimizers returned {len(optimizers)} optimizers; ZeroshardStrategy "
-                                   "takes one (Lightning's automatic optimization steps one). For several parameter "
-                                   "sets with their own optimizers, return zeroshard.Optimizers([...]) as one")
+        try:
+            optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        except RuntimeError as exc:  # Lightning's refusal of several optimizers in automatic optimization
+            if "multiple optimizers" not in str(exc):
+                raise
+            raise UnsupportedError("configure_optimizers returned several optimizers; ZeroshardStrategy takes one "
+                                   "(automatic optimization steps one). For parameter sets with optimizers of their "
+                                   "own, return zeroshard.Optimizers([opt1, opt2]), which the engine steps as one") from exc
+        if isinstance(optimizers[0], _MockOptimizer):
+            raise ConfigError("configure_optimizers returned no optimizer: return one, or put an \"optimizer\" "
+                              "block in ZeroshardStrategy's config")
         self.lr_scheduler_configs = schedulers
         return optimizers[0]
 
@@ -173,11 +181,9 @@ class ZeroshardStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         """The engine loads its shards (any world size and stage); Lightning gets back its own state."""
         checkpoint_path = self.broadcast(checkpoint_path)
-        if self.engine is None:
-            raise UnsupportedError(
-                f"loading {checkpoint_path} before a fit: ZeroshardStrategy's checkpoints are the engine's shards. "
-                "Pass ckpt_path= to trainer.fit (it resumes), or consolidate the checkpoint into one state dict "
-                "(python -m zeroshard.consolidate, docs/checkpoints.md) and load it into the module")
+        if self.engine is None:  # validate, test or predict from a checkpoint, with no fit before
+            self.engine, self._trains = self._build_engine(self.lightning_module.trainer, fitting=False), False
+            self.model = self.engine
         if not Path(checkpoint_path, TAG).is_dir():
             raise CheckpointError(
                 f"{checkpoint_path} is not a ZeroshardStrategy checkpoint (no '{TAG}' directory in it): a file saved "
