@@ -16,16 +16,22 @@ SAMPLES, FEATURES = 64, 8
 LR = 1e-2
 
 
-def lightning_module():
+def lightning_module(in_configure_model: bool = False):
+    """The regression module; `in_configure_model`: its layers built in `configure_model` (under the strategy's
+    `model_sharded_context`), the device they were built on recorded."""
     import lightning as L
 
     class Regression(L.LightningModule):
         def __init__(self):
             super().__init__()
-            torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
-                                           torch.nn.GELU(), torch.nn.Linear(32, 1))
-            self.losses, self.val_losses = [], []
+            self.losses, self.val_losses, self.built_on = [], [], None
+            if not in_configure_model:
+                self.net = _layers()
+
+        def configure_model(self):
+            if not hasattr(self, "net"):
+                self.net = _layers()
+                self.built_on = self.net[0].weight.device.type
 
         def forward(self, x):
             return self.net(x)
@@ -50,6 +56,12 @@ def lightning_module():
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     return Regression()
+
+
+def _layers():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.GELU(), torch.nn.Linear(32, 32),
+                               torch.nn.GELU(), torch.nn.Linear(32, 1))
 
 
 def dataset(n: int = SAMPLES, seed: int = 1):
@@ -88,10 +100,10 @@ def loaders(batch: int):
     return train, val
 
 
-def fit(device, world: int, strategy, out, epochs: int, batch: int = 4, ckpt_path=None, **kw) -> dict:
+def fit(device, world: int, strategy, out, epochs: int, batch: int = 4, ckpt_path=None, module=None, **kw) -> dict:
     """One fit: the losses it trained (all ranks' mean per micro-batch), validation losses, global_step, the
     trainer and its module."""
-    module = lightning_module()
+    module = module if module is not None else lightning_module()
     run = trainer(device, world, strategy, out, epochs, **kw)
     run.fit(module, *loaders(batch), ckpt_path=ckpt_path)
     return {"losses": module.losses, "val": module.val_losses, "step": run.global_step, "trainer": run,

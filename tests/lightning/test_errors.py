@@ -2,7 +2,8 @@
 
 On 1 process: each case starts a fit that must stop before its first step with
 the named error. `strategy="zeroshard_stage_3"` (registered on import) trains as
-`strategy="ddp"` does on the same process.
+`strategy="ddp"` does on the same process; Lightning's ModelCheckpoint saves and prunes the
+engine's checkpoint directories.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def _cases(rank, world, device, out) -> dict:
         import zeroshard.lightning  # noqa: F401 - registers the strategy names, as a user's script does
 
         by_name = fit(device, 1, "zeroshard_stage_3", out / "named", epochs=1)
+        kept = _model_checkpoint(device, out / "callback")
         return {
             "manual": _refused(device, out, fit_kw={"gradient_clip_val": None, "accumulate_grad_batches": 1},
                                 module=_manual()),
@@ -74,8 +76,26 @@ def _cases(rank, world, device, out) -> dict:
                                   {"precision": "bf16-mixed"}),
             "foreign_checkpoint": _refused(device, out, ckpt_path=str(ddp_file)),
             "ddp": ddp["losses"], "by_name": by_name["losses"],
-            "by_name_stage": by_name["trainer"].strategy.engine.zero_optimization_stage(),
+            "by_name_stage": by_name["trainer"].strategy.engine.zero_optimization_stage(), **kept,
         }
+
+
+def _model_checkpoint(device, out) -> dict:
+    """Lightning's ModelCheckpoint every 2 steps, keeping the newest: the older directories removed, the kept one
+    loads into a fresh module that validates as the trained one did at its end."""
+    import lightning as L
+
+    from zeroshard.lightning import ZeroshardStrategy
+
+    callback = L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=2, save_top_k=1)
+    run = fit(device, 1, ZeroshardStrategy(stage=2), out, epochs=1, enable_checkpointing=True, callbacks=[callback],
+              check_val_every_n_epoch=1)
+    module = lightning_module()
+    trainer(device, 1, ZeroshardStrategy(stage=2), out, 1).validate(module, loaders(4)[1],
+                                                                   ckpt_path=callback.best_model_path)
+    return {"kept": sorted(p.name for p in out.iterdir()), "kept_is_engine": (out / "epoch=0-step=8.ckpt" /
+                                                                             "checkpoint").is_dir(),
+            "trained_val": run["val"], "reloaded_val": module.val_losses}
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +125,11 @@ def test_registered_name_trains_as_ddp(cases):
     assert len(cases["by_name"]) == len(cases["ddp"]) == 16
     for a, b in zip(cases["by_name"], cases["ddp"]):
         assert abs(a - b) <= 2e-5 * abs(b), (cases["by_name"], cases["ddp"])
+
+
+def test_model_checkpoint_callback(cases):
+    assert cases["kept"] == ["epoch=0-step=8.ckpt"] and cases["kept_is_engine"]  # 4 saves, the newest kept
+    assert cases["reloaded_val"] == pytest.approx(cases["trained_val"], rel=1e-6) and len(cases["trained_val"]) == 4
 
 
 def test_stage_given_twice_differently():

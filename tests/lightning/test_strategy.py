@@ -47,6 +47,8 @@ def _on_2_ranks(rank, world, device, out) -> dict:
             result[stage] = {**_summary(resumed), "first": first["losses"], "first_val": first["val"],
                              "first_step": first["step"]}
         result["validated"] = _validated(device, world, out / "s3.ckpt")
+        built = fit(device, world, _zeroshard(3), out / "configured", epochs=1, module=lightning_module(True))
+        result["configured"] = {"losses": built["losses"], "built_on": built["module"].built_on}
         result["ddp_bf16"] = fit(device, world, "ddp", out / "ddp_bf16", epochs=1, precision="bf16-mixed")["losses"]
         bf16 = fit(device, world, _zeroshard(3), out / "bf16", epochs=1, precision="bf16-mixed")
         result["bf16"] = bf16["losses"]
@@ -94,7 +96,7 @@ def test_fit_and_resume_equal_ddp(runs, stage):
     _close(got["first"] + got["losses"], ddp["losses"], REL)  # the resumed fit trains the second epoch only
     assert len(got["losses"]) == steps_per_epoch
     _close(got["first_val"] + got["val"], ddp["val"], REL)
-    assert got["first_step"] == ddp["step"] // 2 and got["step"] == ddp["step"] == 8  # 32 batches per rank / 2 / 2
+    assert got["first_step"] == ddp["step"] // 2 and got["step"] == ddp["step"] == 8  # 2 epochs of 8 batches per rank, 2 per step
     assert got["lr"] == pytest.approx(ddp["lr"], rel=1e-12)  # the StepLR's state came back with the checkpoint
     torch.testing.assert_close(got["predicted"], ddp["predicted"], rtol=REL, atol=1e-6)
 
@@ -104,6 +106,16 @@ def test_validate_from_a_checkpoint_without_fit(runs):
     first_epoch_val = result["ddp"]["val"][:len(result["ddp"]["val"]) // 2]
     assert len(first_epoch_val) == 2  # 16 samples, 2 ranks, batches of 4
     _close(result["validated"], first_epoch_val, REL)
+
+
+def test_configure_model_builds_on_meta_at_stage_3(runs):
+    """`configure_model` runs under zero.Init: its layers are built on the meta device and materialized shard by
+    shard, with the values the same seed gives a whole model."""
+    result, _ = runs
+    got = result["configured"]
+    assert got["built_on"] == "meta"
+    _close(got["losses"], result["ddp"]["losses"][:len(got["losses"])], REL)
+    assert len(got["losses"]) == 8  # 64 samples, 2 ranks, batches of 4
 
 
 def test_resumed_on_1_process_continues_as_ddp(runs):
