@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.distributed import run_ranks
-from tests.lightning.lit import fit, lightning_module, loaders, torchrun_env, trainer
+from tests.lightning.lit import LR, fit, lightning_module, loaders, torchrun_env, trainer
 
 pytest.importorskip("lightning")
 
@@ -62,6 +62,7 @@ def _cases(rank, world, device, out) -> dict:
 
         by_name = fit(device, 1, "zeroshard_stage_3", out / "named", epochs=1)
         kept = _model_checkpoint(device, out / "callback")
+        blocks = _optimizer_block(device, out / "block")
         return {
             "manual": _refused(device, out, fit_kw={"gradient_clip_val": None, "accumulate_grad_batches": 1},
                                 module=_manual()),
@@ -76,8 +77,25 @@ def _cases(rank, world, device, out) -> dict:
                                   {"precision": "bf16-mixed"}),
             "foreign_checkpoint": _refused(device, out, ckpt_path=str(ddp_file)),
             "ddp": ddp["losses"], "by_name": by_name["losses"],
-            "by_name_stage": by_name["trainer"].strategy.engine.zero_optimization_stage(), **kept,
+            "by_name_stage": by_name["trainer"].strategy.engine.zero_optimization_stage(), **kept, **blocks,
         }
+
+
+def _optimizer_block(device, out) -> dict:
+    """The config's optimizer block, configure_optimizers returning None, against DDP with that optimizer."""
+    from zeroshard.lightning import ZeroshardStrategy
+
+    def plain():
+        module = lightning_module()
+        module.configure_optimizers = lambda: torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01)
+        return module
+
+    blockless = lightning_module()
+    blockless.configure_optimizers = lambda: None
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}}
+    return {"plain_ddp": fit(device, 1, "ddp", out / "ddp", epochs=1, module=plain())["losses"],
+            "from_block": fit(device, 1, ZeroshardStrategy(stage=2, config=config), out, epochs=1,
+                              module=blockless)["losses"]}
 
 
 def _model_checkpoint(device, out) -> dict:
@@ -125,6 +143,12 @@ def test_registered_name_trains_as_ddp(cases):
     assert len(cases["by_name"]) == len(cases["ddp"]) == 16
     for a, b in zip(cases["by_name"], cases["ddp"]):
         assert abs(a - b) <= 2e-5 * abs(b), (cases["by_name"], cases["ddp"])
+
+
+def test_optimizer_from_the_config_block(cases):
+    assert len(cases["from_block"]) == 16
+    for a, b in zip(cases["from_block"], cases["plain_ddp"]):
+        assert abs(a - b) <= 2e-5 * abs(b), (cases["from_block"], cases["plain_ddp"])
 
 
 def test_model_checkpoint_callback(cases):
