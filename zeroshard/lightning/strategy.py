@@ -117,7 +117,7 @@ class ZeroshardStrategy(DDPStrategy):
         checkpoint: with no optimizer and the module frozen, to load the shards into."""
         if not fitting:  # nothing trains: the parameters frozen, so the engine keeps no gradients or states
             self.lightning_module.requires_grad_(False)
-            engine, *_ = initialize(model=self.lightning_module, model_parameters=[], 
+            engine, *_ = initialize(model=self.lightning_module, model_parameters=[],
                                    config=eval_config(self.config, self.precision_plugin.precision))
             return engine
         config = fit_config(self.config, trainer.accumulate_grad_batches, trainer.gradient_clip_val,
