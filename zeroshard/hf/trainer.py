@@ -13,7 +13,7 @@ transformers' `deepspeed_init` and accelerate's `DeepSpeedEngineWrapper` do:
   engine reduces, clips (the config's `gradient_clipping`, filled from
   `max_grad_norm`), updates and steps the LR scheduler at the end of the
   accumulation window; the Trainer's own optimizer and scheduler steps are
-  then no-ops (`_SteppedByEngine`), and the norm it logs is the engine's.
+  then no-ops (`engine/stepped.py`), and the norm it logs is the engine's.
 - a run that would reach an epoch's short last window (batches per rank not
   a multiple of the accumulation) is refused before its first step, with the
   settings that avoid it (`window.py`): the engine's windows have a fixed length.
@@ -46,26 +46,10 @@ from zeroshard.deepspeed.initialize import initialize
 from zeroshard.deepspeed.unsupported import UnsupportedError
 from zeroshard.deepspeed.engine import DeepSpeedEngine
 from zeroshard.engine import Engine
+from zeroshard.engine.stepped import SteppedByEngine
 from zeroshard.hf.arguments import carry_config, filled_config
 from zeroshard.hf.frozen_models import shard_frozen_models
 from zeroshard.hf.window import check_windows
-
-
-class _SteppedByEngine:
-    """The Trainer's view of the engine's optimizer or LR scheduler: `step()` and `zero_grad()` do nothing, since
-    `engine.step()` ran them at the end of the window; everything else is the object's own."""
-
-    def __init__(self, stepped):
-        self.stepped = stepped
-
-    def step(self, *args, **kwargs) -> None:
-        """Done by `engine.step()` at the accumulation boundary."""
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """The engine clears its gradient buffers itself."""
-
-    def __getattr__(self, name: str):
-        return getattr(self.stepped, name)
 
 
 class _ZeroshardTraining:
@@ -117,7 +101,7 @@ class _ZeroshardTraining:
             zero["stage3_wrap_classes"] = _block_classes(self.model)
         engine, engine_optimizer, _, engine_scheduler = initialize(
             model=self.model, optimizer=optimizer, config=config, lr_scheduler=scheduler)
-        self.optimizer, self.lr_scheduler = _SteppedByEngine(engine_optimizer), _SteppedByEngine(engine_scheduler)
+        self.optimizer, self.lr_scheduler = SteppedByEngine(engine_optimizer), SteppedByEngine(engine_scheduler)
         return engine
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader=None) -> nn.Module:
