@@ -1,7 +1,7 @@
 """An Accelerate training script, run by tests/accelerate/test_accelerate.py under `accelerate launch`.
 
     accelerate launch --multi_gpu --num_processes 2 tests/accelerate/script.py OUT.json [--stage S]
-        [--steps K] [--save DIR] [--resume DIR] [--probe-errors]
+        [--save DIR --at K] [--resume DIR --at K] [--probe-errors]
 
 Without --stage it is plain Accelerate (DDP); with it, the same loop on
 `zeroshard.accelerate.Accelerator` at ZeRO stage S. A small MLP, fixed-seed
@@ -9,8 +9,8 @@ data (not shuffled), AdamW, a LambdaLR schedule, accumulation 2, clipping
 1.0. Rank 0 writes OUT.json: per micro-step the mean loss over the ranks,
 per optimizer step the learning rate and the norm clip_grad_norm_ returned,
 and the final weights (through accelerator.save_model, read back).
---steps K stops after K optimizer steps, --save DIR then calls save_state;
---resume DIR calls load_state and skips the batches done before.
+--save DIR calls save_state after K optimizer steps and trains on;
+--resume DIR calls load_state first and skips the K steps' batches.
 --probe-errors records the messages of the refusals the tests check.
 """
 
@@ -54,7 +54,7 @@ def train(args) -> dict:
     done = 0
     if args.resume:
         accelerator.load_state(args.resume)
-        done = args.resume_steps
+        done = args.at
         loader = accelerator.skip_first_batches(loader, done * ACCUMULATION)
     record = {"losses": [], "lrs": [], "norms": []}
     for x, y in loader:
@@ -71,10 +71,8 @@ def train(args) -> dict:
             done += 1
             record["norms"].append(float(norm))
             record["lrs"].append(scheduler.get_last_lr()[0])
-            if done == args.steps:
-                break
-    if args.save:
-        accelerator.save_state(args.save)
+            if args.save and done == args.at:
+                accelerator.save_state(args.save)
     record["weights"] = final_weights(accelerator, model)
     if args.probe_errors:
         record["errors"] = probe_errors(accelerator, model)
@@ -110,10 +108,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--stage", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--save", default=None)
     parser.add_argument("--resume", default=None)
-    parser.add_argument("--resume-steps", type=int, default=0)
+    parser.add_argument("--at", type=int, default=0, help="optimizer steps before --save or --resume")
     parser.add_argument("--probe-errors", action="store_true")
     args = parser.parse_args()
     record = train(args)

@@ -63,6 +63,7 @@ class Accelerator(accelerate.Accelerator):
     def __init__(self, *, config: dict | str | os.PathLike | None = None, max_grad_norm: float | None = None,
                  **kwargs):
         _refuse_other_engines(kwargs)
+        raw = read_config(config)  # before Accelerate sets up its state: a wrong path fails at once
         precision = kwargs.pop("mixed_precision", None)
         if precision is None and os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no":
             precision = os.environ["ACCELERATE_MIXED_PRECISION"]  # `accelerate launch --mixed_precision bf16`
@@ -72,7 +73,7 @@ class Accelerator(accelerate.Accelerator):
         super().__init__(mixed_precision="no", **kwargs)
         self._accumulation_given = accumulation_given
         accumulation = self.gradient_accumulation_steps if accumulation_given else None
-        self.zeroshard_config = filled_config(read_config(config), accumulation, precision, max_grad_norm)
+        self.zeroshard_config = filled_config(raw, accumulation, precision, max_grad_norm)
         steps = self.zeroshard_config.get("gradient_accumulation_steps")
         if not accumulation_given and isinstance(steps, int):
             self.gradient_accumulation_steps = steps  # the config's, as Accelerate's DeepSpeed path takes it
