@@ -69,8 +69,16 @@ class Accelerator(accelerate.Accelerator):
             precision = os.environ["ACCELERATE_MIXED_PRECISION"]  # `accelerate launch --mixed_precision bf16`
         accumulation_given = "gradient_accumulation_steps" in kwargs or "gradient_accumulation_plugin" in kwargs \
             or "ACCELERATE_GRADIENT_ACCUMULATION_STEPS" in os.environ
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world > 1 and "cpu" not in kwargs and not torch.cuda.is_available():
+            kwargs["cpu"] = True  # else Accelerate takes torchrun's CPU processes for one, and shards no data
         # The engine casts to the training dtype and scales fp16 losses: Accelerate must not autocast or scale.
         super().__init__(mixed_precision="no", **kwargs)
+        if self.num_processes != world:
+            raise UnsupportedError(
+                f"the launch started {world} processes but Accelerate counts {self.num_processes}, so it would not "
+                "shard the data while the engine averages over every process: launch with accelerate launch "
+                "--multi_gpu --num_processes N (or torchrun), and on CPU pass Accelerator(cpu=True)")
         self._accumulation_given = accumulation_given
         accumulation = self.gradient_accumulation_steps if accumulation_given else None
         self.zeroshard_config = filled_config(raw, accumulation, precision, max_grad_norm)
