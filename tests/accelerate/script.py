@@ -41,7 +41,8 @@ def make_accelerator(stage: int | None):
         from accelerate import Accelerator
         return Accelerator(gradient_accumulation_steps=ACCUMULATION, cpu=True)
     from zeroshard.accelerate import Accelerator
-    config = {"zero_optimization": {"stage": stage}}
+    # Every parameter sharded at stage 3 (the default threshold would keep this small model's whole).
+    config = {"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
     return Accelerator(config=config, gradient_accumulation_steps=ACCUMULATION, max_grad_norm=CLIP, cpu=True)
 
 

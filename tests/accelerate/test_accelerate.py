@@ -1,9 +1,12 @@
 """`zeroshard.accelerate.Accelerator` under `accelerate launch` on 2 CPU processes, against plain Accelerate (DDP).
 
-One script (script.py beside this file), launched five times for the whole
+One script (script.py beside this file), launched four times for the whole
 file (module-scoped): plain Accelerate as the reference, zeroshard at
-stages 1, 2 and 3 (stage 3 calling save_state after 3 of its 6 steps and
-training on), and a second stage-3 run resumed from that state. The same
+stages 2 and 3 (stage 3, every parameter sharded, calling save_state after
+3 of its 6 steps and training on), and a second stage-3 run resumed from
+that state. Stage 1 differs from stage 2 inside the engine only, which the
+engine's own parity tests and tests/lightning cover; a launch costs about
+20 s of start-up on the CI's 2 cores. The same
 loop, data and seed each time; only the Accelerator differs.
 """
 
@@ -55,8 +58,7 @@ def runs(tmp_path_factory) -> dict:
     state = tmp / "state"
     return {
         "ddp": launch(tmp / "ddp.json"),
-        1: launch(tmp / "stage1.json", "--stage", "1", "--probe-errors"),
-        2: launch(tmp / "stage2.json", "--stage", "2"),
+        2: launch(tmp / "stage2.json", "--stage", "2", "--probe-errors"),
         3: launch(tmp / "stage3.json", "--stage", "3", "--save", str(state), "--at", str(SAVE_AT)),
         "resumed": launch(tmp / "resumed.json", "--stage", "3", "--resume", str(state), "--at", str(SAVE_AT)),
         "state": state,
@@ -75,7 +77,7 @@ def assert_weights_close(weights: dict, reference: dict, atol: float) -> None:
                                    msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [2, 3])
 def test_training_equals_plain_accelerate(runs, stage):
     """Per micro-step losses, per step learning rates (the schedule stepped num_processes times a step, as
     Accelerate's DDP path does) and clip_grad_norm_'s norms, then the weights save_model writes."""
@@ -103,13 +105,13 @@ def test_resumed_run_equals_the_uninterrupted_one(runs):
 
 
 def test_clip_grad_norm_with_another_max_norm_names_the_fix(runs):
-    kind, message = runs[1]["errors"]["clip"]
+    kind, message = runs[2]["errors"]["clip"]
     assert kind == "ConfigError"
     assert "max_norm=0.5" in message and "clips to 1.0" in message
     assert "Accelerator(max_grad_norm=0.5)" in message and '"gradient_clipping": 0.5' in message
 
 
 def test_a_second_model_is_refused(runs):
-    errors = runs[1]["errors"]
+    errors = runs[2]["errors"]
     assert errors["second_model"][0] == "UnsupportedError" and "already given a model" in errors["second_model"][1]
     assert errors["two_models"][0] == "UnsupportedError" and "prepare got 2 models" in errors["two_models"][1]
