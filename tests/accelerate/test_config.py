@@ -71,7 +71,7 @@ def test_a_json_path_is_read_and_mistakes_show_at_once(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(STAGE2), encoding="utf-8")
     assert read_config(str(path)) == STAGE2
-    with pytest.raises(ConfigError, match="no such file"):
+    with pytest.raises(ConfigError, match="not found; check the path"):
         read_config(str(tmp_path / "missing.json"))
     (tmp_path / "bad.json").write_text("{", encoding="utf-8")
     with pytest.raises(ConfigError, match="not valid JSON"):

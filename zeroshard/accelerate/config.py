@@ -13,11 +13,10 @@ Accelerate's own DeepSpeed integration fills the same keys the same way.
 from __future__ import annotations
 
 import copy
-import json
 import os
-from pathlib import Path
 
 from zeroshard.config import ConfigError
+from zeroshard.config.keys import raw_config
 from zeroshard.config.values import AUTO
 from zeroshard.deepspeed.unsupported import UnsupportedError
 
@@ -29,16 +28,7 @@ def read_config(config: dict | str | os.PathLike | None) -> dict:
     if config is None:
         raise ConfigError("zeroshard.accelerate.Accelerator needs config=: a DeepSpeed-style config dict or the path "
                           "of its JSON file, such as config={\"zero_optimization\": {\"stage\": 2}}")
-    if isinstance(config, dict):
-        return copy.deepcopy(config)
-    path = Path(config)
-    if not path.is_file():
-        raise ConfigError(f"Accelerator(config={str(config)!r}): no such file; give the path of a DeepSpeed JSON "
-                          "config, or the config as a dict")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"Accelerator(config={str(config)!r}) is not valid JSON ({exc}); fix the file") from exc
+    return raw_config(config, "Accelerator(config=...)")
 
 
 def filled_config(config: dict, accumulation: int | None, precision: str | None,

@@ -5,8 +5,10 @@ Pure functions over dicts; the sections' pydantic models come in as arguments.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
+import os
 import warnings
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,17 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file '{path}' must hold a JSON object ({{...}}) at the "
                           f"top level; got a JSON {type(raw).__name__}")
     return raw
+
+
+def raw_config(config, given_as: str) -> dict[str, Any]:
+    """A copy of `config` (a dict), or the JSON object of the file it names (`read_json`), as the front doors
+    take a DeepSpeed config; `given_as` names the argument in the error for anything else."""
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    if isinstance(config, (str, os.PathLike)):
+        return read_json(Path(config))
+    raise ConfigError(f"{given_as} takes a DeepSpeed config dict or the path of its JSON file; "
+                      f"got {type(config).__name__}")
 
 
 class _DuplicateKey(ZeroshardError):

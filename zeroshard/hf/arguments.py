@@ -18,8 +18,6 @@ is live (`is_deepspeed_zero3_enabled()`); zeroshard's stage 3 needs neither.
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 
 import torch.nn as nn
 import transformers
@@ -27,6 +25,7 @@ from accelerate.utils.deepspeed import HfDeepSpeedConfig as AccelerateDeepSpeedC
 from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
 from zeroshard.config import ConfigError
+from zeroshard.config.keys import raw_config
 
 
 class _ConfigKeptAside:
@@ -87,14 +86,7 @@ def config_given(args) -> dict | None:
         given = getattr(args, "deepspeed", None)  # transformers' own arguments, with `deepspeed` installed
     if given is None or isinstance(given, dict):
         return given
-    path = Path(given)
-    if not path.is_file():
-        raise ConfigError(f"TrainingArguments(deepspeed={given!r}): no such file; give the path of a DeepSpeed "
-                          "JSON config, or the config as a dict")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"TrainingArguments(deepspeed={given!r}) is not valid JSON ({exc}); fix the file") from exc
+    return raw_config(given, "TrainingArguments(deepspeed=...)")
 
 
 def filled_config(args, model: nn.Module | None = None, num_training_steps: int | None = None) -> dict:

@@ -13,10 +13,10 @@ fp32 masters) is refused with the setting that works.
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 from zeroshard.config import ConfigError
+from zeroshard.config.keys import raw_config
 from zeroshard.deepspeed.unsupported import UnsupportedError
 
 # Lightning's precision flag: the config block it turns on (None: full precision, the config decides).
@@ -26,15 +26,7 @@ DEFAULT_STAGE = 2  # as Lightning's DeepSpeedStrategy
 
 def strategy_config(config: dict | str | Path | None, stage: int | None) -> dict:
     """The config given to the strategy (a dict, or a JSON file's path), a copy, with the ZeRO stage set."""
-    if isinstance(config, (str, Path)):
-        path = Path(config)
-        if not path.is_file():
-            raise ConfigError(f"ZeroshardStrategy(config={str(config)!r}): no such file; give a DeepSpeed config "
-                              "dict or the path of its JSON file")
-        config = json.loads(path.read_text(encoding="utf-8"))
-    config = copy.deepcopy(config) if config is not None else {}
-    if not isinstance(config, dict):
-        raise ConfigError(f"ZeroshardStrategy(config=...) takes a dict or a JSON file's path; got {type(config).__name__}")
+    config = raw_config(config, "ZeroshardStrategy(config=...)") if config is not None else {}
     zero = config.setdefault("zero_optimization", {})
     written = zero.get("stage")
     if stage is not None and written is not None and written != stage:
