@@ -90,12 +90,22 @@ def _optimizer_block(device, out) -> dict:
         module.configure_optimizers = lambda: torch.optim.AdamW(module.parameters(), lr=LR, weight_decay=0.01)
         return module
 
+    def split():  # two AdamWs over halves of the parameters: the same update as one AdamW over all
+        import zeroshard
+
+        module = lightning_module()
+        first, rest = list(module.net[0].parameters()), list(module.net[2:].parameters())
+        module.configure_optimizers = lambda: zeroshard.Optimizers([
+            torch.optim.AdamW(first, lr=LR, weight_decay=0.01), torch.optim.AdamW(rest, lr=LR, weight_decay=0.01)])
+        return module
+
     blockless = lightning_module()
     blockless.configure_optimizers = lambda: None
     config = {"optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}}
     return {"plain_ddp": fit(device, 1, "ddp", out / "ddp", epochs=1, module=plain())["losses"],
             "from_block": fit(device, 1, ZeroshardStrategy(stage=2, config=config), out, epochs=1,
-                              module=blockless)["losses"]}
+                              module=blockless)["losses"],
+            "optimizers": fit(device, 1, ZeroshardStrategy(stage=2), out, epochs=1, module=split())["losses"]}
 
 
 def _model_checkpoint(device, out) -> dict:
@@ -145,10 +155,13 @@ def test_registered_name_trains_as_ddp(cases):
         assert abs(a - b) <= 2e-5 * abs(b), (cases["by_name"], cases["ddp"])
 
 
-def test_optimizer_from_the_config_block(cases):
-    assert len(cases["from_block"]) == 16
-    for a, b in zip(cases["from_block"], cases["plain_ddp"]):
-        assert abs(a - b) <= 2e-5 * abs(b), (cases["from_block"], cases["plain_ddp"])
+@pytest.mark.parametrize("case", ["from_block", "optimizers"])
+def test_optimizer_from_the_config_block_or_several_as_one(cases, case):
+    """The config's optimizer block (configure_optimizers returning None), or zeroshard.Optimizers of two AdamWs
+    over parts of the model, against DDP with one AdamW over all of it."""
+    assert len(cases[case]) == 16
+    for a, b in zip(cases[case], cases["plain_ddp"]):
+        assert abs(a - b) <= 2e-5 * abs(b), (cases[case], cases["plain_ddp"])
 
 
 def test_model_checkpoint_callback(cases):
