@@ -21,6 +21,7 @@ The strategy is Lightning's DDP strategy (process group, samplers, barriers,
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,24 @@ class ZeroshardStrategy(DDPStrategy):
                               "block in ZeroshardStrategy's config")
         self.lr_scheduler_configs = schedulers
         return optimizers[0]
+
+    def on_train_start(self) -> None:
+        """Refuse, before the first step, a run that would reach an epoch's short last window: Lightning steps on
+        it under DDP, while the engine's windows have a fixed length (its window would run on into the next
+        epoch, a silent change of the batches each step averages)."""
+        trainer = self.lightning_module.trainer
+        batches, k = trainer.num_training_batches, trainer.accumulate_grad_batches
+        if math.isinf(batches) or batches % k == 0:
+            return
+        whole = batches // k  # an epoch's optimizer steps of whole windows
+        if 0 < trainer.max_steps <= whole:
+            return  # the run ends inside the first epoch's whole windows
+        raise UnsupportedError(
+            f"each epoch has {batches} batches per rank, not a multiple of accumulate_grad_batches ({k}): its last "
+            f"window would hold {batches % k}, on which Lightning steps under DDP but zeroshard's engine, whose "
+            f"windows have a fixed length, cannot. Set limit_train_batches={whole * k}, an accumulate_grad_batches "
+            f"that divides {batches}, or max_steps={whole} or fewer" if whole else
+            f"each epoch has {batches} batches per rank, fewer than accumulate_grad_batches ({k}): lower it")
 
     def setup_optimizers(self, trainer) -> None:
         """The optimizer is built with the engine, at `setup`."""
