@@ -2,7 +2,8 @@
 
 Acceptance 3 (a): every norm weight and every buffer (a Llama's `inv_freq`,
 BERT's `position_ids`) equals the eagerly built model's exactly; the loss
-falls over 20 steps; a parameter no init sets, and a buffer lost on the meta
+falls over 20 steps, also for a transformers model held by a plain module (a LightningModule's
+`configure_model`); a parameter no init sets, and a buffer lost on the meta
 device, are errors naming them.
 """
 
@@ -26,22 +27,37 @@ def _deterministic(model: nn.Module) -> dict[str, torch.Tensor]:
     return values
 
 
-def _train_from_meta(kind, device, rank):
+class Wrapper(nn.Module):
+    """A LightningModule's shape: a transformers model held by a plain module, with a (frozen) layer of its own
+    that only `reset_parameters` initialises."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model, self.head = model, nn.Linear(4, 4)
+        self.head.requires_grad_(False)
+
+    def forward(self, **kwargs):
+        return self.model(**kwargs)
+
+
+def _train_from_meta(kind, device, rank, wrapped: bool = False):
     import zeroshard
 
     config = config_of(kind)
     torch.manual_seed(0)
     eager = auto_class(kind).from_config(config)
     with zeroshard.meta_init():
-        model = auto_class(kind).from_config(config)
+        hf = auto_class(kind).from_config(config)
+        model = Wrapper(hf) if wrapped else hf
     assert all(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
-    engine = zeroshard.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), STAGE3,
-                                  wrap=[layer_class(model)])
+    engine = zeroshard.initialize(model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                                           lr=1e-2), STAGE3, wrap=[layer_class(hf)])
     state = engine.full_state_dict()
     # Every buffer where the model runs: meta_init kept them on the CPU, the engine moved them.
     off_device = [k for k, b in model.named_buffers() if b.device != engine.device]
     buffers = {k: b.cpu() for k, b in model.named_buffers()}
-    expected = _deterministic(eager)
+    prefix = "model." if wrapped else ""
+    expected = {prefix + k: v for k, v in _deterministic(eager).items()}
     exact = {k: torch.equal(state[k].cpu() if k in state else buffers[k], v) for k, v in expected.items()}
     finite = all(bool(torch.isfinite(t).all()) for t in state.values())
     x = batch(rank).to(device)
@@ -53,7 +69,7 @@ def _train_from_meta(kind, device, rank):
         losses.append(loss.item())
     # module.state_dict() at stage 3: full tensors, the same as engine.full_state_dict's.
     module_state = model.state_dict()
-    shapes_ok = all(module_state[k].shape == v.shape for k, v in eager.state_dict().items())
+    shapes_ok = all(module_state[prefix + k].shape == v.shape for k, v in eager.state_dict().items())
     same = all(torch.equal(module_state[k], v) for k, v in engine.full_state_dict().items())
     return exact, finite, losses, shapes_ok, same, sorted(expected), off_device
 
@@ -94,6 +110,7 @@ def _ranks(rank, world, device):
     import zeroshard
 
     results = {kind: _train_from_meta(kind, device, rank) for kind in KINDS}
+    results["wrapped gpt2"] = _train_from_meta("gpt2", device, rank, wrapped=True)
 
     def on_meta():
         with torch.device("meta"):
@@ -119,17 +136,18 @@ def _ranks(rank, world, device):
 
 def test_meta_init_gives_the_eager_norms_and_buffers_and_trains_and_names_what_no_init_set():
     for results in run_ranks(_ranks, 2):
-        for kind in KINDS:
+        for kind in [*KINDS, "wrapped gpt2"]:  # the wrapped one: _init_weights inside, reset_parameters outside
             exact, finite, losses, shapes_ok, same, keys, off_device = results[kind]
             assert not off_device, (kind, off_device)
             assert exact and all(exact.values()), (kind, [k for k, ok in exact.items() if not ok])
             assert any("norm" in k.lower() or "ln_" in k for k in keys), keys
-            assert any("inv_freq" in k for k in keys) or kind in ("gpt2", "bert"), keys
+            assert any("inv_freq" in k for k in keys) or kind in ("gpt2", "bert", "wrapped gpt2"), keys
             assert finite, kind
             assert losses[-1] < 0.5 * losses[0], (kind, losses)
             assert shapes_ok and same, kind
         # meta_init, no init=: reset_parameters set the Linear layers, nothing set Scaled.scale.
         assert "'1.scale'" in results["missing"] and "'1.proj.weight'" not in results["missing"], results["missing"]
+        assert "the model's own initialisation" in results["missing"] and "init=fn" in results["missing"]
         # torch.device("meta"): the buffer computed in __init__ is lost, and init= did not set it.
         assert "'1.offsets'" in results["buffer"] and "meta_init" in results["buffer"], results["buffer"]
         assert "meta_init" in results["no_init"], results["no_init"]

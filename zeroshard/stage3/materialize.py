@@ -53,11 +53,17 @@ def default_device() -> torch.device:
     return this_rank_gpu() if torch.cuda.is_available() and not gloo else torch.device("cpu")
 
 
+OWN_INIT = ("the model's own initialisation (transformers' _init_weights for what a PreTrainedModel holds, else "
+            "each module's reset_parameters)")
+
+
 class Materializer:
     """Initialises a unit's modules once its parameters have real memory, and checks that it did."""
 
-    def __init__(self, model: nn.Module, init: Callable[[nn.Module], None], device: torch.device):
+    def __init__(self, model: nn.Module, init: Callable[[nn.Module], None], device: torch.device,
+                 init_named: str = "init="):
         self.init, self.device = init, device
+        self.init_named = init_named  # what `init` is, for the error that names what it left unset
         self._meta_params = {id(p) for p in model.parameters() if p.is_meta}
         self._param_names = {id(p): name for name, p in model.named_parameters()}
         self._module_names = {id(m): name for name, m in model.named_modules()}
@@ -81,11 +87,12 @@ class Materializer:
         for p in model.parameters() if keep_real else []:
             if not p.is_meta:
                 keep_as_pending(p, p.detach().cpu())
-        if init is None:
+        own = init is None
+        if own:
             init = own_init(model)
         elif hasattr(init, "for_model"):
             init = init.for_model(model)
-        return cls(model, init, device)
+        return cls(model, init, device, OWN_INIT if own else "init=")
 
     def __call__(self, owners: list[nn.Module], params: list[nn.Parameter], check: bool = True) -> None:
         """Give `params` still on meta their own memory, then run `init` on the unit's modules.
@@ -125,12 +132,14 @@ class Materializer:
     def _check(self, params: list[nn.Parameter], buffers: list) -> None:
         left = [self._param_names[id(p)] for p in params if id(p) in self._meta_params and _holds_sentinel(p)]
         if left:
+            fix = ("pass initialize(init=fn), fn(module) setting them (a module with a parameter of its own and no "
+                   "reset_parameters)" if self.init_named == OWN_INIT else
+                   "make it set every parameter (a custom nn.Parameter needs its own line), or build the model "
+                   "under zeroshard.meta_init() and drop init= to use the model's own initialisation")
             raise ModelError(
                 f"parameter(s) {', '.join(repr(n) for n in left)} of a model built on the meta device were not "
-                f"initialised: init= left the sentinel (NaN) they were filled with. init(module) is called on "
-                f"each module of a unit, children first; make it set every parameter (a custom nn.Parameter "
-                f"needs its own line), or build the model under zeroshard.meta_init() and drop init= to use "
-                f"the model's own initialisation")
+                f"initialised: {self.init_named} left the sentinel (NaN) they were filled with. init(module) is "
+                f"called on each module of a unit, children first; {fix}")
         unset = [f"{self._module_names[id(m)]}.{name}".lstrip(".") for m, name, buffer, version in buffers
                  if m._buffers.get(name) is buffer and (buffer._version == version or _holds_sentinel(buffer))]
         if unset:

@@ -104,9 +104,10 @@ def built_by_meta_init(model: nn.Module) -> bool:
 
 
 def own_init(model: nn.Module) -> Callable[[nn.Module], None]:
-    """`init(module)` as the model itself initialises it: transformers' `_init_weights`, else `reset_parameters`."""
+    """`init(module)` as the model itself initialises it: transformers' `_init_weights` for what a
+    `PreTrainedModel` holds (the model, or one a wrapper holds: a LightningModule's), else `reset_parameters`."""
     transformers = sys.modules.get("transformers")  # a transformers model means it is imported already
-    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+    if transformers is not None and any(isinstance(m, transformers.PreTrainedModel) for m in model.modules()):
         return _transformers_init(model, transformers.PreTrainedModel)
     return _reset_parameters
 
@@ -117,22 +118,26 @@ def _reset_parameters(module: nn.Module) -> None:
 
 
 def _transformers_init(model: nn.Module, pretrained_class: type) -> Callable[[nn.Module], None]:
-    """Each module is initialised by the innermost `PreTrainedModel` holding it (transformers' `smart_apply`)."""
+    """Each module is initialised by the innermost `PreTrainedModel` holding it (transformers' `smart_apply`);
+    one outside every `PreTrainedModel` (a wrapper's own layers) by its `reset_parameters`."""
     from transformers import initialization
 
-    dispatch: dict[int, nn.Module] = {}
+    dispatch: dict[int, nn.Module | None] = {}
 
-    def assign(module: nn.Module, owner: nn.Module) -> None:
+    def assign(module: nn.Module, owner: nn.Module | None) -> None:
         owner = module if isinstance(module, pretrained_class) else owner
         dispatch[id(module)] = owner
         for child in module.children():
             assign(child, owner)
 
-    assign(model, model)
+    assign(model, None)
     guard = getattr(initialization, "guard_torch_init_functions", nullcontext)
 
     def init(module: nn.Module) -> None:
+        owner = dispatch[id(module)]
+        if owner is None:
+            return _reset_parameters(module)
         with torch.no_grad(), guard():
-            dispatch[id(module)]._init_weights(module)
+            owner._init_weights(module)
 
     return init
