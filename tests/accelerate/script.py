@@ -92,7 +92,8 @@ def final_weights(accelerator, model) -> dict:
 
 
 def probe_errors(accelerator, model) -> dict:
-    """The message of each refusal: another max_norm, a second model, two models at once."""
+    """The message of each refusal: another max_norm, a second model, two models at once, a save_state inside
+    an accumulation window."""
     errors = {}
     probes = {"clip": lambda: accelerator.clip_grad_norm_(model.parameters(), 0.5),
               "second_model": lambda: accelerator.prepare(torch.nn.Linear(2, 2)),
@@ -102,6 +103,15 @@ def probe_errors(accelerator, model) -> dict:
             probe()
         except Exception as exc:  # the test checks the class and the message
             errors[name] = [type(exc).__name__, str(exc)]
+    x, y = torch.randn(BATCH, 8), torch.randn(BATCH, 4)  # one micro-batch of a new window, then a save
+    engine = accelerator.engine  # outside the loop's accumulate: the engine's own micro-step
+    engine.backward(F.mse_loss(model(x), y))
+    engine.step()
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            accelerator.save_state(tmp)
+    except Exception as exc:
+        errors["mid_window_save"] = [type(exc).__name__, str(exc)]
     return errors
 
 

@@ -115,3 +115,9 @@ def test_a_second_model_is_refused(runs):
     errors = runs[2]["errors"]
     assert errors["second_model"][0] == "UnsupportedError" and "already given a model" in errors["second_model"][1]
     assert errors["two_models"][0] == "UnsupportedError" and "prepare got 2 models" in errors["two_models"][1]
+
+
+def test_save_state_inside_a_window_names_sync_gradients(runs):
+    kind, message = runs[2]["errors"]["mid_window_save"]
+    assert kind == "UnsupportedError" and "inside an accumulation window (1 of its 2" in message
+    assert "accelerator.sync_gradients is True" in message

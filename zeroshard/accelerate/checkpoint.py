@@ -22,6 +22,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from zeroshard.accelerate.views import EngineOptimizer
+from zeroshard.deepspeed.unsupported import UnsupportedError
 from zeroshard.engine.stepped import SteppedByEngine
 
 ENGINE_TAG = "pytorch_model"  # accelerate's MODEL_NAME: where its DeepSpeed path saves the engine
@@ -30,8 +31,16 @@ ENGINE_TAG = "pytorch_model"  # accelerate's MODEL_NAME: where its DeepSpeed pat
 def save_state(accelerator, save: Callable, output_dir, safe_serialization: bool, engine_kwargs: dict):
     """Accelerate's `save` (its `save_state`) with the engine's checkpoint written first into the same directory;
     `engine_kwargs` go to `engine.save_checkpoint` (client_state, exclude_frozen_parameters, asynchronous)."""
+    engine = accelerator.engine
+    inside = engine.micro_steps % int(engine.gradient_accumulation_steps)
+    if inside:  # the engine's own refusal speaks of engine.step(); this one of the script's loop
+        raise UnsupportedError(
+            f"accelerator.save_state() inside an accumulation window ({inside} of its "
+            f"{int(engine.gradient_accumulation_steps)} micro-batches done): the window's gradients are not in "
+            "a checkpoint. Call it where accelerator.sync_gradients is True, after the backward that ends a window")
+
     def save_engine(models, weights, directory) -> None:
-        accelerator.engine.save_checkpoint(directory, tag=ENGINE_TAG, **engine_kwargs)
+        engine.save_checkpoint(directory, tag=ENGINE_TAG, **engine_kwargs)
 
     with _hook(accelerator.register_save_state_pre_hook, save_engine), engine_set_aside(accelerator):
         return save(output_dir, safe_serialization)
