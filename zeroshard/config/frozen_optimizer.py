@@ -9,6 +9,7 @@ forward (as DeepSpeed's ZeRO-3 engine built without an optimizer holds them).
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 
 import torch
@@ -35,3 +36,13 @@ def trains_nothing(model: torch.nn.Module, model_parameters: list | None) -> boo
     items = list(model.parameters()) if model_parameters is None else model_parameters
     tensors = [t for item in items for t in (item["params"] if isinstance(item, dict) else [item])]
     return not any(getattr(t, "requires_grad", False) for t in tensors)
+
+
+def frozen_model_config(config: dict) -> dict:
+    """A copy of a training config for an engine over a model that trains nothing: without the optimizer,
+    scheduler and optimizer offload, which would build or reserve what it never uses."""
+    config = copy.deepcopy(config)
+    for key in ("optimizer", "scheduler"):
+        config.pop(key, None)
+    config.get("zero_optimization", {}).pop("offload_optimizer", None)
+    return config

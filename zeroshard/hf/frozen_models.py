@@ -16,9 +16,10 @@ the teacher's forward has ended, where a stage-3 unit is a shard again.
 
 from __future__ import annotations
 
-import copy
 
 import torch.nn as nn
+
+from zeroshard.config.frozen_optimizer import frozen_model_config
 
 # The attributes under which transformers-based trainers hold a model that is run but not trained, and only
 # inside its own forward.
@@ -28,11 +29,8 @@ FROZEN_ROLES = ("ref_model",)
 def frozen_config(config: dict, model: nn.Module, block_classes: list[str]) -> dict:
     """The policy's filled config for a model that trains nothing: no optimizer, scheduler or optimizer
     offload (as `prepare_deepspeed` drops them), the model's own blocks as stage 3's units."""
-    config = copy.deepcopy(config)
-    for key in ("optimizer", "scheduler"):
-        config.pop(key, None)
+    config = frozen_model_config(config)
     zero = config.setdefault("zero_optimization", {})
-    zero.pop("offload_optimizer", None)
     zero.pop("stage3_wrap_classes", None)
     if block_classes:
         zero["stage3_wrap_classes"] = block_classes

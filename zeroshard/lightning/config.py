@@ -16,6 +16,7 @@ import copy
 from pathlib import Path
 
 from zeroshard.config import ConfigError
+from zeroshard.config.frozen_optimizer import frozen_model_config
 from zeroshard.config.keys import raw_config
 from zeroshard.deepspeed.unsupported import UnsupportedError
 
@@ -80,9 +81,6 @@ def _precision_block(config: dict, precision: str) -> None:
 def eval_config(config: dict, precision: str) -> dict:
     """For an engine that only evaluates a checkpoint: the precision flag's, without optimizer, scheduler or
     optimizer offload."""
-    config = copy.deepcopy(config)
+    config = frozen_model_config(config)
     _precision_block(config, precision)
-    for key in ("optimizer", "scheduler"):
-        config.pop(key, None)
-    config["zero_optimization"].pop("offload_optimizer", None)
     return config

@@ -61,9 +61,9 @@ class Materializer:
     """Initialises a unit's modules once its parameters have real memory, and checks that it did."""
 
     def __init__(self, model: nn.Module, init: Callable[[nn.Module], None], device: torch.device,
-                 init_named: str = "init="):
+                 own: bool = False):
         self.init, self.device = init, device
-        self.init_named = init_named  # what `init` is, for the error that names what it left unset
+        self.own = own  # `init` is the model's own initialisation (no init= given): the error names it
         self._meta_params = {id(p) for p in model.parameters() if p.is_meta}
         self._param_names = {id(p): name for name, p in model.named_parameters()}
         self._module_names = {id(m): name for name, m in model.named_modules()}
@@ -92,7 +92,7 @@ class Materializer:
             init = own_init(model)
         elif hasattr(init, "for_model"):
             init = init.for_model(model)
-        return cls(model, init, device, OWN_INIT if own else "init=")
+        return cls(model, init, device, own)
 
     def __call__(self, owners: list[nn.Module], params: list[nn.Parameter], check: bool = True) -> None:
         """Give `params` still on meta their own memory, then run `init` on the unit's modules.
@@ -133,12 +133,12 @@ class Materializer:
         left = [self._param_names[id(p)] for p in params if id(p) in self._meta_params and _holds_sentinel(p)]
         if left:
             fix = ("pass initialize(init=fn), fn(module) setting them (a module with a parameter of its own and no "
-                   "reset_parameters)" if self.init_named == OWN_INIT else
+                   "reset_parameters)" if self.own else
                    "make it set every parameter (a custom nn.Parameter needs its own line), or build the model "
                    "under zeroshard.meta_init() and drop init= to use the model's own initialisation")
             raise ModelError(
                 f"parameter(s) {', '.join(repr(n) for n in left)} of a model built on the meta device were not "
-                f"initialised: {self.init_named} left the sentinel (NaN) they were filled with. init(module) is "
+                f"initialised: {OWN_INIT if self.own else 'init='} left the sentinel (NaN) they were filled with. init(module) is "
                 f"called on each module of a unit, children first; {fix}")
         unset = [f"{self._module_names[id(m)]}.{name}".lstrip(".") for m, name, buffer, version in buffers
                  if m._buffers.get(name) is buffer and (buffer._version == version or _holds_sentinel(buffer))]
