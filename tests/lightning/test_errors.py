@@ -59,10 +59,12 @@ def _cases(rank, world, device, out) -> dict:
         ddp = fit(device, 1, "ddp", out / "ddp", epochs=1)
         ddp["trainer"].save_checkpoint(ddp_file)
         import zeroshard.lightning  # noqa: F401 - registers the strategy names, as a user's script does
+        from zeroshard.lightning import ZeroshardStrategy
 
         by_name = fit(device, 1, "zeroshard_stage_3", out / "named", epochs=1)
         kept = _model_checkpoint(device, out / "callback")
         blocks = _optimizer_block(device, out / "block")
+        autos = fit(device, 1, ZeroshardStrategy(stage=2, config=AUTOS), out / "autos", epochs=1)["losses"]
         return {
             "manual": _refused(device, out, fit_kw={"gradient_clip_val": None, "accumulate_grad_batches": 1},
                                 module=_manual()),
@@ -78,7 +80,7 @@ def _cases(rank, world, device, out) -> dict:
                                   {"precision": "bf16-mixed"}),
             "foreign_checkpoint": _refused(device, out, ckpt_path=str(ddp_file)),
             "ddp": ddp["losses"], "by_name": by_name["losses"],
-            "by_name_stage": by_name["trainer"].strategy.engine.zero_optimization_stage(), **kept, **blocks,
+            "by_name_stage": by_name["trainer"].strategy.engine.zero_optimization_stage(), **kept, **blocks, "autos": autos,
         }
 
 
@@ -156,6 +158,21 @@ def test_registered_name_trains_as_ddp(cases):
     assert len(cases["by_name"]) == len(cases["ddp"]) == 16
     for a, b in zip(cases["by_name"], cases["ddp"]):
         assert abs(a - b) <= 2e-5 * abs(b), (cases["by_name"], cases["ddp"])
+
+
+# A transformers-style DeepSpeed config: the Trainer's flags fill its "auto" values.
+AUTOS = {"gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+         "fp16": {"enabled": "auto"}}
+
+
+def test_auto_values_are_filled_from_the_trainer(cases):
+    from zeroshard.lightning.config import fit_config
+
+    assert cases["autos"] == pytest.approx(cases["ddp"], rel=2e-5)
+    filled = fit_config({**AUTOS, "zero_optimization": {"stage": 2}}, 2, 0.5, None, "bf16-mixed")
+    assert filled == {"gradient_accumulation_steps": 2, "gradient_clipping": 0.5, "bf16": {"enabled": True},
+                      "fp16": {"enabled": False}, "zero_optimization": {"stage": 2}}
+    assert fit_config(AUTOS, 1, None, None, "32-true")["gradient_clipping"] == 0.0
 
 
 @pytest.mark.parametrize("case", ["from_block", "optimizers"])

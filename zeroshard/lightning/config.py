@@ -18,6 +18,7 @@ from pathlib import Path
 from zeroshard.config import ConfigError
 from zeroshard.config.frozen_optimizer import frozen_model_config
 from zeroshard.config.keys import raw_config
+from zeroshard.config.values import AUTO
 from zeroshard.deepspeed.unsupported import UnsupportedError
 
 # Lightning's precision flag: the config block it turns on (None: full precision, the config decides).
@@ -49,12 +50,16 @@ def fit_config(config: dict, accumulate: int, clip_val: float | None, clip_algor
                                    "zeroshard, which clips the global gradient norm over all shards: use "
                                    "gradient_clip_algorithm='norm' (the default)")
         _agree(config, "gradient_clipping", float(clip_val), "Trainer(gradient_clip_val=...)")
+    elif config.get("gradient_clipping") == AUTO:
+        config["gradient_clipping"] = 0.0  # the Trainer clips nothing
     _precision_block(config, precision)
     return config
 
 
 def _agree(config: dict, key: str, value, flag: str) -> None:
-    if key in config and config[key] != value:
+    """The flag's `value` at `key`, where the config leaves it out or says "auto" (transformers' and
+    Accelerate's DeepSpeed configs do); another value is an error."""
+    if config.get(key, AUTO) not in (AUTO, value):
         raise ConfigError(f"the config's {key} is {config[key]} but {flag} says {value}: the Trainer's flag sets it, "
                           f"so leave {key} out of the config (or make them equal)")
     config[key] = value
@@ -70,12 +75,14 @@ def _precision_block(config: dict, precision: str) -> None:
     if block is None:
         return
     other = "fp16" if block == "bf16" else "bf16"
-    if config.get(other, {}).get("enabled"):
+    if config.get(other, {}).get("enabled") not in (None, False, AUTO):
         raise ConfigError(f"Trainer(precision={precision!r}) but the config enables {other}: choose one precision")
-    if config.get(block, {}).get("enabled") is False:
+    if config.get(block, {}).get("enabled", AUTO) not in (AUTO, True):
         raise ConfigError(f"Trainer(precision={precision!r}) but the config's {block} block says enabled: false; "
                           "remove that block or the flag")
     config.setdefault(block, {})["enabled"] = True
+    if config.get(other, {}).get("enabled") == AUTO:
+        config[other]["enabled"] = False
 
 
 def eval_config(config: dict, precision: str) -> dict:
