@@ -138,29 +138,18 @@ def test_zero_grad_has_no_effect():
     assert torch.equal(_weights(plain), _weights(called))
 
 
-def test_no_sync_at_stages_0_and_1_accumulates_locally_and_refuses_the_window_end():
-    for stage in (0, 1):
+def test_no_sync_at_every_stage_reduces_the_window_once_at_its_step():
+    """DDP's no_sync around a whole window: the step reduces what the ranks held (DeepSpeed refuses it at 2-3)."""
+    for stage in (0, 1, 2, 3):
         plain, synced = _engine(stage, accumulation=2), _engine(stage, accumulation=2)
         for i in range(4):
             _micro_step(plain, i)
-            if i % 2 == 0:
-                with synced.no_sync():
-                    _micro_step(synced, i)
-            else:
+            with synced.no_sync():
                 _micro_step(synced, i)
-        assert torch.equal(_weights(plain), _weights(synced))
+        torch.testing.assert_close(_weights(synced), _weights(plain), rtol=1e-6, atol=1e-7)
         with synced.no_sync():
-            _micro_step(synced, 4)
             with pytest.raises(zeroshard.EngineStateError, match="re-entry"), synced.no_sync():
                 pass
-            x, y = _batch(5)
-            with pytest.raises(zeroshard.EngineStateError, match="last of its window of 2.*outside no_sync"):
-                synced.backward(nn.functional.mse_loss(synced(x), y))
-        _micro_step(synced, 5)  # the engine is usable: the refused backward changed nothing
-    for stage in (2, 3):
-        with pytest.raises(zeroshard.EngineStateError, match=f"incompatible with gradient partitioning at ZeRO "
-                                                             f"stage {stage}"), _engine(stage).no_sync():
-            pass
 
 
 class _Records(logging.Handler):

@@ -123,14 +123,15 @@ def _misuse(rank, world, device):
     def batch():
         return micro_batch(0, Case(), 1, 0, 0)
 
-    def backward_twice():
+    def nested_hold():
         e = engine()
-        e.backward(e(*batch()))
-        e.backward(e(*batch()))
+        with e.no_sync(), e.coalesce_grad_reduction():
+            pass
 
-    def plain_backward():
+    def divide_factor_mid_window():
         e = engine()
         e(*batch()).backward()
+        e.set_gradient_divide_factor(1.0)
 
     def half_after_initialize():
         e = engine()
@@ -170,8 +171,8 @@ def _misuse(rank, world, device):
         zeroshard.initialize(model, opt, {})
 
     return {
-        "backward_twice": attempt(backward_twice),
-        "plain_backward": attempt(plain_backward),
+        "nested_hold": attempt(nested_hold),
+        "divide_factor_mid_window": attempt(divide_factor_mid_window),
         "step_first": attempt(lambda: engine().step()),
         "half_after_initialize": attempt(half_after_initialize),
         "failed_backward": attempt(failed_backward),
@@ -185,9 +186,9 @@ def _misuse(rank, world, device):
 
 
 EXPECTED = {  # misuse -> a fragment of its message
-    "backward_twice": "engine.backward() was called twice without engine.step()",
-    "plain_backward": "call engine.backward(loss) instead of loss.backward()",
-    "step_first": "engine.step() was called without engine.backward(loss)",
+    "nested_hold": "coalesce_grad_reduction() entered inside no_sync(); re-entry is not supported",
+    "divide_factor_mid_window": "set_gradient_divide_factor() between optimizer steps only",
+    "step_first": "engine.step() was called without a backward (loss.backward() or engine.backward(loss))",
     "lbfgs": "LBFGS could not be run on tensors of its param group's shapes",
     "global_norm": "GlobalNormSGD's update of a tensor depends on other tensors",
     "two_optimizers": "parameter 'wte.weight' is in optimizers 0 (AdamW) and 1 (SGD) of the list",

@@ -82,9 +82,6 @@ RULES: dict[str, Rule] = {
         "zeroshard always tracks micro-steps and steps the optimizer at the accumulation boundary; "
         "remove the key (false, a step() called by the script at its own boundary, is not supported)",
         _is(True), "true"),
-    "gradient_allreduce_op": error(
-        'gradients are always averaged over the ranks (mean); remove the key ("sum" is not supported)',
-        _is("mean"), '"mean"'),
     "prescale_gradients": error(
         "zeroshard reduces gradients in communication_data_type and divides once; remove the key",
         _is(False), FALSE),

@@ -36,11 +36,11 @@ from zeroshard.config.errors import ConfigError, ConfigWarning
 from zeroshard.config.keys import key_problems, read_json
 from zeroshard.config.offload import AioConfig, raise_problems, section as _section_or_null
 from zeroshard.config.offload_merge import OffloadArg, merge_offload_argument, merge_other_names
+from zeroshard.config.precision import Bf16Config, Fp16Config, NonFiniteConfig
 from zeroshard.config.report import LoadReport
 from zeroshard.config.values import FROZEN_STRICT as _FROZEN_STRICT
 from zeroshard.config.wrap_merge import merge_wrap_argument
 from zeroshard.config.values import (
-    NonNegativeInt,
     PositiveInt,
     StrictBool,
     any_case_choice,
@@ -85,84 +85,20 @@ def _section(model: type[BaseModel], example: str) -> Callable[[Any], Any]:
     return check
 
 
-def _number(minimum: float, inclusive: bool, note: str = ""):
-    """A validator for a finite JSON number above `minimum` (or equal to it, if `inclusive`)."""
-    return partial(finite_number, minimum=minimum, inclusive=inclusive, meaning=note)
-
-
-def _non_finite_action(value: Any) -> str:
-    if not isinstance(value, str) or value not in ("skip", "error"):
-        raise _invalid('must be "skip" or "error"', value)
+def _allreduce_op(value: Any) -> str:
+    if value not in ("mean", "sum"):
+        raise _invalid('must be "mean" or "sum"', value)
     return value
+
+
+def _divide_factor(value: Any) -> float | None:
+    return None if value is None else finite_number(value, 0, False, noun="a divide factor")
 
 
 def _communication_dtype(value: Any) -> str | None:
     if value is not None and value not in TRAINING_DTYPES:
         raise _invalid(f"must be one of {', '.join(map(json.dumps, TRAINING_DTYPES))} or null", value)
     return value
-
-
-class Bf16Config(BaseModel):
-    """The `bf16` section: train with bfloat16 parameters and fp32 master weights."""
-
-    model_config = _FROZEN_STRICT
-
-    enabled: StrictBool = Field(False, description=(
-        "true: parameters and gradients in forward/backward are bfloat16; the optimizer updates "
-        "fp32 master weights. DeepSpeed: bf16.enabled (default false)."))
-
-
-class Fp16Config(BaseModel):
-    """The `fp16` section: float16 parameters, fp32 master weights, loss scaling.
-
-    The defaults hold whichever keys are given (DeepSpeed switches to an
-    initial scale of 2^32 and hysteresis 1 when only `enabled` is given).
-    """
-
-    model_config = _FROZEN_STRICT
-
-    enabled: StrictBool = Field(False, description=(
-        "true: parameters and gradients in forward/backward are float16; the optimizer updates "
-        "fp32 master weights. DeepSpeed: fp16.enabled (default false)."))
-    loss_scale: Annotated[float, BeforeValidator(_number(0, True, " (0 = dynamic loss scaling)"))] = Field(
-        0.0, description=("Static loss scale (a multiplier); 0 = dynamic loss scaling. "
-                          "DeepSpeed: fp16.loss_scale (default 0)."))
-    initial_scale_power: NonNegativeInt = Field(16, description=(
-        "Dynamic scaling starts at a loss scale of 2^initial_scale_power. "
-        "DeepSpeed: fp16.initial_scale_power (default 16)."))
-    loss_scale_window: PositiveInt = Field(1000, description=(
-        "Optimizer steps without overflow before the dynamic loss scale doubles. "
-        "DeepSpeed: fp16.loss_scale_window (default 1000)."))
-    hysteresis: PositiveInt = Field(2, description=(
-        "Overflows (count) tolerated before the dynamic loss scale halves. "
-        "DeepSpeed: fp16.hysteresis (default 2)."))
-    consecutive_hysteresis: StrictBool = Field(False, description=(
-        "true: a step without overflow restores the full hysteresis; false: it is restored only "
-        "when the scale doubles. DeepSpeed: fp16.consecutive_hysteresis (default false)."))
-    min_loss_scale: Annotated[float, BeforeValidator(_number(0, False))] = Field(1.0, description=(
-        "The dynamic loss scale never goes below this; an overflow there stops training. "
-        "DeepSpeed: fp16.min_loss_scale (default 1)."))
-
-
-class NonFiniteConfig(BaseModel):
-    """The `non_finite` section: what an optimizer step does when a gradient element is inf or nan.
-
-    Applies in fp32 and bf16. With fp16 such a step is the loss scaler's
-    business (skipped, the scale lowered, `LossScaleError` at `min_loss_scale`).
-    """
-
-    model_config = _FROZEN_STRICT
-
-    action: Annotated[Literal["skip", "error"], BeforeValidator(_non_finite_action)] = Field("skip", description=(
-        "\"skip\": the step is skipped on every rank (weights, optimizer state and LR schedule unchanged, "
-        "the window's gradients dropped, counted in engine.skipped_steps and logged) and training goes on; "
-        "\"error\": every rank raises NonFiniteError instead (the engine stays usable). fp32 and bf16 only "
-        "(fp16's loss scaler skips such steps itself). DeepSpeed: none (it skips them only with fp16)."))
-    # 10: a bad batch or two is survivable; ten in a row is a diverging run, and each skip wastes a step.
-    max_consecutive_skips: PositiveInt = Field(10, description=(
-        "Consecutive skipped steps (count) allowed: the next one raises NonFiniteError on every rank; "
-        "a step that is applied resets the count. fp32 and bf16 only (fp16: min_loss_scale). "
-        "DeepSpeed: none."))
 
 
 class CheckpointConfig(BaseModel):
@@ -204,6 +140,17 @@ class Config(BaseModel):
     gradient_clipping: Annotated[float, BeforeValidator(_clip_norm)] = Field(0.0, description=(
         "Maximum global L2 norm of the gradients (unitless); 0.0 = no clipping. "
         "DeepSpeed: gradient_clipping (default 0.0)."))
+    gradient_allreduce_op: Annotated[Literal["mean", "sum"], BeforeValidator(_allreduce_op)] = Field(
+        "mean", description=(
+            "How the ranks' gradients combine: \"mean\" divides their sum by the ranks, \"sum\" does not (a loss "
+            "normalised by a global count, such as the tokens of every rank's micro-batch); either way the "
+            "window's micro-steps are averaged (engine.backward(loss, scale_wrt_gas=False) turns that off "
+            "for one backward). DeepSpeed: gradient_allreduce_op (default \"mean\")."))
+    gradient_divide_factor: Annotated[float | None, BeforeValidator(_divide_factor)] = Field(None, description=(
+        "The number the window's summed gradients (over ranks and micro-steps) are divided by, in place of "
+        "ranks x gradient_accumulation_steps; 1.0: the plain sum, for a loss normalised by the global "
+        "token count. null = the mean. engine.set_gradient_divide_factor changes it between steps. "
+        "DeepSpeed: none (FSDP2's set_gradient_divide_factor)."))
     collective_timeout: Annotated[float, BeforeValidator(_positive_seconds)] = Field(1800.0, description=(
         "Seconds a collective may wait for the other ranks before the engine stops with an error "
         "that says which collective, unit and step each rank was at (at most 1e9). DeepSpeed: none "
@@ -282,6 +229,10 @@ class Config(BaseModel):
                 "zeroshard", "communication_data_type \"{wire}\" needs {wire}.enabled: gradients are "
                 "reduced in fp32 or in the training dtype (here \"{training}\")",
                 {"wire": wire, "training": self.training_dtype})
+        if self.gradient_divide_factor is not None and self.gradient_allreduce_op == "sum":
+            raise PydanticCustomError(
+                "zeroshard", "gradient_divide_factor with gradient_allreduce_op \"sum\": the factor replaces the "
+                "whole divisor (ranks x accumulation steps) already; give one of the two")
         if self.fp16.enabled and self.non_finite.action == "error":
             raise PydanticCustomError(
                 "zeroshard", "non_finite.action \"error\" does not apply with fp16.enabled: fp16's loss scaler "

@@ -93,6 +93,12 @@ class ZeroConfig(BaseModel):
         "true: gradients are reduce-scattered (each rank receives only its shard); "
         "false: all-reduce then slice, for comparison. "
         "DeepSpeed: zero_optimization.reduce_scatter (default true)."))
+    reduce_once_per_window: StrictBool = Field(False, description=(
+        "Stages 2-3: true: the micro-steps before a window's last keep their gradients whole on each rank "
+        "(autograd's .grad, in the parameter dtype: stage 1's gradient memory) and the last one's backward "
+        "reduces them all, once per window (as engine.no_sync() around those micro-steps, or FSDP2's "
+        "set_requires_gradient_sync(False)); stage 3 keeps its parameters sharded. Stages 0-1 reduce once "
+        "per window already. DeepSpeed: none."))
     # Not DeepSpeed's 5e8: at stage 2 a 5e8-element staging bucket would hold the
     # whole gradient of any model under 500M parameters, undoing stage 2's saving.
     reduce_bucket_size: PositiveInt = Field(25_000_000, description=(

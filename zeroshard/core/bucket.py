@@ -122,6 +122,7 @@ class Bucket:
                 self.host_grad = torch.zeros(flat.shard_numel, dtype=precision.master_dtype, device="cpu")
         self._staged = [False] * len(flat.params)  # stage 2: slots of `staging` holding this micro-step
         self._accumulated = False  # stage 2: grad_shard already holds part of this window
+        self._aside: torch.Tensor | None = None  # stages 0-1: a reduction of this window set aside (`set_aside`)
         self.feedback = None if compressed is None else compressed.feedback_for(
             flat.padded_numel, all_reduce=not switches.shard_optimizer, device=flat.device)
         self.on_disk: GradOnDisk | None = None  # stages 2-3, the master on disk: grad_shard too (`swap_grads`)
@@ -160,6 +161,8 @@ class Bucket:
             if is_dtensor(p):
                 continue
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                if p.grad is not None:  # a gradient autograd or the caller put there first: it adds up
+                    view.add_(p.grad)
                 p.grad = view
 
     def take_grad(self, index: int, pool: StagingPool) -> None:
@@ -194,11 +197,26 @@ class Bucket:
     def reduce_grad(self, comm: Comm, pool: StagingPool, scale: float) -> Pending:
         """Reduce this micro-step's gradients in the reduce dtype; afterwards `grad_shard` holds the running mean.
 
-        `scale` is 1 / (N x accumulation steps): applied once per reduction,
-        the sum over the window comes out as the mean over the global batch.
+        `scale` is 1 / (N x accumulation steps) for the mean (the divide factor's inverse with one): applied
+        once per reduction, the sum over the window comes out as the mean over the global batch.
         """
         if self.switches.shard_grads:
             return self._reduce_staged(comm, pool, scale)
+        if self._aside is None:
+            return self._reduce_whole(comm, pool, scale)
+        aside, self._aside = self._aside, None
+        return self._reduce_whole(comm, pool, scale).then(lambda: self.grad_shard.add_(aside))
+
+    def set_aside(self) -> None:
+        """Stages 0-1, a backward after this window's reduction (which ran in place): its result is kept aside,
+        in fp32, and added to the next reduction's (`reduce_grad`); the buffers start again from zero."""
+        reduced = self.grad_shard.to(self.precision.master_dtype, copy=True)
+        self._aside = reduced if self._aside is None else self._aside.add_(reduced)
+        self.full_grad.zero_()
+        if self.grad_acc is not None:
+            self.grad_acc.zero_()
+
+    def _reduce_whole(self, comm: Comm, pool: StagingPool, scale: float) -> Pending:
         buffer = self._reduce_input()
         if self.powersgd is not None:  # the mean of the whole buffer, in place; stage 1 then reads its shard
             return self.powersgd.reduce(comm, buffer, self.name).then(lambda: buffer.mul_(scale * comm.world_size))
@@ -383,6 +401,7 @@ class Bucket:
         """Start a new accumulation window (also after a failed backward)."""
         if self.full_grad is not None:
             self.full_grad.zero_()
+            self._aside = None
             if self.grad_acc is not None:
                 self.grad_acc.zero_()
             return

@@ -112,7 +112,7 @@ class GradReducer:
 
     def _warn_unused(self) -> None:
         unused = [(ui, pi) for ui, u in enumerate(self.targets) for pi in range(len(u.params))
-                  if (ui, pi) not in self._seen and (ui, pi) not in self._warned_unused]
+                  if (ui, pi) not in self._seen and (ui, pi) not in self._warned_unused and not _held(u, pi)]
         if unused:
             self._warned_unused.update(unused)
             listed = ", ".join(self.names[id(self.targets[ui].params[pi])] for ui, pi in unused)
@@ -141,10 +141,19 @@ class GradReducer:
         self._launched[index] = True
         while len(self._in_flight) >= MAX_IN_FLIGHT:  # frees its buffers before taking new ones
             self._in_flight.pop(0).wait()
-        pending = self.targets[index].reduce_grad(self.comm, self.pool, self._scale)
+        target = self.targets[index]
+        for k in range(len(target.params)):  # a gradient an earlier pass held on .grad, none in this one
+            if (index, k) not in self._seen:
+                target.take_grad(k, self.pool)
+        pending = target.reduce_grad(self.comm, self.pool, self._scale)
         if self.overlap:
             self._in_flight.append(pending)
         else:
             pending.wait()
         if self.on_launch is not None:
             self.on_launch(index)
+
+
+def _held(target: Target, index: int) -> bool:
+    """Stages 2-3: a gradient an earlier backward pass left on `.grad` (engine/grad_sync.py), reduced with this one's."""
+    return target.switches.shard_grads and target.params[index].grad is not None

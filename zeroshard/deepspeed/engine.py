@@ -9,11 +9,8 @@ zeroshard cannot honour raises an error that says so
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-import torch
 
 from zeroshard.engine import Engine, EngineStateError
 
@@ -37,15 +34,9 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._inside_no_sync = False  # set by no_sync(); read by check_no_sync() in backward
         self._step_applied = False  # cleared by every step(), set when it updated the weights: was_step_applied()
 
     # -- the loop, with DeepSpeed's checks -----------------------------------------
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """`Engine.backward`; inside `no_sync()` the window's last backward raises (`check_no_sync`)."""
-        self.check_no_sync()
-        super().backward(loss)
 
     def step(self) -> None:
         """`Engine.step`, remembering whether it updated the weights (`was_step_applied`)."""
@@ -165,35 +156,6 @@ class DeepSpeedEngine(Engine):
     def zero_grad(self) -> None:
         """No effect, as for ZeRO in DeepSpeed: the window's gradients live in the engine's flat buffers
         (not in `param.grad`) and are cleared by the `engine.step()` that ends the window."""
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Skip the gradient reduction of the backward passes inside; gradients accumulate on this rank.
-
-        Stages 0-1 only, as in DeepSpeed (stages 2-3 reduce-scatter every micro-step: an error). zeroshard
-        already reduces only at the window's last micro-step, so the backwards inside must be the ones
-        before it: the window's last `engine.backward` inside `no_sync` raises instead of leaving
-        gradients unreduced (`engine.step()` after every backward, as always).
-        """
-        if self.config.stage >= 2:
-            raise EngineStateError(f"no_sync() is incompatible with gradient partitioning at ZeRO stage "
-                                   f"{self.config.stage} (as in DeepSpeed): gradients are reduce-scattered in every "
-                                   "micro-step. Accumulate with gradient_accumulation_steps instead")
-        if self._inside_no_sync:
-            raise EngineStateError("no_sync() entered again inside no_sync(); re-entry is not supported")
-        self._inside_no_sync = True
-        try:
-            yield
-        finally:
-            self._inside_no_sync = False
-
-    def check_no_sync(self) -> None:
-        """Raise `EngineStateError` for a backward inside `no_sync()` at the window's last micro-step."""
-        if self._inside_no_sync and self.is_gradient_accumulation_boundary():
-            raise EngineStateError(
-                f"engine.backward() inside no_sync() at micro-step {self.micro_steps}, the last of its window of "
-                f"{self.config.gradient_accumulation_steps}: its gradients must be reduced before engine.step() "
-                "applies them. Run the window's last backward outside no_sync()")
 
     # -- whole weights -----------------------------------------------------------
 

@@ -9,6 +9,7 @@ delegate to its parts, one file each: forward, grad_sync, optimizer_step, step_u
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from zeroshard.core.activation_meter import ActivationMeter
 from zeroshard.core.grad_norm import NonFiniteError, StepCheck
 from zeroshard.core.precision import LossScaler
 from zeroshard.core.reducer import GradientError
+from zeroshard.engine.backward import BackwardPasses
 from zeroshard.engine.build import Parts
 from zeroshard.engine.checkpoint_adapter import CheckpointAdapter
 from zeroshard.engine.checkpoints import Checkpoints
@@ -82,8 +84,11 @@ class Engine:
                 log.info("activation_checkpointing.%s has no effect here: %s", key, why)
 
     def _init_components(self) -> None:
+        self._passes = BackwardPasses(self)  # when a backward pass starts and ends, and what it holds
+        if self.schedule is not None:
+            self.schedule.on_backward = self._passes.start
         self._forward = Forward(self.comm, self.module, self.precision, self.post_step, self._compiled,
-                                self.checkpointing, self.activations, self.schedule)
+                                self.checkpointing, self.activations, self.schedule, self._passes.watch_outputs)
         self._grad_sync = GradSync(self.reducer, self.cross, self.comm, self.pool, self.switches, self.config,
                                    self.buckets, self.schedule, self.offload)
         self._update = StepUpdate(self.offload, self.post_step, self.delayed, self.schedule,
@@ -105,7 +110,9 @@ class Engine:
         return [*self.module.parameters(), *self.module.buffers(), *(f.data for f in flats)]
 
     def _on_grad(self, target: int, param: int) -> None:
-        self._grad_sync.on_grad(target, param, self.state)
+        if self.state is not TrainingState.BACKWARD:  # a gradient that reached a parameter first
+            self._passes.start()
+        self._grad_sync.on_grad(target, param)
 
     def __call__(self, *args, **kwargs):
         """The model's forward on this rank's micro-batch (`forward.py`): the loss, or whatever it returns."""
@@ -138,40 +145,21 @@ class Engine:
         """Whether the current micro-step is the last of its accumulation window."""
         return (self.micro_steps + 1) % self.config.gradient_accumulation_steps == 0
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate `loss` (this rank's mean over its micro-batch) and reduce as the stage says: stages 0-1
-        in the window's last micro-step, stages 2-3 in every one. With fp16 the loss is scaled first (in fp32)."""
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> None:
+        """`loss.backward()` with fp16's loss scale applied in fp32 (engine/backward.py): `loss` is this rank's
+        mean over its micro-batch, and the reduction averages the window's micro-steps; `scale_wrt_gas=False`
+        (DeepSpeed's) is for a loss the loop divided by them itself. Several backwards may precede a step."""
         self._check_usable()
-        if self.state is TrainingState.STEP_DUE:
-            raise EngineStateError("engine.backward() was called twice without engine.step() in between; "
-                                   "call engine.step() after every backward, as DeepSpeed does")
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             what = f"a tensor of shape {tuple(loss.shape)}, requires_grad={loss.requires_grad}" \
                 if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise GradientError(f"engine.backward(loss) needs a scalar loss tensor that requires grad; got {what} "
-                                "(reduce it with .mean() or .sum(), and compute it outside torch.no_grad())")
-        self.post_step.wait()  # the gathers of parameters no forward used (overlap_param_gather)
-        if not self._grad_sync.sync:
-            with self.pipeline_backward():
-                self.scale_loss(loss).backward()
-            return
-        if self.cross is not None and self.cross.ties:
-            raise EngineStateError("parameters tied across pipeline stages are summed over the stages before "
-                                   "the reduction, which hooks cannot do: turn gradient sync off "
-                                   "(engine.set_gradient_sync(False), or zeroshard.parallel.PipelineStage)")
-        reduce_now = self._grad_sync.begin_hooked(self.is_gradient_accumulation_boundary())
-        if self.scaler is not None:
-            loss = loss.float() * self.scaler.scale
-        self.state = TrainingState.BACKWARD
-        self.comm.trace.phase = "backward"
-        try:
-            loss.backward()
-            self._grad_sync.finish_hooked(reduce_now)
-        except BaseException as exc:
-            self._fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
-            raise
-        self.state = TrainingState.STEP_DUE
-        self.comm.trace.phase = "step"  # the collectives until the next forward are engine.step()'s
+                                "(reduce it with .mean() or .sum(), and compute it outside torch.no_grad(); "
+                                "for a non-scalar output call out.backward(grad) itself)")
+        if not scale_wrt_gas:
+            loss = loss * self.config.gradient_accumulation_steps
+        scaled = self.scale_loss(loss)
+        self._passes.run(lambda: scaled.backward(retain_graph=retain_graph))
 
     def step(self) -> None:
         """End a micro-step; at the accumulation boundary check, unscale, clip, update and all-gather.
@@ -183,7 +171,8 @@ class Engine:
         """
         self._check_usable()
         if self.state is not TrainingState.STEP_DUE:
-            raise EngineStateError("engine.step() was called without engine.backward(loss) since the last step")
+            raise EngineStateError("engine.step() was called without a backward (loss.backward() or "
+                                   "engine.backward(loss)) since the last step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.state = TrainingState.STEP if boundary else TrainingState.IDLE
@@ -230,6 +219,7 @@ class Engine:
         self._grad_sync.abandon()
 
     def _check_usable(self) -> None:
+        self._passes.check_ended()
         if self.state is TrainingState.FAILED:
             raise EngineStateError(f"this engine cannot continue: {self._failure}. Its collectives may be out "
                                    "of step with the other ranks; restart the job (from a checkpoint)")
@@ -264,23 +254,10 @@ class Engine:
         """Turn hook-driven gradient sync on or off (`engine/grad_sync.py`); only between steps."""
         self._grad_sync.set_sync(enabled, self.state)
 
-    @contextmanager
-    def pipeline_backward(self) -> Iterator[None]:
+    def pipeline_backward(self) -> contextlib.AbstractContextManager[None]:
         """Run a backward pass of your own inside (a pipeline schedule's): gradients stay on `.grad`, and sync
         is off for the rest of training. `engine.step()` comes next; more forwards and backwards may come first."""
-        self._check_usable()
-        if self.state not in (TrainingState.IDLE, TrainingState.STEP_DUE):
-            raise EngineStateError(f"pipeline_backward() in state {self.state.value}: run it between forwards, "
-                                   "not inside another backward or step")
-        self._grad_sync.begin_backward()
-        self.state, self.comm.trace.phase = TrainingState.BACKWARD, "backward"
-        try:
-            yield
-        except BaseException as exc:
-            self._fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
-            raise
-        self._grad_sync.end_backward()
-        self.state, self.comm.trace.phase = TrainingState.STEP_DUE, "step"
+        return self._passes.callers()
 
     def reduce_gradients(self, ties: bool = True) -> None:
         """Reduce the gradients `.grad` holds now (sync off); `ties=False` (stages 2-3, a pipeline's pass per
@@ -303,8 +280,29 @@ class Engine:
         self._grad_sync.scale(factor)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss` times fp16's loss scale (in fp32), for a backward run outside engine.backward; else `loss`."""
-        return loss.float() * self.scaler.scale if self.scaler is not None else loss
+        """`loss` times fp16's loss scale (in fp32), for its own `.backward()`; else `loss` (engine/backward.py)."""
+        if self.scaler is None:
+            return loss
+        self._passes.loss_scaled = True  # the next pass does not scale at the model's outputs
+        return loss.float() * self.scaler.scale
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """The backward passes inside keep their gradients on this rank, whole, for the next reducing backward
+        or the window's step to reduce with its own (DDP's; FSDP2's set_requires_gradient_sync(False))."""
+        with self._passes.holding("no_sync"):
+            yield
+
+    @contextmanager
+    def coalesce_grad_reduction(self) -> Iterator[None]:
+        """The backward passes inside (two losses, GradCache's chunks) reduced once at the exit (DeepSpeed's)."""
+        with self._passes.coalesced():
+            yield
+
+    def set_gradient_divide_factor(self, factor: float | None) -> None:
+        """Divide the window's summed gradients by `factor` instead of ranks x accumulation steps (1.0: the sum,
+        for a loss normalised by a global count); None: the mean again. Between steps (FSDP2's)."""
+        self._grad_sync.set_divide_factor(factor, self.state)
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | int | float | None = None,
                         client_state: dict | None = None, save_latest: bool = True,

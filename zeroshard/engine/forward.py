@@ -9,6 +9,8 @@ gathered, naming a parameter used outside its unit when that is the cause.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch.nn as nn
 
 from zeroshard.comm import CollectiveError, Comm
@@ -28,10 +30,11 @@ class Forward:
 
     def __init__(self, comm: Comm, module: nn.Module, precision: Precision, post_step: PostStepGather,
                  compiled: CompiledForward, checkpointing: ActivationCheckpointing, activations: ActivationMeter,
-                 schedule: GatherSchedule | None):
+                 schedule: GatherSchedule | None, watch_outputs: Callable[[Any], Any]):
+        """`watch_outputs`: hooks the outputs so that a backward from them starts a pass (engine/backward.py)."""
         self.comm, self.module, self.precision, self.post_step = comm, module, precision, post_step
         self.compiled, self.checkpointing, self.activations = compiled, checkpointing, activations
-        self.schedule = schedule
+        self.schedule, self.watch_outputs = schedule, watch_outputs
 
     def run(self, args: tuple, kwargs: dict):
         if self.precision.mixed:
@@ -41,7 +44,8 @@ class Forward:
         try:
             broadcast_buffers(self.comm, self.module)
             with running_forward(self.checkpointing), self.activations.measure((args, kwargs)):
-                return self.module(*args, **kwargs)
+                output = self.module(*args, **kwargs)
+            return self.watch_outputs(output)
         except (CollectiveError, OffloadError):  # ranks out of step, or a shard unreadable: the engine fails
             raise
         except BaseException as exc:  # the model's own error (every rank's, or the stall watch says): free the units

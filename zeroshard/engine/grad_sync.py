@@ -21,7 +21,16 @@ fire for only some parameters. With sync off:
   step's one multiply (a pipeline schedule's micro-batch count).
 
 Whether sync is on is the caller's setting, kept across windows; what the
-window's `.grad` holds is one state, `Window`, reset at every boundary.
+window's gradients hold is one state, `Window`, reset at every boundary.
+
+With sync on, a backward pass (`begin_pass`, `end_pass`; engine/backward.py
+starts and ends them) either reduces in its hooks or holds: at stages 0-1
+its hooks add the gradients into the buckets as in any micro-step before the
+window's last; at stages 2-3 the gradients stay on `.grad`, whole, until a
+reduction takes them (the next reducing pass's hooks, `reduce`, or the
+step's pass). A pass at stages 0-1 after the window's reduction sets the
+reduced gradients aside (`Bucket.set_aside`): its own are reduced again and
+added to them.
 """
 
 from __future__ import annotations
@@ -45,10 +54,18 @@ if TYPE_CHECKING:  # imported by the engine only with a mesh: `import zeroshard`
 class Window(Enum):
     """What this accumulation window's `.grad` holds with sync off (with sync on it stays CLEAN)."""
 
-    CLEAN = "clean"  # no backward of the caller's and no reduction yet in this window
-    UNREDUCED = "unreduced"  # .grad holds gradients no reduction has taken yet
-    REDUCED = "reduced"  # a reduction ran in this window and took everything (stages 0-1 allow one)
+    CLEAN = "clean"  # no backward and no reduction yet in this window
+    UNREDUCED = "unreduced"  # the buckets or .grad hold gradients no reduction has taken yet
+    REDUCED = "reduced"  # a reduction ran in this window and took everything
     TIED_LEFT = "tied left"  # a ties=False pass ran, no backward since: only the tied copies remain on .grad
+
+
+class Pass(Enum):
+    """What the hooks of the backward pass running do with each gradient."""
+
+    REDUCE = "reduce"  # take it into its bucket; launch reductions as they fill (if this micro-step reduces)
+    HOLD = "hold"  # stages 2-3: leave it on .grad, whole, for a later reduction
+    OFF = "off"  # sync off: leave it on .grad for the caller's reduce_gradients()
 
 
 class GradSync:
@@ -63,6 +80,9 @@ class GradSync:
         self.sync = True  # the caller's setting: hooks reduce during engine.backward
         self.window = Window.CLEAN
         self.divisor = 1.0  # engine.scale_gradients: the window's gradients are divided by it at the step
+        self.divide_factor = config.gradient_divide_factor  # the reduction's divisor; None: the mean's
+        self.passing: Pass | None = None  # the backward pass running, and whether its hooks reduce
+        self._reduce_now = False
 
     @property
     def unreduced(self) -> bool:
@@ -70,44 +90,77 @@ class GradSync:
         return self.window in (Window.UNREDUCED, Window.TIED_LEFT)
 
     def _scale(self) -> float:
-        """The reduction's factor: the mean over the ranks and the window's micro-steps."""
-        return 1.0 / (self.comm.world_size * self.config.gradient_accumulation_steps)
+        """The reduction's factor: 1 / the divide factor, or with none the mean over the window's micro-steps
+        and (`gradient_allreduce_op` "mean") the ranks."""
+        if self.divide_factor is not None:
+            return 1.0 / self.divide_factor
+        ranks = self.comm.world_size if self.config.gradient_allreduce_op == "mean" else 1
+        return 1.0 / (ranks * self.config.gradient_accumulation_steps)
+
+    def set_divide_factor(self, factor: float | None, state: TrainingState) -> None:
+        if state is not TrainingState.IDLE or self.window is not Window.CLEAN:
+            raise EngineStateError("set_gradient_divide_factor() between optimizer steps only: call it before "
+                                   "the first backward of a window, after engine.step()")
+        if factor is not None and not (isinstance(factor, (int, float)) and 0 < factor < float("inf")):
+            raise ValueError(f"set_gradient_divide_factor({factor!r}): a positive finite number, or None")
+        self.divide_factor = None if factor is None else float(factor)
 
     # -- sync on: the hooks reduce during engine.backward -------------------------
 
-    def on_grad(self, target: int, param: int, state: TrainingState) -> None:
-        """A parameter's post-accumulate-grad hook: its gradient to the reducer (sync on)."""
-        if not self.sync:  # gradients stay on .grad for reduce_gradients()
+    def on_grad(self, target: int, param: int) -> None:
+        """A parameter's post-accumulate-grad hook, inside a pass: its gradient to the reducer (sync on)."""
+        if self.passing is not Pass.REDUCE:  # gradients stay on .grad for a later reduction
             return
-        if state is not TrainingState.BACKWARD:
-            raise EngineStateError(
-                "a gradient was accumulated outside engine.backward(loss); call "
-                "engine.backward(loss) instead of loss.backward() so zeroshard can reduce it"
-            )
         if self.cross is not None:
             self.cross.match_placements(self.reducer.targets[target].params[param])
         self.reducer.on_grad(target, param)
 
-    def begin_hooked(self, boundary: bool) -> bool:
-        """Before a backward whose hooks reduce: whether they reduce now (stages 0-1 only at the boundary)."""
-        reduce_now = boundary or self.switches.shard_grads
-        if boundary:
+    def begin_pass(self, boundary: bool, hold: bool) -> None:
+        """A backward pass starts: with sync off the caller's; else its hooks reduce if this micro-step does
+        (every one at stages 2-3, the window's last at stages 0-1) and the pass does not `hold`."""
+        if not self.sync:
+            self.begin_backward()
+            self.passing = Pass.OFF
+            return
+        self._set_aside_reduced()
+        if hold and self.switches.shard_grads:
+            self.passing, self._reduce_now = Pass.HOLD, False
+            if self.schedule is not None:
+                self.schedule.begin_backward(reducing=False)
+            return
+        self.passing, self._reduce_now = Pass.REDUCE, not hold and (boundary or self.switches.shard_grads)
+        if self._reduce_now:
             self.offload.tiers.hold_grads()  # the step's first gradient shards on disk stay in memory for it
-        self.reducer.begin(reduce_now, self._scale())
+        self.reducer.begin(self._reduce_now, self._scale())
         if self.schedule is not None:
-            self.schedule.begin_backward(reducing=reduce_now)
-        return reduce_now
+            self.schedule.begin_backward(reducing=self._reduce_now)
 
-    def finish_hooked(self, reduce_now: bool) -> None:
-        """After that backward: what the hooks did not reach reduced, or the micro-step's gradients summed."""
+    def end_pass(self) -> None:
+        """After the pass: what the hooks did not reach reduced, or the pass's gradients summed."""
+        passing, self.passing = self.passing, None
+        if passing is Pass.OFF:
+            self.end_backward()
+            return
         if self.schedule is not None:
             self.schedule.finish_backward()  # the ranks' last rounds launch every unit's reduction
-        self.reducer.finish()
+        if passing is Pass.REDUCE:
+            self.reducer.finish()
         if self.schedule is not None:
             self.schedule.end_backward()  # waits for prefetches still in flight
-        if not reduce_now:
+        if passing is Pass.REDUCE and self._reduce_now:
+            self.window = Window.REDUCED
+            return
+        if passing is Pass.REDUCE:
             for bucket in self.buckets:
                 bucket.accumulate_micro_step()
+        self.window = Window.UNREDUCED
+
+    def _set_aside_reduced(self) -> None:
+        """Stages 0-1 reduce a buffer in place: a pass after this window's reduction sets its result aside."""
+        if self.window is Window.REDUCED and not self.switches.shard_grads:
+            for bucket in self.buckets:
+                bucket.set_aside()
+            self.window = Window.CLEAN
 
     def abandon(self) -> None:
         """The engine failed: drop this window's partial gradients and whatever is in flight."""
@@ -119,6 +172,7 @@ class GradSync:
             bucket.zero_grad(self.pool)
         if self.schedule is not None:
             self.schedule.forget()
+        self.passing, self.window = None, Window.CLEAN
 
     # -- sync off: the caller's backward passes and reductions --------------------
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from enum import Enum
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -84,6 +85,7 @@ class GatherSchedule:
         self._posted_ready: set[int] = set()
         self.reducer: GradReducer | None = None
         self._target: dict[int, int] = {}  # unit -> its index among the reducer's targets
+        self.on_backward: Callable[[], None] = lambda: None  # a backward reached a unit: the engine's pass starts
 
     def attach(self, reducer: GradReducer, units_reduced: list[int]) -> None:
         """The reducer whose targets are `units_reduced` (unit indices, in its order)."""
@@ -160,6 +162,7 @@ class GatherSchedule:
             self.units[i].hide(True)
 
     def _pre_backward(self, i: int, grad: torch.Tensor) -> None:
+        self.on_backward()
         if i not in self._reduced:
             self.use.backward.add(i)
             self.need(i, exact=False)
