@@ -95,12 +95,14 @@ def _comm(rank, world, device):
 
 def _snapshot(engine) -> list[torch.Tensor]:
     """Every value a step may change: 16-bit parameters, fp32 masters, optimizer state."""
-    return [t.detach().clone() for t in [u.flat.data for u in engine.buckets] + _masters(engine)
+    own = [u.flat.shard_data if u.switches.shard_params else u.flat.data for u in engine.buckets]  # stage 3: shards
+    return [t.detach().clone() for t in own + _masters(engine)
             + state_tensors(engine.optimizer)]
 
 
-def _fp16_run(rank, world, device, case, steps, poisoned=(), skip=(), fp16=FP16):
-    """fp16 training; rank 1's loss is inf at `poisoned` steps, `skip`ped steps are not run at all.
+def _fp16_run(rank, world, device, case, steps, poisoned=(), skip=(), fp16=FP16, plain=False):
+    """fp16 training; rank 1's loss is inf at `poisoned` steps, `skip`ped steps are not run at all; `plain`:
+    `loss.backward()` instead of `engine.backward(loss)`.
 
     Returns the snapshot before each step run and after the last, the loss scale, skipped
     steps and global grad norm after each step, and the error that stopped training, if any.
@@ -116,7 +118,7 @@ def _fp16_run(rank, world, device, case, steps, poisoned=(), skip=(), fp16=FP16)
         loss = loss_of(engine, *(t.to(device) for t in micro_batch(step, case, world, rank, 0)))
         if rank == 1 and step in poisoned:
             loss = loss * math.inf
-        engine.backward(loss)
+        loss.backward() if plain else engine.backward(loss)
         try:
             engine.step()
         except LossScaleError as error:

@@ -41,6 +41,7 @@ from zeroshard.engine.placement import ParamPlacement, log_placement
 from zeroshard.engine.reports import Reports
 from zeroshard.engine.state import EngineStateError, TrainingState, check_params_in_place
 from zeroshard.engine.step_update import StepUpdate
+from zeroshard.engine.user_step import route_user_step
 from zeroshard.errors import ZeroshardError
 from zeroshard.offload import OffloadError
 
@@ -78,6 +79,7 @@ class Engine:
         self.checkpointing = parts.checkpointing
         self._init_components()
         parts.calls.on_grad, parts.calls.on_gather_failure = self._on_grad, self._fail  # the hooks reach the engine
+        route_user_step(self)  # the script's optimizer.step() is engine.step()
         if self.comm.rank == 0:
             log_placement(self.placement())  # what is sharded, kept whole and frozen; the warning if nothing is
             for key, why in self.checkpointing.no_effect(self._device):
