@@ -23,7 +23,7 @@ from torch import nn
 
 from tests.distributed import run_ranks
 from zeroshard.core import reducer as reducer_module
-from zeroshard.core.bucket import StageSwitches
+from zeroshard.core.switches import StageSwitches
 from zeroshard.core.reducer import GradReducer
 
 COMM, POOL = object(), object()  # the fake targets ignore them; the reducer must pass them through

@@ -57,7 +57,6 @@ CALLS = {
         lambda: deepspeed.init_distributed(init_method="tcp://localhost:1", rank=0, world_size=1),
     "deepspeed.zero.Init(param_swapper=...)": lambda: deepspeed.zero.Init(param_swapper=object()),
     "engine.set_train_batch_size": lambda: _engine().set_train_batch_size(8),
-    "engine.no_sync() at stage 2 or 3": lambda: _enter(_engine(2).no_sync()),
     "engine.load_checkpoint(load_module_strict=False)": lambda: _engine().load_checkpoint("unused", None, False),
     "engine.load_checkpoint(custom_load_fn=...)": lambda: _engine().load_checkpoint("unused", custom_load_fn=print),
 }

@@ -15,7 +15,8 @@ path does with DeepSpeed (which it needs installed), this class does with
   `DeepSpeedEngineWrapper`: the engine divides by the accumulation steps,
   and reduces, clips and steps at the window's end. `accumulate` and
   `no_sync` keep Accelerate's counting (`sync_gradients`) without the
-  engine's `no_sync`, which stages 2-3 refuse; the two counts must agree.
+  engine's `no_sync` (the engine reduces where its stage says, and
+  `reduce_once_per_window` holds stages 2-3's); the two counts must agree.
 - `clip_grad_norm_` returns the norm the engine measured at its step; it
   clips with the config's `gradient_clipping`, so another max_norm is an error.
 - `save_state` / `load_state` write the engine's sharded checkpoint (which
@@ -222,7 +223,7 @@ class Accelerator(accelerate.Accelerator):
 
     @contextlib.contextmanager
     def no_sync(self, model) -> Iterator[None]:
-        """For the engine, nothing: it reduces where its stage says (and refuses `no_sync` at stages 2-3);
+        """For the engine, nothing: it reduces where its stage says (`reduce_once_per_window` for once a window);
         `accumulate` keeps counting the window's micro-batches. Other models: Accelerate's."""
         if self._is_engine(model):
             yield

@@ -21,12 +21,10 @@ conversions around the optimizer step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from zeroshard.comm import BlockCodec, Comm, CompressedReduction, Pending, all_gather, all_reduce, qwz_all_gather
-from zeroshard.comm import reduce_scatter
+from zeroshard.comm import (BlockCodec, Comm, CompressedReduction, Pending, all_gather, all_reduce, qwz_all_gather,
+                            reduce_scatter)
 from zeroshard.comm.compress.powersgd import PowerSgd
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.local import is_dtensor, local_grad
@@ -34,21 +32,9 @@ from zeroshard.core.precision import Precision
 from zeroshard.core.staging import StagingPool
 from zeroshard.core.grad_on_disk import GradOnDisk
 from zeroshard.core.swapped import Swapped, WriteBehind
+from zeroshard.core.switches import StageSwitches
 
 FP32 = Precision(torch.float32, torch.float32)
-
-
-@dataclass(frozen=True)
-class StageSwitches:
-    """The switches a ZeRO stage is made of (DESIGN.md section 3)."""
-
-    shard_optimizer: bool
-    shard_grads: bool
-    shard_params: bool = False
-
-    @classmethod
-    def for_stage(cls, stage: int) -> "StageSwitches":
-        return cls(stage >= 1, stage >= 2, stage >= 3)
 
 
 class Bucket:
@@ -151,9 +137,8 @@ class Bucket:
     def attach_grads(self) -> None:
         """Point each plain parameter's `.grad` at its view of `full_grad` (stages 0-1).
 
-        Re-attached before every backward in case the user set `.grad` to None.
-        A DTensor parameter (tensor parallelism) gets no view: its gradient is
-        added into `full_grad` by `take_grad`.
+        Re-attached before every backward in case the user set `.grad` to None or to a tensor of its own
+        (added in). A DTensor parameter (tensor parallelism) gets no view: `take_grad` adds its gradient.
         """
         if self.full_grad is None:
             return
@@ -161,7 +146,7 @@ class Bucket:
             if is_dtensor(p):
                 continue
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                if p.grad is not None:  # a gradient autograd or the caller put there first: it adds up
+                if p.grad is not None:  # a gradient put there first (autograd, the caller) adds up
                     view.add_(p.grad)
                 p.grad = view
 
@@ -197,9 +182,8 @@ class Bucket:
     def reduce_grad(self, comm: Comm, pool: StagingPool, scale: float) -> Pending:
         """Reduce this micro-step's gradients in the reduce dtype; afterwards `grad_shard` holds the running mean.
 
-        `scale` is 1 / (N x accumulation steps) for the mean (the divide factor's inverse with one): applied
-        once per reduction, the sum over the window comes out as the mean over the global batch.
-        """
+        `scale`, 1 / (N x accumulation steps) for the mean, applies once per reduction: the window's sum is
+        the mean over the global batch (engine/grad_sync.py: a divide factor or "sum" changes it)."""
         if self.switches.shard_grads:
             return self._reduce_staged(comm, pool, scale)
         if self._aside is None:
@@ -208,8 +192,8 @@ class Bucket:
         return self._reduce_whole(comm, pool, scale).then(lambda: self.grad_shard.add_(aside))
 
     def set_aside(self) -> None:
-        """Stages 0-1, a backward after this window's reduction (which ran in place): its result is kept aside,
-        in fp32, and added to the next reduction's (`reduce_grad`); the buffers start again from zero."""
+        """Stages 0-1, a backward after this window's in-place reduction: its result kept aside (fp32), added to
+        the next reduction's (`reduce_grad`)."""
         reduced = self.grad_shard.to(self.precision.master_dtype, copy=True)
         self._aside = reduced if self._aside is None else self._aside.add_(reduced)
         self.full_grad.zero_()

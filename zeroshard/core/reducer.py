@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 import torch.nn as nn
 
 from zeroshard.comm import Comm, Pending, wait_all
-from zeroshard.core.bucket import StageSwitches
+from zeroshard.core.switches import StageSwitches
 from zeroshard.core.staging import StagingPool
 from zeroshard.errors import ZeroshardError
 from zeroshard.plan.staging import MAX_IN_FLIGHT

@@ -26,7 +26,8 @@ import torch.nn as nn
 from zeroshard.comm import Comm, broadcast
 from zeroshard.comm.compress.powersgd import PowerSgd, QSeeds
 from zeroshard.config import Config
-from zeroshard.core.bucket import Bucket, StageSwitches
+from zeroshard.core.bucket import Bucket
+from zeroshard.core.switches import StageSwitches
 from zeroshard.core.bucketing import BucketPlan
 from zeroshard.core.faults import agreed
 from zeroshard.core.flat import FlatParams

@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING
 
 from zeroshard.comm import CollectiveError, Comm, wait_all
 from zeroshard.config import Config
-from zeroshard.core.bucket import Bucket, StageSwitches
+from zeroshard.core.bucket import Bucket
+from zeroshard.core.switches import StageSwitches
 from zeroshard.core.reducer import GradReducer
 from zeroshard.core.staging import StagingPool
 from zeroshard.engine.offload import Offload

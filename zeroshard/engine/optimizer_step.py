@@ -27,7 +27,8 @@ import torch
 
 from zeroshard.comm import Comm
 from zeroshard.config import Config
-from zeroshard.core.bucket import Bucket, StageSwitches
+from zeroshard.core.bucket import Bucket
+from zeroshard.core.switches import StageSwitches
 from zeroshard.core.grad_norm import NonFiniteSkips, StepCheck, check_step, clip_coefficient
 from zeroshard.core.precision import LossScaler
 from zeroshard.core.staging import StagingPool

@@ -76,8 +76,8 @@ class _ZeroshardTraining:
         if self.engine is None:
             self.engine = self._build_engine(max_steps)
         self.model_wrapped = self.deepspeed = self.engine
-        # No `accelerator.no_sync` around the window's first micro-batches (the engine decides when to reduce,
-        # and refuses no_sync where it reduces every micro-batch), as transformers skips it for DeepSpeed.
+        # No `accelerator.no_sync` around the window's first micro-batches (the engine decides when to reduce:
+        # every micro-batch at stages 2-3 unless reduce_once_per_window), as transformers skips it for DeepSpeed.
         self.accelerator.gradient_state.plugin_kwargs["sync_each_batch"] = True
         if resume_from_checkpoint is not None:
             self.engine.load_checkpoint(resume_from_checkpoint)

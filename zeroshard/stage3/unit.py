@@ -22,7 +22,8 @@ import torch.nn as nn
 
 from zeroshard.comm import Comm, CompressedReduction, PendingGroup, broadcast
 from zeroshard.comm.agreement import Agreement
-from zeroshard.core.bucket import FP32, Bucket, StageSwitches
+from zeroshard.core.bucket import FP32, Bucket
+from zeroshard.core.switches import StageSwitches
 from zeroshard.core.faults import offload_agreement
 from zeroshard.core.flat import FlatParams
 from zeroshard.core.precision import Precision
