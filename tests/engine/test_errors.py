@@ -128,6 +128,11 @@ def _misuse(rank, world, device):
         with e.no_sync(), e.coalesce_grad_reduction():
             pass
 
+    def fp16_loss_off_the_outputs():  # a loss on the parameters alone: no output could take the loss scale
+        model = make_model()
+        e = zeroshard.initialize(model, torch.optim.AdamW(model.parameters()), {"fp16": {"enabled": True}})
+        sum(p.float().square().sum() for p in e.module.parameters()).backward()
+
     def divide_factor_mid_window():
         e = engine()
         e(*batch()).backward()
@@ -173,6 +178,7 @@ def _misuse(rank, world, device):
     return {
         "nested_hold": attempt(nested_hold),
         "divide_factor_mid_window": attempt(divide_factor_mid_window),
+        "fp16_loss_off_the_outputs": attempt(fp16_loss_off_the_outputs),
         "step_first": attempt(lambda: engine().step()),
         "half_after_initialize": attempt(half_after_initialize),
         "failed_backward": attempt(failed_backward),
@@ -188,6 +194,7 @@ def _misuse(rank, world, device):
 EXPECTED = {  # misuse -> a fragment of its message
     "nested_hold": "coalesce_grad_reduction() entered inside no_sync(); re-entry is not supported",
     "divide_factor_mid_window": "set_gradient_divide_factor() between optimizer steps only",
+    "fp16_loss_off_the_outputs": "its gradients would miss the loss scale: call engine.backward(loss)",
     "step_first": "engine.step() was called without a backward (loss.backward() or engine.backward(loss))",
     "lbfgs": "LBFGS could not be run on tensors of its param group's shapes",
     "global_norm": "GlobalNormSGD's update of a tensor depends on other tensors",

@@ -31,7 +31,7 @@ from tests.recipes import (
 )
 
 STEPS = 3
-FORMS = ("pytorch", "two_losses", "coalesced", "gradcache", "no_sync")
+FORMS = ("pytorch", "two_losses", "coalesced", "gradcache", "no_sync", "ddp", "ddp_sync")
 # 16-bit: the loss split and the chunks round differently from one backward of the whole loss.
 TOLERANCE = {"fp32": (2e-5, 1e-4), "bf16": (1e-2, 6e-3)}
 
@@ -73,6 +73,8 @@ def _gradcache(engine, x, y) -> float:
 
 
 def _train(rank, world, device, case: Case, form: str):
+    if form.startswith("ddp"):
+        return _train_ddp(rank, world, device, case, form)
     engine = make_engine(case, device=device)
     optimizer = engine.optimizer  # the loop steps the optimizer it built, as under DDP
     losses = []
@@ -87,9 +89,32 @@ def _train(rank, world, device, case: Case, form: str):
             else:
                 engine.step()
         losses.append(total)
+    return losses, _weights(engine), engine.global_steps
+
+
+def _train_ddp(rank, world, device, case: Case, form: str):
+    """DDP's accumulation: the config's window is one micro-step, the loop's k backward passes of loss / k
+    make it (`no_sync` around all but the last in "ddp", none in "ddp_sync"), then one optimizer.step()."""
+    config = case.config() | {"gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": None}
+    engine = make_engine(case, config=config, device=device)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(case.accumulation):
+            x, y = (t.to(device) for t in micro_batch(step, case, world, rank, micro))
+            last = micro == case.accumulation - 1
+            with engine.no_sync() if form == "ddp" and not last else contextlib.nullcontext():
+                loss = _token_losses(engine(x), y).mean() / case.accumulation
+                loss.backward()
+            total += loss.item()
+        engine.optimizer.step()
+        losses.append(total)
+    return losses, _weights(engine), engine.global_steps
+
+
+def _weights(engine) -> torch.Tensor:
     full = engine.full_state_dict()
-    weights = torch.cat([full[n].float().reshape(-1).cpu() for n, _ in engine.module.named_parameters()])
-    return losses, weights, engine.global_steps
+    return torch.cat([full[n].float().reshape(-1).cpu() for n, _ in engine.module.named_parameters()])
 
 
 def _cases(dtype: str) -> list[Case]:

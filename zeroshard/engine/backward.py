@@ -77,8 +77,9 @@ class BackwardPasses:
 
     # -- a pass ----------------------------------------------------------------
 
-    def start(self) -> None:
-        """The first gradient of a backward reached the model: begin its pass, unless one is running."""
+    def start(self, at_output: bool = False) -> None:
+        """The first gradient of a backward reached the model (`at_output`: through an output fp16 scales):
+        begin its pass, unless one is running."""
         engine = self.engine
         if engine.state is TrainingState.BACKWARD:  # this backward's pass, or the caller's pipeline_backward
             return
@@ -86,6 +87,13 @@ class BackwardPasses:
             raise EngineStateError(f"a backward reached the model in state {engine.state.value}: run backward "
                                    "after the forward has returned, not inside it or inside engine.step()")
         engine._check_usable()
+        if engine.scaler is not None and not (at_output or self.loss_scaled):
+            why = ("with fp16 a backward the engine did not scale reached the parameters other than through the "
+                   "model's outputs (a loss term on the parameters, or outputs torch's pytree cannot open), so "
+                   "its gradients would miss the loss scale: call engine.backward(loss), or "
+                   "engine.scale_loss(loss).backward()")
+            engine._fail(why)
+            raise EngineStateError(why)
         engine.post_step.wait()  # the gathers of parameters no forward used (overlap_param_gather)
         sync = engine.gradient_sync
         if sync and engine.cross is not None and engine.cross.ties:
@@ -191,6 +199,6 @@ class _ScaledEntry(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.passes.start()
+        ctx.passes.start(at_output=True)
         factor = ctx.passes.output_factor()
         return (grad * factor if factor != 1.0 else grad), None
