@@ -176,6 +176,8 @@ def _bytes(rank, world, device):
         out[stage, "gradcache_coalesced"] = _window_bytes(
             with_gradcache, lambda e, x, y, m: _coalesced_gradcache(e, x, y), 1, world, rank, device)[0]
         out[stage, "one"] = _window_bytes(make_engine(case, device=device), _one_loss, 1, world, rank, device)[0]
+        out[stage, "autograd_grad"] = _window_bytes(make_engine(case, device=device), _after_autograd_grad, 1,
+                                                    world, rank, device)[0]
         window = Case(stage=stage, accumulation=4)
         engine = make_engine(window, device=device)
         out[stage, "every"] = _window_bytes(engine, _one_loss, 4, world, rank, device)
@@ -187,6 +189,15 @@ def _bytes(rank, world, device):
                                                  4, world, rank, device)
         out[stage, "numel"] = sum(p.numel() for p in make_model().parameters())
     return out
+
+
+def _after_autograd_grad(engine, x, y, micro):
+    """`torch.autograd.grad` through the model (it writes no .grad: no pass), then the loss's backward."""
+    out = engine(x)
+    loss = _token_losses(out, y).mean()
+    (grad,) = torch.autograd.grad(loss, out, retain_graph=True)
+    assert grad.abs().sum() > 0
+    loss.backward()
 
 
 def _coalesced_gradcache(engine, x, y):
@@ -207,6 +218,7 @@ def test_several_passes_and_no_sync_cost_the_bytes_of_one_reduction():
             # Each reducing pass reduces its own gradients; coalescing makes them one reduction.
             assert out[stage, "two_losses"] == 2 * one and out[stage, "gradcache"] == 2 * one
             assert out[stage, "coalesced"] == one and out[stage, "gradcache_coalesced"] == one
+            assert out[stage, "autograd_grad"] == one
             every, every_grads = out[stage, "every"]
             assert every == 4 * one
             held = 4 * out[stage, "numel"]  # the whole fp32 gradient, on .grad

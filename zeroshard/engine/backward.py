@@ -6,7 +6,8 @@ The engine need not see the loss. Its forward hooks the model's outputs
 `loss.backward()`, `out.backward(grad)` and `torch.autograd.backward([l1,
 l2])` run the same pass as `engine.backward(loss)`. A parameter's gradient
 hook and stage 3's unit hooks start one too, for a gradient that reaches the
-model by another way.
+model by another way. A `torch.autograd.grad` through the model (a gradient
+penalty, a pipeline's input gradients) writes no `.grad` and starts none.
 
 A pass reduces in its hooks (engine/grad_sync.py) or holds its gradients on
 this rank: inside `no_sync()`, inside `coalesce_grad_reduction()` (which
@@ -28,6 +29,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zeroshard.engine.state import EngineStateError, TrainingState
@@ -86,6 +88,8 @@ class BackwardPasses:
         if engine.state not in (TrainingState.IDLE, TrainingState.STEP_DUE):
             raise EngineStateError(f"a backward reached the model in state {engine.state.value}: run backward "
                                    "after the forward has returned, not inside it or inside engine.step()")
+        if not self._accumulates():  # torch.autograd.grad through the model: no parameter's .grad is written
+            return
         engine._check_usable()
         if engine.scaler is not None and not (at_output or self.loss_scaled):
             why = ("with fp16 a backward the engine did not scale reached the parameters other than through the "
@@ -106,6 +110,11 @@ class BackwardPasses:
         engine.state, engine.comm.trace.phase = TrainingState.BACKWARD, "backward"
         self.running, self.started = True, self.started + 1
         torch.autograd.Variable._execution_engine.queue_callback(self._end)
+
+    def _accumulates(self) -> bool:
+        """Whether this backward writes some trained parameter's `.grad` (not `torch.autograd.grad`'s)."""
+        return any(torch._C._will_engine_execute_node(get_gradient_edge(p).node)
+                   for p in self.engine.module.parameters() if p.requires_grad)
 
     def _end(self) -> None:
         """Autograd's final callback of the pass's backward: the pass's last reductions, then STEP_DUE."""
