@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -34,14 +34,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from zeroshard.engine.state import EngineStateError, TrainingState
 
-if TYPE_CHECKING:
-    from zeroshard.engine.engine import Engine
-
 
 class BackwardPasses:
     """The engine's backward passes: when one starts and ends, and whether it holds its gradients."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine):
+        """`engine`: the `Engine` whose passes these are (its state, grad sync, scaler and failure)."""
         self.engine = engine
         self.hold: str | None = None  # "no_sync" or "coalesce_grad_reduction": the context the passes hold in
         self.loss_scaled = False  # the next pass's loss carries fp16's scale already (engine.scale_loss)

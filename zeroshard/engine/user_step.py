@@ -10,17 +10,12 @@ copies a delayed update steps in the background are left alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from zeroshard.engine.state import TrainingState
 
-if TYPE_CHECKING:
-    from zeroshard.engine.engine import Engine
 
-
-def route_user_step(engine: Engine) -> None:
+def route_user_step(engine) -> None:
     """Make the script's `engine.optimizer.step()` mean `engine.step()` (between a backward and the step)."""
     optimizer = engine.optimizer
     if not isinstance(optimizer, torch.optim.Optimizer):  # an engine that trains nothing
