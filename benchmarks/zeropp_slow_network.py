@@ -57,6 +57,7 @@ from report import write_section
 HERE = Path(__file__).resolve()
 REPO = HERE.parent.parent
 RESULTS = REPO / "benchmarks" / "results"
+RunVariant = Callable[[argparse.Namespace, str, int, str], dict]  # (args, variant, port, tag) -> its result
 
 NODES = ("zs_node0", "zs_node1")
 VETHS = ("zs_veth0", "zs_veth1")
@@ -103,12 +104,14 @@ def zero_block(extra: dict) -> dict:
     return {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": True, **extra}
 
 
-def build_zeroshard(model, optimizer, extra: dict):
-    """zeroshard stage 3 with each Block a unit (as benchmarks/variants.py); nodes of 2 ranks declared."""
+def build_zeroshard(model, optimizer, extra: dict, accumulation: int = 1):
+    """zeroshard stage 3 (or `extra`'s stage) with each Block a unit (as benchmarks/variants.py); nodes of 2
+    ranks declared; `accumulation` micro-steps per optimizer step."""
     import zeroshard
 
     config = {"zero_optimization": zero_block(extra) | {"zeropp_ranks_per_node": RANKS_PER_NODE},
-              "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+              "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 1,
+              "gradient_accumulation_steps": accumulation}
     return zeroshard.initialize(model=model, optimizer=optimizer, config=config, wrap=[type(model.blocks[0])])
 
 
@@ -153,21 +156,27 @@ def cross_node_bytes(engine) -> tuple[int, int]:
     return sum(s.by_scope.get("cross_node", 0) for s in stats), sum(s.bytes for s in stats)
 
 
-def train(args: argparse.Namespace) -> dict:
-    """Build the variant, run warm-up then timed steps; the link's and the engine's bytes around the timed ones."""
+def gpt(args: argparse.Namespace):
+    """(the `--size` GPT, Adam lr 1e-4 over it): the same initial weights on every rank and in every variant."""
     import torch
-    import torch.distributed as dist
 
     sys.path.insert(0, str(REPO))
     from zeroshard.app.models.gpt import GPT, GPTConfig
 
+    n_layer, n_embd = SIZES[args.size]
+    torch.manual_seed(args.seed)
+    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=args.tokens, n_layer=n_layer, n_head=8, n_embd=n_embd))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-4)
+
+
+def train(args: argparse.Namespace) -> dict:
+    """Build the variant, run warm-up then timed steps; the link's and the engine's bytes around the timed ones."""
+    import torch.distributed as dist
+
     rank, world = dist.get_rank(), dist.get_world_size()
     library, extra = VARIANTS[args.variant]
-    n_layer, n_embd = SIZES[args.size]
-    torch.manual_seed(args.seed)  # the same initial weights on every rank and in every variant
-    model = GPT(GPTConfig(vocab_size=VOCAB, block_size=args.tokens, n_layer=n_layer, n_head=8, n_embd=n_embd))
+    model, optimizer = gpt(args)
     num_params = model.num_params()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     if library == "zeroshard":
         engine = build_zeroshard(model, optimizer, extra)
     else:
@@ -278,25 +287,30 @@ def network(rate: str) -> Iterator[None]:
 
 # ---------------------------------------------------------------- one variant = two torchruns
 
-def node_command(k: int, port: int, args: argparse.Namespace, variant: str, result_dir: Path) -> list[str]:
-    """`torchrun` for node k (as `python -m torch.distributed.run`, so the ranks use this interpreter)."""
+def node_command(k: int, port: int, args: argparse.Namespace, variant: str, result_dir: Path,
+                 script: Path = HERE, own: list[str] | None = None) -> list[str]:
+    """`torchrun` for node k (as `python -m torch.distributed.run`, so the ranks use this interpreter) of
+    `script`'s worker; `own`: its flags beyond the common ones (None: this file's --deepspeed-dtype)."""
+    own = ["--deepspeed-dtype", args.deepspeed_dtype] if own is None else own
     return in_node(k, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                    "--nproc-per-node", str(RANKS_PER_NODE), "--node-rank", str(k), "--master-addr", ADDRS[0],
-                   "--master-port", str(port), str(HERE), "--worker", "--variant", variant, "--size", args.size,
+                   "--master-port", str(port), str(script), "--worker", "--variant", variant, "--size", args.size,
                    "--tokens", str(args.tokens), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                   "--seed", str(args.seed), "--deepspeed-dtype", args.deepspeed_dtype,
-                   "--result-dir", str(result_dir))
+                   "--seed", str(args.seed), *own, "--result-dir", str(result_dir))
 
 
-def run_variant(args: argparse.Namespace, variant: str, port: int, tag: str) -> dict:
-    """Start both nodes' torchrun, wait (stopping both once one fails or at --timeout), read the ranks' JSON."""
-    result_dir = RESULTS / "zeropp_slow_network" / tag
-    commands = [node_command(k, port, args, variant, result_dir) for k in (0, 1)]
-    ranks, logs, timed_out = run_nodes(commands, result_dir, f"zeropp_slow_network_{tag}", args.timeout)
+def run_variant(args: argparse.Namespace, variant: str, port: int, tag: str, script: Path = HERE,
+                own: list[str] | None = None, summary: Callable[[str, list[dict], int], dict] | None = None) -> dict:
+    """Start both nodes' torchrun, wait (stopping both once one fails or at --timeout), read the ranks' JSON;
+    `script`, `own` (node_command) and `summary` (default `summarize`): another benchmark's worker."""
+    name = script.stem
+    result_dir = RESULTS / name / tag
+    commands = [node_command(k, port, args, variant, result_dir, script, own) for k in (0, 1)]
+    ranks, logs, timed_out = run_nodes(commands, result_dir, f"{name}_{tag}", args.timeout)
     if len(ranks) != 2 * RANKS_PER_NODE or any("error" in r for r in ranks):
         return {"variant": variant, "error": first_error(ranks, logs, timed_out, args.timeout),
                 "logs": [str(p.relative_to(REPO)) for p in logs]}
-    return summarize(variant, ranks, args.warmup) | {"logs": [str(p.relative_to(REPO)) for p in logs]}
+    return (summary or summarize)(variant, ranks, args.warmup) | {"logs": [str(p.relative_to(REPO)) for p in logs]}
 
 
 def run_nodes(commands: list[list[str]], result_dir: Path, log_name: str,
@@ -487,15 +501,17 @@ def add_run_flags(p: argparse.ArgumentParser, variants: dict) -> None:
     p.add_argument("--result-dir", type=Path, help=argparse.SUPPRESS)
 
 
-def run_all(args: argparse.Namespace, report: Callable[[dict], None]) -> list[dict]:
-    """Every variant `--rounds` times, round-robin, each on a fresh port and process tree."""
+def run_all(args: argparse.Namespace, report: Callable[[dict], None],
+            run: RunVariant | None = None) -> list[dict]:
+    """Every variant `--rounds` times, round-robin, each on a fresh port and process tree (`run`: one
+    variant's run, default `run_variant`)."""
     rounds = []
     port = 29600
     for rnd in range(args.rounds):
         for variant in args.variants:
             port += 1  # a fresh port: the last run's sockets may linger in TIME_WAIT
             print(f"[{time.strftime('%H:%M:%S')}] round {rnd + 1}/{args.rounds} {variant}: running", flush=True)
-            result = run_variant(args, variant, port, f"{variant}.round{rnd}") | {"round": rnd}
+            result = (run or run_variant)(args, variant, port, f"{variant}.round{rnd}") | {"round": rnd}
             rounds.append(result)
             report(result)
     return rounds
@@ -511,25 +527,34 @@ def print_result(r: dict) -> None:
 
 def main() -> int:
     args = parse_args()
+    return serve(HERE, args, train, section)
+
+
+def serve(script: Path, args: argparse.Namespace, train_rank: Callable[[argparse.Namespace], dict],
+          section_of: Callable[[argparse.Namespace, list[dict], str], str], run: RunVariant | None = None) -> int:
+    """A shaped-link benchmark's main: with `--worker` one rank (`train_rank`); else every variant's rounds on
+    the network (`run`: one variant's run, default `run_variant`), published as results/<script>_<rate>.json
+    with the section `section_of(args, rounds, command)`. Exit status 2: a prerequisite or ip/tc command
+    missing; 130: interrupted."""
     if args.worker:
-        return run_worker(args)
+        return run_worker(args, train_rank)
     problem = missing_prerequisites()
     if problem:
-        print(f"zeropp_slow_network: {problem}", file=sys.stderr)
+        print(f"{script.stem}: {problem}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks (teardown) on kill too
-    command = "python " + " ".join([str(HERE.relative_to(REPO)), *sys.argv[1:]])
-    rounds = on_the_network("zeropp_slow_network", lambda: _with_network(args))
+    command = "python " + " ".join([str(script.relative_to(REPO)), *sys.argv[1:]])
+    rounds = on_the_network(script.stem, lambda: _with_network(args, run))
     if isinstance(rounds, int):
         return rounds
-    publish(RESULTS / f"zeropp_slow_network_{args.rate}.json", args,
-            {"command": command, "machine": machine(), "rounds": rounds}, section(args, rounds, command))
+    publish(RESULTS / f"{script.stem}_{args.rate}.json", args,
+            {"command": command, "machine": machine(), "rounds": rounds}, section_of(args, rounds, command))
     return 0
 
 
-def _with_network(args: argparse.Namespace) -> list[dict]:
+def _with_network(args: argparse.Namespace, run: RunVariant | None) -> list[dict]:
     with network(args.rate):
-        return run_all(args, print_result)
+        return run_all(args, print_result, run)
 
 
 def on_the_network(name: str, runs: Callable[[], list[dict]]) -> list[dict] | int:
