@@ -29,8 +29,9 @@ Every variant is a fresh process tree; `--rounds` rounds, interleaved.
     sudo python benchmarks/no_sync_slow_network.py [--size 25m] [--steps 4] [--warmup 1]
         [--rate 1gbit] [--rounds 2] [--variants default|all|NAME...] [--out BENCHMARKS.md]
 
-The defaults (GPT 25m, 4 variants, 1 warm-up and 4 timed optimizer steps of 4 micro-steps, 2 rounds) take
-about 10 minutes on 2 cores; `--variants all` (6) about 15.
+The defaults (GPT 25m, 1 warm-up and 4 timed optimizer steps of 4 micro-steps, 2 rounds) with `--variants
+all` (6 variants) took 11 minutes on 2 cores (30-80 s a variant, a third of it start-up); the default 4
+variants, about 7.
 
 Needs: root, iproute2. Results: benchmarks/results/no_sync_slow_network_<rate>.json (git-ignored), rank
 logs in benchmarks/results/logs/; `--out FILE` writes the section "no_sync on a shaped <rate> link" of FILE.
