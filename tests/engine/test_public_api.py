@@ -91,17 +91,19 @@ def _misuse_and_states(rank, world, device, stages):
             return type(exc), str(exc)
         return None
 
-    def backward_twice(stage):
+    def step_twice(stage):
         e = _engine(stage)
-        e.backward(_loss(e))
-        e.backward(_loss(e))
+        _loss(e).backward()
+        e.step()
+        e.step()
 
     def step_first(stage):
         _engine(stage).step()
 
-    def plain_backward(stage):
+    def hold_inside_hold(stage):
         e = _engine(stage)
-        _loss(e).backward()
+        with e.coalesce_grad_reduction(), e.no_sync():
+            pass
 
     out = {}
     for stage in stages:
@@ -113,14 +115,14 @@ def _misuse_and_states(rank, world, device, stages):
         states.append(e.state)
         states = [s is TrainingState[n] for s, n in zip(states, ("IDLE", "STEP_DUE", "IDLE"))]
         out[stage] = {"states": states, **{fn.__name__: attempt(lambda fn=fn: fn(stage))
-                                           for fn in (backward_twice, step_first, plain_backward)}}
+                                           for fn in (step_twice, step_first, hold_inside_hold)}}
     return out
 
 
 MISUSE = {
-    "backward_twice": "engine.backward() was called twice without engine.step()",
-    "step_first": "engine.step() was called without engine.backward(loss)",
-    "plain_backward": "call engine.backward(loss) instead of loss.backward()",
+    "step_twice": "engine.step() was called without a backward (loss.backward() or engine.backward(loss))",
+    "step_first": "engine.step() was called without a backward (loss.backward() or engine.backward(loss))",
+    "hold_inside_hold": "no_sync() entered inside coalesce_grad_reduction(); re-entry is not supported",
 }
 
 

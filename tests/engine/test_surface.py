@@ -53,7 +53,7 @@ def test_deepspeed_engine_is_an_engine_with_deepspeeds_methods():
     assert issubclass(DeepSpeedEngine, Engine)
     deepspeeds = {"get_lr", "get_mom", "train_batch_size", "train_micro_batch_size_per_gpu",
                   "gradient_accumulation_steps", "zero_optimization_stage", "fp16_enabled", "bfloat16_enabled",
-                  "no_sync", "was_step_applied", "global_rank", "local_rank", "world_size", "forward", "zero_grad",
+                  "was_step_applied", "global_rank", "local_rank", "world_size", "forward", "zero_grad",
                   "save_16bit_model", "get_global_grad_norm", "global_samples", "set_train_batch_size"}
     assert deepspeeds <= public_names(DeepSpeedEngine)
     assert not deepspeeds & public_names(Engine), sorted(deepspeeds & public_names(Engine))
