@@ -137,8 +137,8 @@ class Bucket:
     def attach_grads(self) -> None:
         """Point each plain parameter's `.grad` at its view of `full_grad` (stages 0-1).
 
-        Re-attached before every backward in case the user set `.grad` to None. A DTensor parameter
-        (tensor parallelism) gets no view: its gradient is added into `full_grad` by `take_grad`.
+        Re-attached before every backward in case the user set `.grad` to None or to a tensor of its own
+        (added in). A DTensor parameter (tensor parallelism) gets no view: `take_grad` adds its gradient.
         """
         if self.full_grad is None:
             return
@@ -146,6 +146,8 @@ class Bucket:
             if is_dtensor(p):
                 continue
             if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                if p.grad is not None:  # a gradient put there first (autograd, the caller) adds up
+                    view.add_(p.grad)
                 p.grad = view
 
     def take_grad(self, index: int, pool: StagingPool) -> None:
