@@ -60,20 +60,36 @@ class BackwardPasses:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._on_output_grad)
             return output
-        scaled = [_ScaledEntry.apply(t, self) if isinstance(t, torch.Tensor) and t.requires_grad else t
-                  for t in leaves]
-        return tree_unflatten(scaled, spec)
+        return tree_unflatten([self._scaled(t) if isinstance(t, torch.Tensor) and t.requires_grad else t
+                               for t in leaves], spec)
+
+    def _scaled(self, tensor: torch.Tensor) -> torch.Tensor:
+        fed: list[BackwardPasses] = []  # the engines whose forward takes it as an input (`mark_inputs`)
+        out = _ScaledEntry.apply(tensor, self, fed)
+        out._zeroshard_fed = fed
+        return out
+
+    def mark_inputs(self, inputs) -> None:
+        """fp16: an engine's scaled output fed to this engine's forward gets its gradient through this engine,
+        scaled by this engine's scale already (`output_factor`)."""
+        for t in tree_flatten(inputs)[0]:
+            fed = getattr(t, "_zeroshard_fed", None)
+            if fed is not None and self not in fed:
+                fed.append(self)
 
     def _on_output_grad(self, grad: torch.Tensor) -> None:
         self.start()
 
-    def output_factor(self) -> float:
-        """What a gradient entering the model's outputs is multiplied by: fp16's scale, unless the loss
-        carries it already or the caller's own pass (`pipeline_backward`) scales."""
+    def output_factor(self, fed: list[BackwardPasses]) -> float:
+        """What a gradient entering the model's outputs is multiplied by: fp16's scale over the scale it carries
+        (the loss's, when the engine scaled it; the consuming engine's, for an output fed to an engine's
+        forward), unless the caller's own pass (`pipeline_backward`) scales."""
         engine = self.engine
-        if engine.scaler is None or self.loss_scaled or not self.running:
+        if engine.scaler is None or not self.running:
             return 1.0
-        return engine.scaler.scale
+        if fed:
+            return engine.scaler.scale / fed[0].engine.loss_scale
+        return 1.0 if self.loss_scaled else engine.scaler.scale
 
     # -- a pass ----------------------------------------------------------------
 
@@ -102,12 +118,16 @@ class BackwardPasses:
             raise EngineStateError("parameters tied across pipeline stages are summed over the stages before "
                                    "the reduction, which hooks cannot do: turn gradient sync off "
                                    "(engine.set_gradient_sync(False), or zeroshard.parallel.PipelineStage)")
+        self._begin()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end)
+
+    def _begin(self) -> None:
+        engine = self.engine
         boundary = engine.is_gradient_accumulation_boundary()
         per_window = engine.config.zero_optimization.reduce_once_per_window
         engine._grad_sync.begin_pass(boundary, self.hold is not None or (per_window and not boundary))
         engine.state, engine.comm.trace.phase = TrainingState.BACKWARD, "backward"
         self.running, self.started = True, self.started + 1
-        torch.autograd.Variable._execution_engine.queue_callback(self._end)
 
     def _accumulates(self) -> bool:
         """Whether this backward writes some trained parameter's `.grad` (not `torch.autograd.grad`'s)."""
@@ -130,7 +150,8 @@ class BackwardPasses:
         """Outside any backward, a pass still running means its backward raised: the engine fails."""
         if self.running and torch._C._current_graph_task_id() == -1:
             self.running = False
-            self.engine._fail("a backward raised on this rank before its end, so its reductions did not finish")
+            self.engine._fail("a backward raised on this rank before its end (its error came out of that "
+                              "backward call), so its reductions did not finish")
 
     def run(self, backward: Callable[[], None]) -> None:
         """`engine.backward`: run `backward()`; a backward that reached no parameter still runs an (empty)
@@ -138,14 +159,14 @@ class BackwardPasses:
         started = self.started
         try:
             backward()
-        except BaseException as exc:
+        except BaseException as exc:  # other ranks may be in this backward's collectives: the engine stops
             self.running = False
             self.engine._fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
             raise
         finally:
             self.loss_scaled = False
         if self.started == started:
-            self.engine._grad_sync.begin_pass(self.engine.is_gradient_accumulation_boundary(), self.hold is not None)
+            self._begin()
             self.running = True
             self._end()
 
@@ -168,6 +189,18 @@ class BackwardPasses:
             self.loss_scaled = False
         engine._grad_sync.end_backward()
         engine.state, engine.comm.trace.phase = TrainingState.STEP_DUE, "step"
+
+    def drop(self) -> None:
+        """`optimizer.zero_grad()` with a step due: drop the gradients of the backwards since the last step (a
+        GAN's generator loss that reached the discriminator), as PyTorch's zero_grad does."""
+        engine = self.engine
+        if engine.micro_steps % engine.config.gradient_accumulation_steps:
+            raise EngineStateError(
+                f"optimizer.zero_grad() with a step due in micro-step {engine.micro_steps} of a window of "
+                f"{engine.config.gradient_accumulation_steps}: the window's earlier micro-steps are summed with "
+                "this one's and cannot be told apart. Call it after optimizer.step() (engine.step())")
+        engine._grad_sync.drop()
+        engine.state = TrainingState.IDLE
 
     # -- holding the gradients -------------------------------------------------
 
@@ -200,12 +233,12 @@ class _ScaledEntry(torch.autograd.Function):
     """fp16: an output of the model, the same values; its gradient starts the pass and takes the loss scale."""
 
     @staticmethod
-    def forward(ctx, tensor: torch.Tensor, passes: BackwardPasses) -> torch.Tensor:
-        ctx.passes = passes
+    def forward(ctx, tensor: torch.Tensor, passes: BackwardPasses, fed: list[BackwardPasses]) -> torch.Tensor:
+        ctx.passes, ctx.fed = passes, fed
         return tensor.view_as(tensor)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         ctx.passes.start(at_output=True)
-        factor = ctx.passes.output_factor()
-        return (grad * factor if factor != 1.0 else grad), None
+        factor = ctx.passes.output_factor(ctx.fed)
+        return (grad * factor if factor != 1.0 else grad), None, None

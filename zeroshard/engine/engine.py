@@ -90,7 +90,7 @@ class Engine:
         if self.schedule is not None:
             self.schedule.on_backward = self._passes.start
         self._forward = Forward(self.comm, self.module, self.precision, self.post_step, self._compiled,
-                                self.checkpointing, self.activations, self.schedule, self._passes.watch_outputs)
+                                self.checkpointing, self.activations, self.schedule, self._passes)
         self._grad_sync = GradSync(self.reducer, self.cross, self.comm, self.pool, self.switches, self.config,
                                    self.buckets, self.schedule, self.offload)
         self._update = StepUpdate(self.offload, self.post_step, self.delayed, self.schedule,
@@ -158,7 +158,7 @@ class Engine:
             raise GradientError(f"engine.backward(loss) needs a scalar loss tensor that requires grad; got {what} "
                                 "(reduce it with .mean() or .sum(), and compute it outside torch.no_grad(); "
                                 "for a non-scalar output call out.backward(grad) itself)")
-        if not scale_wrt_gas:
+        if not scale_wrt_gas and self._grad_sync.divide_factor is None:  # a factor replaces the window's mean
             loss = loss * self.config.gradient_accumulation_steps
         scaled = self.scale_loss(loss)
         self._passes.run(lambda: scaled.backward(retain_graph=retain_graph))

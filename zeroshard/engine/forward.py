@@ -9,14 +9,13 @@ gathered, naming a parameter used outside its unit when that is the cause.
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch.nn as nn
 
 from zeroshard.comm import CollectiveError, Comm
 from zeroshard.core.activation_meter import ActivationMeter
 from zeroshard.core.param_gather import PostStepGather
 from zeroshard.core.precision import Precision, cast_inputs
+from zeroshard.engine.backward import BackwardPasses
 from zeroshard.engine.build import broadcast_buffers
 from zeroshard.engine.compiled import CompiledForward
 from zeroshard.offload import OffloadError
@@ -30,13 +29,14 @@ class Forward:
 
     def __init__(self, comm: Comm, module: nn.Module, precision: Precision, post_step: PostStepGather,
                  compiled: CompiledForward, checkpointing: ActivationCheckpointing, activations: ActivationMeter,
-                 schedule: GatherSchedule | None, watch_outputs: Callable[[Any], Any]):
-        """`watch_outputs`: hooks the outputs so that a backward from them starts a pass (engine/backward.py)."""
+                 schedule: GatherSchedule | None, passes: BackwardPasses):
+        """`passes`: hooks the outputs so that a backward from them starts a pass (engine/backward.py)."""
         self.comm, self.module, self.precision, self.post_step = comm, module, precision, post_step
         self.compiled, self.checkpointing, self.activations = compiled, checkpointing, activations
-        self.schedule, self.watch_outputs = schedule, watch_outputs
+        self.schedule, self.passes = schedule, passes
 
     def run(self, args: tuple, kwargs: dict):
+        self.passes.mark_inputs((args, kwargs))
         if self.precision.mixed:
             args, kwargs = cast_inputs(args, self.precision.param_dtype), cast_inputs(kwargs, self.precision.param_dtype)
         if self.post_step.overlap and self.compiled.active:  # each waiting hook would break the compiled graph
@@ -45,7 +45,7 @@ class Forward:
             broadcast_buffers(self.comm, self.module)
             with running_forward(self.checkpointing), self.activations.measure((args, kwargs)):
                 output = self.module(*args, **kwargs)
-            return self.watch_outputs(output)
+            return self.passes.watch_outputs(output)
         except (CollectiveError, OffloadError):  # ranks out of step, or a shard unreadable: the engine fails
             raise
         except BaseException as exc:  # the model's own error (every rank's, or the stall watch says): free the units

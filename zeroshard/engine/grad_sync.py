@@ -163,6 +163,16 @@ class GradSync:
                 bucket.set_aside()
             self.window = Window.CLEAN
 
+    def drop(self) -> None:
+        """Forget this window's gradients (the caller's zero_grad at a window's first micro-step)."""
+        for bucket in self.buckets:
+            bucket.zero_grad(self.pool)
+        if self.switches.shard_grads:  # what passes held on .grad
+            for target in self.reducer.targets:
+                for param in target.params:
+                    param.grad = None
+        self.end_window()
+
     def abandon(self) -> None:
         """The engine failed: drop this window's partial gradients and whatever is in flight."""
         try:
