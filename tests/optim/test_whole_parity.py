@@ -60,12 +60,15 @@ def _torch_muon(rank, world, device):
 
 def test_torch_muon_equals_ddp_at_bf16_tolerance():
     """torch.optim.Muon orthogonalises in bf16: a last-bit difference of a gradient moves an update by one bf16
-    step (lr x 2^-8 of the update), which DDP and one process differ by too; the runs stay within a few."""
+    step (lr x 2^-8 of the update), which DDP and one process differ by too; the runs stay within a few dozen.
+    On a CPU with native bf16 dot products (AVX512-BF16) the Newton-Schulz iterations carry such a difference
+    further: up to 18 steps apart after 4 updates on such a machine (2026-12-04); the first bound, 8, held on
+    the machines before it."""
     (ddp, zs), _ = run_ranks(_torch_muon, 2)
     for stage in (1, 2, 3):
         for got, want in zip(zs[stage][0], ddp[0]):
             assert abs(got - want) <= 1e-4 * abs(want), (stage, got, want)
-        assert (zs[stage][1] - ddp[1]).abs().max() <= 8 * 2e-2 * 2 ** -8, stage
+        assert (zs[stage][1] - ddp[1]).abs().max() <= 64 * 2e-2 * 2 ** -8, stage
 
 
 def _offloaded(rank, world, device, kind, stage, nvme_path):
