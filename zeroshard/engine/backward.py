@@ -126,8 +126,16 @@ class BackwardPasses:
         boundary = engine.is_gradient_accumulation_boundary()
         per_window = engine.config.zero_optimization.reduce_once_per_window
         engine._grad_sync.begin_pass(boundary, self.hold is not None or (per_window and not boundary))
-        engine.state, engine.comm.trace.phase = TrainingState.BACKWARD, "backward"
+        self._enter(TrainingState.BACKWARD)
         self.running, self.started = True, self.started + 1
+
+    def _enter(self, state: TrainingState) -> None:
+        """BACKWARD or STEP_DUE; the collectives from here on are the backward's or engine.step()'s."""
+        phase = "backward" if state is TrainingState.BACKWARD else "step"
+        self.engine.state, self.engine.comm.trace.phase = state, phase
+
+    def _failed(self, exc: BaseException) -> None:
+        self.engine._fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
 
     def _accumulates(self) -> bool:
         """Whether this backward writes some trained parameter's `.grad` (not `torch.autograd.grad`'s)."""
@@ -140,11 +148,11 @@ class BackwardPasses:
         try:
             engine._grad_sync.end_pass()
         except BaseException as exc:
-            engine._fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
+            self._failed(exc)
             raise
         finally:
             self.running, self.loss_scaled = False, False
-        engine.state, engine.comm.trace.phase = TrainingState.STEP_DUE, "step"
+        self._enter(TrainingState.STEP_DUE)
 
     def check_ended(self) -> None:
         """Outside any backward, a pass still running means its backward raised: the engine fails."""
@@ -161,13 +169,12 @@ class BackwardPasses:
             backward()
         except BaseException as exc:  # other ranks may be in this backward's collectives: the engine stops
             self.running = False
-            self.engine._fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
+            self._failed(exc)
             raise
         finally:
             self.loss_scaled = False
         if self.started == started:
             self._begin()
-            self.running = True
             self._end()
 
     @contextmanager
@@ -179,16 +186,16 @@ class BackwardPasses:
             raise EngineStateError(f"pipeline_backward() in state {engine.state.value}: run it between forwards, "
                                    "not inside another backward or step")
         engine._grad_sync.begin_backward()
-        engine.state, engine.comm.trace.phase = TrainingState.BACKWARD, "backward"
+        self._enter(TrainingState.BACKWARD)
         try:
             yield
         except BaseException as exc:
-            engine._fail(f"a backward failed on this rank ({type(exc).__name__}: {exc})")
+            self._failed(exc)
             raise
         finally:
             self.loss_scaled = False
         engine._grad_sync.end_backward()
-        engine.state, engine.comm.trace.phase = TrainingState.STEP_DUE, "step"
+        self._enter(TrainingState.STEP_DUE)
 
     def drop(self) -> None:
         """`optimizer.zero_grad()` with a step due: drop the gradients of the backwards since the last step (a
@@ -223,9 +230,9 @@ class BackwardPasses:
         """The passes inside hold; at the exit their sum is reduced once, if this micro-step reduces."""
         with self.holding("coalesce_grad_reduction"):
             yield
-        engine = self.engine
-        reduces = engine.config.stage >= 2 or engine.is_gradient_accumulation_boundary()
-        if engine.state is TrainingState.STEP_DUE and engine._grad_sync.unreduced and reduces:
+        engine, sync = self.engine, self.engine._grad_sync
+        if engine.state is TrainingState.STEP_DUE and sync.unreduced and \
+                sync.reduces_in(engine.is_gradient_accumulation_boundary()):
             engine._reduce_now(ties=True)
 
 

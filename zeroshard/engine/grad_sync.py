@@ -53,7 +53,7 @@ if TYPE_CHECKING:  # imported by the engine only with a mesh: `import zeroshard`
 
 
 class Window(Enum):
-    """What this accumulation window's `.grad` holds with sync off (with sync on it stays CLEAN)."""
+    """What this accumulation window's gradients hold: in the buckets or on `.grad`, reduced or not."""
 
     CLEAN = "clean"  # no backward and no reduction yet in this window
     UNREDUCED = "unreduced"  # the buckets or .grad hold gradients no reduction has taken yet
@@ -64,7 +64,8 @@ class Window(Enum):
 class Pass(Enum):
     """What the hooks of the backward pass running do with each gradient."""
 
-    REDUCE = "reduce"  # take it into its bucket; launch reductions as they fill (if this micro-step reduces)
+    REDUCE = "reduce"  # take it into its bucket; launch reductions as buckets fill
+    ACCUMULATE = "accumulate"  # stages 0-1, a micro-step that does not reduce: take it into its bucket only
     HOLD = "hold"  # stages 2-3: leave it on .grad, whole, for a later reduction
     OFF = "off"  # sync off: leave it on .grad for the caller's reduce_gradients()
 
@@ -82,8 +83,7 @@ class GradSync:
         self.window = Window.CLEAN
         self.divisor = 1.0  # engine.scale_gradients: the window's gradients are divided by it at the step
         self.divide_factor = config.gradient_divide_factor  # the reduction's divisor; None: the mean's
-        self.passing: Pass | None = None  # the backward pass running, and whether its hooks reduce
-        self._reduce_now = False
+        self.passing: Pass | None = None  # what the hooks of the backward pass running do
 
     @property
     def unreduced(self) -> bool:
@@ -110,7 +110,7 @@ class GradSync:
 
     def on_grad(self, target: int, param: int) -> None:
         """A parameter's post-accumulate-grad hook, inside a pass: its gradient to the reducer (sync on)."""
-        if self.passing is not Pass.REDUCE:  # gradients stay on .grad for a later reduction
+        if self.passing not in (Pass.REDUCE, Pass.ACCUMULATE):  # gradients stay on .grad for a later reduction
             return
         if self.cross is not None:
             self.cross.match_placements(self.reducer.targets[target].params[param])
@@ -124,17 +124,21 @@ class GradSync:
             self.passing = Pass.OFF
             return
         self._set_aside_reduced()
-        if hold and self.switches.shard_grads:
-            self.passing, self._reduce_now = Pass.HOLD, False
-            if self.schedule is not None:
-                self.schedule.begin_backward(reducing=False)
-            return
-        self.passing, self._reduce_now = Pass.REDUCE, not hold and (boundary or self.switches.shard_grads)
-        if self._reduce_now:
+        if hold:
+            self.passing = Pass.HOLD if self.switches.shard_grads else Pass.ACCUMULATE
+        else:
+            self.passing = Pass.REDUCE if self.reduces_in(boundary) else Pass.ACCUMULATE
+        reducing = self.passing is Pass.REDUCE
+        if reducing:
             self.offload.tiers.hold_grads()  # the step's first gradient shards on disk stay in memory for it
-        self.reducer.begin(self._reduce_now, self._scale())
+        if self.passing is not Pass.HOLD:
+            self.reducer.begin(reducing, self._scale())
         if self.schedule is not None:
-            self.schedule.begin_backward(reducing=self._reduce_now)
+            self.schedule.begin_backward(reducing=reducing)
+
+    def reduces_in(self, boundary: bool) -> bool:
+        """Whether a micro-step's gradients are reduced in it: every one at stages 2-3, the window's last at 0-1."""
+        return boundary or self.switches.shard_grads
 
     def end_pass(self) -> None:
         """After the pass: what the hooks did not reach reduced, or the pass's gradients summed."""
@@ -144,17 +148,14 @@ class GradSync:
             return
         if self.schedule is not None:
             self.schedule.finish_backward()  # the ranks' last rounds launch every unit's reduction
-        if passing is Pass.REDUCE:
+        if passing is not Pass.HOLD:
             self.reducer.finish()
         if self.schedule is not None:
             self.schedule.end_backward()  # waits for prefetches still in flight
-        if passing is Pass.REDUCE and self._reduce_now:
-            self.window = Window.REDUCED
-            return
-        if passing is Pass.REDUCE:
+        if passing is Pass.ACCUMULATE:
             for bucket in self.buckets:
                 bucket.accumulate_micro_step()
-        self.window = Window.UNREDUCED
+        self.window = Window.REDUCED if passing is Pass.REDUCE else Window.UNREDUCED
 
     def _set_aside_reduced(self) -> None:
         """Stages 0-1 reduce a buffer in place: a pass after this window's reduction sets its result aside."""
@@ -164,7 +165,7 @@ class GradSync:
             self.window = Window.CLEAN
 
     def drop(self) -> None:
-        """Forget this window's gradients (the caller's zero_grad at a window's first micro-step)."""
+        """Forget this window's gradients (the caller's zero_grad at a window's first micro-step, a failure)."""
         for bucket in self.buckets:
             bucket.zero_grad(self.pool)
         if self.switches.shard_grads:  # what passes held on .grad
@@ -179,11 +180,10 @@ class GradSync:
             self.reducer.abandon()
         except CollectiveError:  # the stuck collective itself: nothing more to learn from it
             pass
-        for bucket in self.buckets:
-            bucket.zero_grad(self.pool)
+        self.drop()
         if self.schedule is not None:
             self.schedule.forget()
-        self.passing, self.window = None, Window.CLEAN
+        self.passing = None
 
     # -- sync off: the caller's backward passes and reductions --------------------
 
